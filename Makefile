@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
+PY      := .venv/bin/python
+PIP     := $(PY) -m pip
+STAMP   := .venv/.installed
+STAGE   ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint docs docs-serve serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch first, pinned, so nothing pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,docs]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m stage5_server.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve
+
+clean:
+	rm -rf .venv site .pytest_cache

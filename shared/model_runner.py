@@ -1,0 +1,70 @@
+"""Pack the scheduled tokens into one flat batch, run the model, sample.
+
+Every stage hands the runner the same thing: a list of ``(request, num_new_tokens)``.
+Request ``r`` contributes tokens ``r.num_computed_tokens .. + num_new_tokens`` at those
+positions. Only a request whose scheduled tokens reach its last known token gets a
+new token sampled; a request in the middle of a chunked prefill does not.
+How K/V are addressed is the stage's business: it passes its own attention metadata.
+
+vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, ``execute_model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.model import DecoderModel
+from shared.request import Request
+from shared.sampler import sample
+
+ScheduledBatch = list[tuple[Request, int]]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]: tokens in the cache once this step has run
+    sample_rows: list[int]  # which sequences produce a token this step
+
+
+def prepare_inputs(batch: ScheduledBatch, device: torch.device | str = "cpu") -> StepInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start_loc = [0]
+    seq_lens = []
+    sample_rows = []
+    for row, (req, num_new) in enumerate(batch):
+        start = req.num_computed_tokens
+        end = start + num_new
+        assert 0 < num_new and end <= req.num_tokens, (req, num_new)
+        input_ids.extend(req.all_token_ids[start:end])
+        positions.extend(range(start, end))
+        query_start_loc.append(len(input_ids))
+        seq_lens.append(end)
+        if end == req.num_tokens:
+            sample_rows.append(row)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return StepInputs(as_tensor(input_ids), as_tensor(positions), query_start_loc, seq_lens, sample_rows)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, device: torch.device | str, seed: int = 0):
+        self.model = model
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests
+
+    def execute(self, batch: ScheduledBatch, inputs: StepInputs, attn_metadata: Any) -> dict[str, int]:
+        """Run one forward pass; return ``{request_id: sampled token}`` for sampling rows."""
+        hidden = self.model(inputs.input_ids, inputs.positions, attn_metadata)
+        if not inputs.sample_rows:
+            return {}
+        last = torch.tensor([inputs.query_start_loc[r + 1] - 1 for r in inputs.sample_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden[last])
+        requests = [batch[r][0] for r in inputs.sample_rows]
+        tokens = sample(logits, requests, self.generator)
+        return {req.request_id: tok for req, tok in zip(requests, tokens)}

@@ -1,0 +1,110 @@
+"""A request's state inside an engine, and the rules that end it.
+
+Every stage tracks the same things per request: prompt and output token ids, how many of
+those tokens already have K/V in the cache (``num_computed_tokens``), a lifecycle status
+and a timeline. Stop token ids, EOS and ``max_tokens`` are checked here, right after a
+token is sampled; stop *strings* need text, so the front end checks those.
+
+vLLM: ``vllm/v1/request.py`` (Request, RequestStatus) and ``vllm/v1/core/sched/utils.py``
+(check_stop).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from shared.metrics import RequestTimeline
+from shared.outputs import Logprob
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are already in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (stage4)
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.timeline = RequestTimeline(arrival=self.arrival_time)
+        seed = sampling_params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def max_output_tokens(self, max_model_len: int) -> int:
+        room = max_model_len - self.num_prompt_tokens
+        limit = self.sampling_params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.timeline.token_times.append(time.monotonic() if now is None else now)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Finish ``request`` if its newest token ends it; return whether it finished."""
+    token = request.output_token_ids[-1]
+    params = request.sampling_params
+    if not params.ignore_eos and token in request.eos_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+    elif token in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = token
+    elif request.num_output_tokens >= request.max_output_tokens(max_model_len):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    else:
+        return False
+    return True

@@ -1,0 +1,57 @@
+"""Text in and out: transformers' tokenizer, the chat template, incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+
+class IncrementalDetokenizer:
+    """Decodes output tokens as they arrive without ever emitting half a character.
+
+    A multi-byte character (an emoji, a CJK ideograph) can span several byte-level
+    tokens; decoding part of it yields U+FFFD. We decode a short window of recent tokens
+    and hold text back until it no longer ends in U+FFFD (vLLM's ``detokenize_incrementally``).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0  # start of the window we re-decode for context
+        self._read_offset = 0  # tokens before this are already in self.text
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full = decode(self.token_ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        new_text = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self.text += new_text
+        return new_text

@@ -1,0 +1,98 @@
+"""Static batching on a contiguous slab.
+
+The engine forms a batch of up to ``max_num_seqs`` waiting requests (first come, first
+served) whose ``max_model_len`` reservations fit in the slab. The batch then runs until
+its last member finishes: finished members sit idle, their reservations stay held, and
+newcomers wait for the whole batch to drain. Each step prefills every member that has
+not been prefilled and decodes the rest, so one step is one forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from shared.model import DecoderModel
+from shared.model_runner import ModelRunner, prepare_inputs
+from shared.request import Request, RequestStatus, check_stop
+from stage1_naive.attention import ContiguousAttentionBackend, ContiguousAttentionMetadata
+from stage1_naive.kv_cache import ContiguousKVCache
+
+
+class NaiveEngineCore:
+    def __init__(self, model: DecoderModel, kv_cache: ContiguousKVCache, max_num_seqs: int,
+                 max_model_len: int, device: torch.device, seed: int = 0):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.runner = ModelRunner(model, device, seed)
+        model.set_attention_backend(ContiguousAttentionBackend(kv_cache))
+        self.waiting: deque[Request] = deque()
+        self.batch: list[Request] = []
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.batch)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the slab reserved by live requests."""
+        return self.kv_cache.reserved_slots / self.kv_cache.num_slots
+
+    def _admit_batch(self) -> None:
+        now = time.monotonic()
+        while self.waiting and len(self.batch) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self.kv_cache.reserve(request.request_id, self.max_model_len) is None:
+                break  # first come, first served: nobody jumps the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.timeline.first_scheduled = now
+            self.batch.append(request)
+
+    def step(self) -> list[Request]:
+        if not self.batch:
+            self._admit_batch()
+        live = [r for r in self.batch if not r.is_finished]
+        if not live:
+            return []
+        scheduled = [(r, r.num_tokens - r.num_computed_tokens) for r in live]
+        inputs = prepare_inputs(scheduled, self.device)
+        starts = [self.kv_cache.start_of(r.request_id) for r in live]
+        slots = [start + pos for (r, n), start in zip(scheduled, starts)
+                 for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)]
+        meta = ContiguousAttentionMetadata(torch.tensor(slots, device=self.device), inputs.query_start_loc,
+                                           inputs.seq_lens, starts)
+        sampled = self.runner.execute(scheduled, inputs, meta)
+        now = time.monotonic()
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+            self.kv_cache.mark_written(request.request_id, request.num_computed_tokens)
+            request.append_output_token(sampled[request.request_id], now)
+            if check_stop(request, self.max_model_len):
+                request.timeline.finished = now
+        self.num_steps += 1
+        self._end_batch_if_done()
+        return live
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        ids = set(request_ids)
+        for request in [r for r in self.waiting if r.request_id in ids]:
+            self.waiting.remove(request)
+            request.status = status
+        for request in self.batch:
+            if request.request_id in ids and not request.is_finished:
+                request.status = status
+                request.timeline.finished = time.monotonic()
+        self._end_batch_if_done()
+
+    def _end_batch_if_done(self) -> None:
+        if self.batch and all(r.is_finished for r in self.batch):
+            for request in self.batch:
+                self.kv_cache.release(request.request_id)
+            self.batch = []

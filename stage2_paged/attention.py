@@ -1,0 +1,92 @@
+"""Paged attention in plain torch: the reference every later kernel is checked against.
+
+K/V live in blocks of ``block_size`` token slots. A sequence's keys are found only through
+its block table: logical block ``j`` of sequence ``i`` lives in physical block
+``block_tables[i, j]``, so token position ``p`` is slot ``block_tables[i, p // B] * B + p % B``.
+Nothing here assumes a sequence's blocks are adjacent or ordered in memory.
+
+vLLM: the contract of ``vllm/v1/attention/backends/*`` (block tables + seq lens in the
+attention metadata); the original CUDA kernel is ``csrc/attention/paged_attention_v1.cu``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.attention import causal_attention
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What one step's attention needs, built by the model runner from the scheduler's output.
+
+    Tokens of all sequences are packed back to back (no padding): sequence ``i`` owns query
+    rows ``query_start_loc[i] : query_start_loc[i + 1]``.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: the cache slot each new token's K/V goes to
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache after this step (context + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` token rows of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a ragged batch of prefills, prefill chunks and decodes.
+
+    ``query [T, H, D]``; ``key_cache/value_cache [num_blocks, block_size, Hkv, D]`` already
+    hold every token of every sequence, this step's included. Query row ``r`` of sequence
+    ``i`` is at position ``seq_lens[i] - q_len_i + r`` and attends causally.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+        out[rows] = _decode_attention(query[rows], key_cache, value_cache,
+                                      block_tables[decodes], seq_lens[decodes], scale)
+    for i in range(len(lens)):
+        start, end = starts[i], starts[i + 1]
+        if end - start <= 1:
+            continue
+        key = gather_kv(key_cache, block_tables[i], lens[i])
+        value = gather_kv(value_cache, block_tables[i], lens[i])
+        out[start:end] = causal_attention(query[start:end], key, value, scale)
+    return out
+
+
+def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """One query per sequence, all sequences at once: pad each context to the longest."""
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :max_blocks].long()
+    key = key_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
+    value = value_cache[tables].flatten(1, 2).float()
+    q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, key) * scale
+    positions = torch.arange(key.shape[1], device=query.device)
+    padding = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [B, L]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, value)
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)

@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny checkpoints built once, and the list of stages under test.
+
+``pytest --stage N`` (or ``make test STAGE=N``) runs the invariant suite against stage N
+only, plus ``tests/stageN/``. A new stage joins the invariant suite by adding one line
+to ``STAGES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("STAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "stagedserve"))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    number: int
+    package: str
+    # Engine arguments the invariant tests use for this stage (small pools, small blocks).
+    engine_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def module(self):
+        return importlib.import_module(self.package)
+
+    def make_llm(self, model, **overrides):
+        kwargs = {"max_model_len": 256, "max_num_seqs": 8, **self.engine_kwargs, **overrides}
+        return self.module.LLM(model=str(model), **kwargs)
+
+    def __str__(self) -> str:
+        return self.package
+
+
+STAGES = [
+    StageSpec(1, "stage1_naive"),
+]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stage", action="store", type=int, default=None,
+                     help="run the invariant suite against this stage only, plus tests/stageN/")
+
+
+def selected_stages(config) -> list[StageSpec]:
+    wanted = config.getoption("--stage")
+    return [s for s in STAGES if wanted is None or s.number == wanted]
+
+
+def pytest_generate_tests(metafunc):
+    if "stage" in metafunc.fixturenames:
+        stages = selected_stages(metafunc.config)
+        minimum = getattr(metafunc.module, "MIN_STAGE", 1)
+        stages = [s for s in stages if s.number >= minimum]
+        metafunc.parametrize("stage", stages, ids=str)
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = config.getoption("--stage")
+    if wanted is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        stage_dirs = [p for p in parts if p.startswith("stage") and p[5:].isdigit()]
+        in_suite = "invariants" in parts
+        ok = in_suite or (stage_dirs and int(stage_dirs[-1][5:]) == wanted)
+        (keep if ok else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    from shared import cached_tiny_model
+
+    return cached_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    from shared import cached_tiny_model
+
+    return cached_tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    from shared import cached_tiny_model
+
+    return cached_tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tiny_llama, tiny_qwen3, tiny_qwen2) -> dict[str, Path]:
+    return {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2": tiny_qwen2}

@@ -1,0 +1,91 @@
+"""Bad input gets a clear error and loses nothing; KV always returns to the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import SamplingParams
+from tests.invariants.prompts import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def assert_serves(llm):
+    out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert llm.engine.kv_cache_usage() == 0
+
+
+def test_all_kv_returns_to_the_pool_after_requests_finish(stage, tiny_llama):
+    llm = stage.make_llm(tiny_llama)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 7, 30, 3, 12)]
+    llm.generate(list(PROMPTS), params, use_tqdm=False)
+    assert llm.engine.kv_cache_usage() == 0
+    assert not llm.has_unfinished_requests()
+
+
+def test_kv_returns_to_the_pool_when_a_step_fails(stage, tiny_llama, monkeypatch):
+    llm = stage.make_llm(tiny_llama)
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def failing_execute(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure in the forward pass")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", failing_execute)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(list(PROMPTS), GREEDY, use_tqdm=False)
+    assert llm.engine.kv_cache_usage() == 0
+    assert not llm.has_unfinished_requests()
+    monkeypatch.setattr(runner, "execute", real_execute)
+    assert_serves(llm)
+
+
+def test_aborted_requests_free_their_kv(stage, tiny_llama):
+    llm = stage.make_llm(tiny_llama)
+    ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) for p in PROMPTS]
+    llm.step()
+    llm.step()
+    llm.abort(ids)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.engine.kv_cache_usage() == 0
+    assert_serves(llm)
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ("", "prompt"),
+    ([], "prompt"),
+    (list(range(300)), "prompt"),  # longer than max_model_len=256
+    ([10**9], "prompt"),  # outside the vocabulary
+    (3.5, "prompt"),
+])
+def test_bad_prompt_is_a_value_error_and_the_engine_keeps_serving(stage, tiny_llama, prompt, field):
+    llm = stage.make_llm(tiny_llama)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([PROMPTS[0], prompt], GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished_requests()  # the good prompt in the same call was not half-admitted
+    assert_serves(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -5}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 100}, "logprobs"),
+    ({"seed": "x"}, "seed"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_engine_argument_is_named(stage, tiny_llama):
+    with pytest.raises(ValueError, match="no_such_knob"):
+        stage.make_llm(tiny_llama, no_such_knob=1)
