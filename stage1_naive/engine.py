@@ -5,6 +5,9 @@ served) whose ``max_model_len`` reservations fit in the slab. The batch then run
 its last member finishes: finished members sit idle, their reservations stay held, and
 newcomers wait for the whole batch to drain. Each step prefills every member that has
 not been prefilled and decodes the rest, so one step is one forward pass.
+
+The KV-specific parts are four small methods (``_reserve``, ``_attention_metadata``,
+``_on_finished``, ``_release``) so that stage2 can swap the memory layout and keep this loop.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import deque
 import torch
 
 from shared.model import DecoderModel
-from shared.model_runner import ModelRunner, prepare_inputs
+from shared.model_runner import ModelRunner, ScheduledBatch, StepInputs, prepare_inputs
 from shared.request import Request, RequestStatus, check_stop
 from stage1_naive.attention import ContiguousAttentionBackend, ContiguousAttentionMetadata
 from stage1_naive.kv_cache import ContiguousKVCache
@@ -29,31 +32,17 @@ class NaiveEngineCore:
         self.max_model_len = max_model_len
         self.device = device
         self.runner = ModelRunner(model, device, seed)
-        model.set_attention_backend(ContiguousAttentionBackend(kv_cache))
+        model.set_attention_backend(self._make_attention_backend())
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []
         self.num_steps = 0
 
+    # ---- the engine-core interface ------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.batch)
-
-    def kv_cache_usage(self) -> float:
-        """Fraction of the slab reserved by live requests."""
-        return self.kv_cache.reserved_slots / self.kv_cache.num_slots
-
-    def _admit_batch(self) -> None:
-        now = time.monotonic()
-        while self.waiting and len(self.batch) < self.max_num_seqs:
-            request = self.waiting[0]
-            if self.kv_cache.reserve(request.request_id, self.max_model_len) is None:
-                break  # first come, first served: nobody jumps the queue
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.timeline.first_scheduled = now
-            self.batch.append(request)
 
     def step(self) -> list[Request]:
         if not self.batch:
@@ -63,19 +52,13 @@ class NaiveEngineCore:
             return []
         scheduled = [(r, r.num_tokens - r.num_computed_tokens) for r in live]
         inputs = prepare_inputs(scheduled, self.device)
-        starts = [self.kv_cache.start_of(r.request_id) for r in live]
-        slots = [start + pos for (r, n), start in zip(scheduled, starts)
-                 for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)]
-        meta = ContiguousAttentionMetadata(torch.tensor(slots, device=self.device), inputs.query_start_loc,
-                                           inputs.seq_lens, starts)
-        sampled = self.runner.execute(scheduled, inputs, meta)
+        sampled = self.runner.execute(scheduled, inputs, self._attention_metadata(scheduled, inputs))
         now = time.monotonic()
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-            self.kv_cache.mark_written(request.request_id, request.num_computed_tokens)
             request.append_output_token(sampled[request.request_id], now)
             if check_stop(request, self.max_model_len):
-                request.timeline.finished = now
+                self._finish(request, request.status)
         self.num_steps += 1
         self._end_batch_if_done()
         return live
@@ -87,12 +70,55 @@ class NaiveEngineCore:
             request.status = status
         for request in self.batch:
             if request.request_id in ids and not request.is_finished:
-                request.status = status
-                request.timeline.finished = time.monotonic()
+                self._finish(request, status)
         self._end_batch_if_done()
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the slab reserved by live requests."""
+        return self.kv_cache.reserved_slots / self.kv_cache.num_slots
+
+    # ---- batching ------------------------------------------------------------------------
+    def _admit_batch(self) -> None:
+        now = time.monotonic()
+        while self.waiting and len(self.batch) < self.max_num_seqs:
+            request = self.waiting[0]
+            if not self._reserve(request):
+                break  # first come, first served: nobody jumps the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.timeline.first_scheduled = now
+            self.batch.append(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.timeline.finished = time.monotonic()
+        self._on_finished(request)
 
     def _end_batch_if_done(self) -> None:
         if self.batch and all(r.is_finished for r in self.batch):
             for request in self.batch:
-                self.kv_cache.release(request.request_id)
+                self._release(request)
             self.batch = []
+
+    # ---- the KV layout: what stage2 replaces ----------------------------------------------
+    def _make_attention_backend(self):
+        return ContiguousAttentionBackend(self.kv_cache)
+
+    def _reserve(self, request: Request) -> bool:
+        """Every request reserves its worst case, ``max_model_len`` slots, up front."""
+        return self.kv_cache.reserve(request.request_id, self.max_model_len) is not None
+
+    def _attention_metadata(self, scheduled: ScheduledBatch, inputs: StepInputs) -> ContiguousAttentionMetadata:
+        starts = [self.kv_cache.start_of(r.request_id) for r, _ in scheduled]
+        slots = [start + pos for (r, n), start in zip(scheduled, starts)
+                 for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)]
+        for (request, num_new) in scheduled:
+            self.kv_cache.mark_written(request.request_id, request.num_computed_tokens + num_new)
+        return ContiguousAttentionMetadata(torch.tensor(slots, device=self.device), inputs.query_start_loc,
+                                           inputs.seq_lens, starts)
+
+    def _on_finished(self, request: Request) -> None:
+        """A finished member keeps its reservation until the whole batch ends."""
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.release(request.request_id)

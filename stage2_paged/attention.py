@@ -90,3 +90,28 @@ def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, sca
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, value)
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+class PagedAttentionBackend:
+    """Writes this step's K/V through the slot mapping, then runs ``paged_attention``."""
+
+    def __init__(self, kv_cache):
+        self.kv_cache = kv_cache
+
+    def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
+        self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
+        return paged_attention(query, self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx],
+                               meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+
+
+def build_paged_metadata(slot_mapping: list[int], query_start_loc: list[int], seq_lens: list[int],
+                         block_tables: list[list[int]], device) -> PagedAttentionMetadata:
+    """Pack python lists from the scheduler into the tensors the attention reads."""
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    as_int = lambda xs, dtype=torch.int32: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
+    return PagedAttentionMetadata(
+        slot_mapping=as_int(slot_mapping, torch.long), query_start_loc=as_int(query_start_loc),
+        seq_lens=as_int(seq_lens), block_tables=as_int(padded),
+        max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+        max_seq_len=max(seq_lens))

@@ -38,6 +38,7 @@ class StageSpec:
 
 STAGES = [
     StageSpec(1, "stage1_naive"),
+    StageSpec(2, "stage2_paged", {"block_size": 4}),
 ]
 
 
