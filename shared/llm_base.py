@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.config import ModelConfig
+from shared.metrics import SchedulerStats
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
@@ -39,6 +40,7 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None: ...
     def kv_cache_usage(self) -> float: ...
+    def stats(self) -> SchedulerStats: ...
 
 
 COMMON_ARGS: dict[str, Any] = {

@@ -77,3 +77,21 @@ def goodput(num_passed: int, window_seconds: float) -> float:
     if num_passed < 0:
         raise ValueError(f"num_passed: must be >= 0, got {num_passed!r}")
     return num_passed / window_seconds
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of an engine core, read by the stats log line and ``/metrics``.
+
+    Counters (``num_preemptions``, ``prefix_cache_*``, ``*_tokens``) are cumulative.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks (or slab slots) in use
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
+    num_generation_tokens: int = 0
+    num_steps: int = 0

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
+from shared.metrics import SchedulerStats
 from shared.model import DecoderModel
 from shared.model_runner import ModelRunner, ScheduledBatch, StepInputs, prepare_inputs
 from shared.request import Request, RequestStatus, check_stop
@@ -35,7 +37,7 @@ class NaiveEngineCore:
         model.set_attention_backend(self._make_attention_backend())
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []
-        self.num_steps = 0
+        self.counters = SchedulerStats()
 
     # ---- the engine-core interface ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -55,11 +57,14 @@ class NaiveEngineCore:
         sampled = self.runner.execute(scheduled, inputs, self._attention_metadata(scheduled, inputs))
         now = time.monotonic()
         for request, num_new in scheduled:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.counters.num_prompt_tokens_computed += num_new
+            self.counters.num_generation_tokens += 1
             request.num_computed_tokens += num_new
             request.append_output_token(sampled[request.request_id], now)
             if check_stop(request, self.max_model_len):
                 self._finish(request, request.status)
-        self.num_steps += 1
+        self.counters.num_steps += 1
         self._end_batch_if_done()
         return live
 
@@ -76,6 +81,11 @@ class NaiveEngineCore:
     def kv_cache_usage(self) -> float:
         """Fraction of the slab reserved by live requests."""
         return self.kv_cache.reserved_slots / self.kv_cache.num_slots
+
+    def stats(self) -> SchedulerStats:
+        live = sum(not r.is_finished for r in self.batch)
+        return replace(self.counters, num_running=live, num_waiting=len(self.waiting),
+                       kv_cache_usage=self.kv_cache_usage())
 
     # ---- batching ------------------------------------------------------------------------
     def _admit_batch(self) -> None:

@@ -39,6 +39,7 @@ class StageSpec:
 STAGES = [
     StageSpec(1, "stage1_naive"),
     StageSpec(2, "stage2_paged", {"block_size": 4}),
+    StageSpec(3, "stage3_continuous", {"block_size": 4, "max_num_batched_tokens": 16}),
 ]
 
 

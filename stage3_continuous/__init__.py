@@ -1,0 +1,23 @@
+"""Stage 3: continuous batching. One token budget per step, spent decode-first.
+
+Every step the scheduler gives each running request its next token, then spends what is
+left of ``max_num_batched_tokens`` on chunks of waiting prompts, so requests join and
+leave between steps instead of waiting for a whole batch; when KV blocks run out it
+preempts the newest request and recomputes it later. Changed from stage2: the static
+batch loop is replaced by ``Scheduler`` + ``EngineCore``; blocks, tables and paged
+attention are stage2's, imported. vLLM: ``vllm/v1/core/sched/scheduler.py``,
+``vllm/v1/core/kv_cache_manager.py``, ``vllm/v1/engine/core.py``, ``vllm/v1/request.py``.
+"""
+
+from stage2_paged import *  # noqa: F403  (re-export the whole surface of the stage before)
+from stage2_paged import __all__ as _stage2_all
+from stage3_continuous.config import CacheConfig, SchedulerConfig
+from stage3_continuous.engine import EngineCore, StatsLogger, format_stats_line
+from stage3_continuous.kv_cache_manager import KVCacheManager
+from stage3_continuous.llm import LLM
+from stage3_continuous.scheduler import Scheduler, SchedulerOutput
+
+__all__ = [n for n in _stage2_all if n != "LLM"] + [
+    "LLM", "CacheConfig", "EngineCore", "KVCacheManager", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "StatsLogger", "format_stats_line",
+]

@@ -1,0 +1,112 @@
+"""The engine core: schedule, execute, update, once per step.
+
+vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shared.metrics import SchedulerStats
+from shared.model import DecoderModel
+from shared.model_runner import ModelRunner, prepare_inputs
+from shared.request import Request, RequestStatus
+from stage2_paged.attention import PagedAttentionBackend, build_paged_metadata
+from stage2_paged.kv_cache import PagedKVCache
+from stage3_continuous.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("stagedserve")
+
+
+class EngineCore:
+    def __init__(self, model: DecoderModel, scheduler: Scheduler, kv_cache: PagedKVCache, device: torch.device,
+                 seed: int = 0, attention_backend=None, log_stats_interval: float | None = None):
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.max_model_len = scheduler.max_model_len
+        self.device = device
+        self.runner = ModelRunner(model, device, seed)
+        model.set_attention_backend(attention_backend or PagedAttentionBackend(kv_cache))
+        self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval else None
+        self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def live_block_ids(self) -> dict[str, list[int]]:
+        manager = self.scheduler.kv_cache_manager
+        return {r.request_id: manager.get_block_ids(r.request_id) for r in self.scheduler.running}
+
+    def step(self) -> list[Request]:
+        output = self.scheduler.schedule()
+        if self.step_trace is not None:
+            self.step_trace.append(dict(output.num_scheduled_tokens))
+        if output.total_num_scheduled_tokens == 0:
+            return []
+        try:
+            sampled = self.execute_model(output)
+        except Exception:
+            self.scheduler.recover_from_failed_step(output)  # free their KV, then let the caller know
+            raise
+        updated = self.scheduler.update_from_output(output, {rid: [t] for rid, t in sampled.items()})
+        if self.stats_logger:
+            self.stats_logger.maybe_log(self.stats())
+        return updated
+
+    def execute_model(self, output: SchedulerOutput) -> dict[str, int]:
+        batch = [(r, output.num_scheduled_tokens[r.request_id]) for r in output.scheduled_reqs]
+        inputs = prepare_inputs(batch, self.device)
+        block_size = self.kv_cache.block_size
+        slots, tables = [], []
+        for request, num_new in batch:
+            table = output.block_tables[request.request_id]
+            start = request.num_computed_tokens
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + num_new))
+            tables.append(table)
+        meta = build_paged_metadata(slots, inputs.query_start_loc, inputs.seq_lens, tables, self.device)
+        return self.runner.execute(batch, inputs, meta)
+
+
+class StatsLogger:
+    """A periodic line like vLLM's ``LoggingStatLogger`` (``vllm/v1/metrics/loggers.py``)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.last_time = time.monotonic()
+        self.last = SchedulerStats()
+
+    def maybe_log(self, stats: SchedulerStats) -> str | None:
+        now = time.monotonic()
+        if now - self.last_time < self.interval:
+            return None
+        line = format_stats_line(self.last, stats, now - self.last_time)
+        logger.info(line)
+        self.last, self.last_time = stats, now
+        return line
+
+
+def format_stats_line(before: SchedulerStats, after: SchedulerStats, seconds: float) -> str:
+    prompt = (after.num_prompt_tokens_computed - before.num_prompt_tokens_computed) / seconds
+    generation = (after.num_generation_tokens - before.num_generation_tokens) / seconds
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    hit_rate = 100 * hits / queries if queries else 0.0
+    return (f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: {generation:.1f} tokens/s, "
+            f"Running: {after.num_running} reqs, Waiting: {after.num_waiting} reqs, "
+            f"KV cache usage: {100 * after.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
+            f"Preemptions: {after.num_preemptions}")
