@@ -40,6 +40,7 @@ STAGES = [
     StageSpec(1, "stage1_naive"),
     StageSpec(2, "stage2_paged", {"block_size": 4}),
     StageSpec(3, "stage3_continuous", {"block_size": 4, "max_num_batched_tokens": 16}),
+    StageSpec(4, "stage4_prefix_cache", {"block_size": 4, "max_num_batched_tokens": 16}),
 ]
 
 

@@ -15,7 +15,7 @@ PROMPTS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(model_path: Path, prompt_ids: tuple[tuple[int, ...], ...], max_new_tokens: int):
     """Token ids from transformers' own ``generate`` (greedy, EOS ignored), one prompt at a time."""
     import torch

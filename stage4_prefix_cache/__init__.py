@@ -1,0 +1,30 @@
+"""Stage 4: automatic prefix caching. Full KV blocks are named by a chained hash of their
+tokens and context, so a prompt that starts like an earlier one reuses its blocks.
+
+A block's hash covers its parent's hash, its tokens and tagged extra keys (cache salt,
+adapter), so equal tokens after different prefixes, or under different salts, never
+match. Reference counts keep shared blocks alive; freed blocks wait in an LRU free queue
+with their contents intact until an allocation evicts them. Changed from stage3: the KV
+cache manager (and the block pool under it); the scheduler loop is stage3's, which
+already asked for computed blocks. vLLM: ``vllm/v1/core/kv_cache_utils.py``,
+``vllm/v1/core/block_pool.py``, ``vllm/v1/core/kv_cache_manager.py``.
+"""
+
+from stage3_continuous import *  # noqa: F403  (re-export the whole surface of the stage before)
+from stage3_continuous import __all__ as _stage3_all
+from stage4_prefix_cache.block_pool import BlockPool
+from stage4_prefix_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from stage4_prefix_cache.kv_cache_utils import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_hash_fn,
+    hash_block_tokens,
+    hash_request_tokens,
+)
+from stage4_prefix_cache.llm import LLM
+from stage4_prefix_cache.scheduler import CacheConfig, Scheduler
+
+__all__ = [n for n in _stage3_all if n not in ("LLM", "Scheduler", "CacheConfig", "KVCacheManager")] + [
+    "LLM", "BlockPool", "CacheConfig", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
+    "PrefixCacheStats", "Scheduler", "get_hash_fn", "hash_block_tokens", "hash_request_tokens",
+]
