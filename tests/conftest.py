@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU, Triton kernels run in its interpreter; Triton reads this when a kernel
+# module is imported, so it is set before any test imports one.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("STAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "stagedserve"))
 
 
@@ -41,6 +45,8 @@ STAGES = [
     StageSpec(2, "stage2_paged", {"block_size": 4}),
     StageSpec(3, "stage3_continuous", {"block_size": 4, "max_num_batched_tokens": 16}),
     StageSpec(4, "stage4_prefix_cache", {"block_size": 4, "max_num_batched_tokens": 16}),
+    StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
+                                   "attention_backend": "torch"}),
 ]
 
 
