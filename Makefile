@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve bench clean
+.PHONY: demo test lint docs docs-serve serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+serve: $(STAMP)
+	$(PY) -m stage5_server serve $(SERVE_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
