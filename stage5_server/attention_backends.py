@@ -33,7 +33,8 @@ class TritonAttentionBackend:
         key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
         self.kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         return self.kernels.triton_paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                                   meta.query_start_loc, scale, max_query_len=meta.max_query_len)
+                                                   meta.query_start_loc, scale, max_query_len=meta.max_query_len,
+                                                   max_seq_len=meta.max_seq_len)
 
 
 ATTENTION_BACKENDS = {"torch": PagedAttentionBackend, "triton": TritonAttentionBackend}
