@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve clean
+.PHONY: demo test lint docs docs-serve serve exercises clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -32,6 +32,10 @@ docs: $(STAMP)
 
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
+
+# A learner's copy with STAGE's key functions blanked: make exercises STAGE=3
+exercises: $(STAMP)
+	$(PY) scripts/make_exercises.py --stage $(or $(STAGE),1)
 
 clean:
 	rm -rf .venv site .pytest_cache
