@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from shared.attention import causal_attention
 
@@ -77,19 +78,16 @@ def paged_attention(
 def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
     """One query per sequence, all sequences at once: pad each context to the longest."""
     batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_blocks = -(-int(seq_lens.max()) // block_size)
     tables = block_tables[:, :max_blocks].long()
-    key = key_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
-    value = value_cache[tables].flatten(1, 2).float()
-    q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, key) * scale
-    positions = torch.arange(key.shape[1], device=query.device)
-    padding = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [B, L]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, value)
-    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+    key = key_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    value = value_cache[tables].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(key.shape[2], device=query.device)
+    visible = positions[None, :] < seq_lens[:, None].to(positions.device)  # [B, L]: padding is masked out
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), key, value, attn_mask=visible[:, None, None, :],
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out.squeeze(2)
 
 
 class PagedAttentionBackend:
