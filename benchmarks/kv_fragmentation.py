@@ -1,0 +1,193 @@
+"""KV waste and concurrency, model-free: stage1's contiguous reservations against stage2's blocks.
+
+The PagedAttention paper's headline on one KV budget (in tokens) and one seeded ShareGPT-like
+trace of (prompt, output) lengths. Requests are admitted in trace order until the next one
+does not fit; each admitted request is then looked at when it holds its full length
+(prompt + output tokens written), the moment its memory need peaks:
+
+- stage1 (``ContiguousKVCache``): every request reserves ``max_model_len`` contiguous slots;
+- stage2 (``BlockAllocator`` + ``BlockTable``): a request holds ``ceil(len / block_size)`` blocks.
+
+Waste = reserved-but-unused slots / reserved slots (internal fragmentation); external
+fragmentation = free slots that cannot host the next request (stage1: extents shorter than
+one reservation; stage2: always 0, any free block will do).
+
+    python -m benchmarks.kv_fragmentation [--max-model-len 2048 --kv-tokens 32768 --num-requests 512 --seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from shared.workloads import sharegpt_like_lengths
+from stage1_naive import ContiguousKVCache
+from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError
+
+BLOCK_SIZES = (8, 16, 32)
+
+
+def run_info(module: str, argv: list[str] | None) -> dict:
+    """Date, machine and the exact command line (no absolute paths)."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"system": platform.system(), "machine": platform.machine(),
+                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                    "python": platform.python_version()},
+        "command": " ".join(["python", "-m", module, *map(shlex.quote, args)]),
+    }
+
+
+def naive_study(lengths: list[tuple[int, int]], kv_tokens: int, max_model_len: int) -> dict:
+    cache = ContiguousKVCache(kv_tokens)
+    admitted = 0
+    for i, (p, o) in enumerate(lengths):
+        if cache.reserve(str(i), max_model_len) is None:
+            break
+        cache.mark_written(str(i), p + o)
+        admitted += 1
+    reserved, used = cache.reserved_slots, cache.used_slots
+    return {"requests_fit": admitted, "reserved_slots": reserved, "used_slots": used,
+            "internal_fragmentation": cache.internal_fragmentation,
+            "external_fragmentation": cache.external_fragmentation(max_model_len),
+            "free_slots": cache.free_slots, "waste_pct": 100.0 * (reserved - used) / reserved if reserved else 0.0}
+
+
+def paged_study(lengths: list[tuple[int, int]], kv_tokens: int, block_size: int) -> dict:
+    allocator = BlockAllocator(kv_tokens // block_size)
+    tables, used = [], 0
+    for p, o in lengths:
+        table = BlockTable(block_size)
+        try:
+            table.grow(p + o, allocator)
+        except OutOfBlocksError:
+            break
+        tables.append(table)
+        used += p + o
+    reserved = sum(t.capacity for t in tables)
+    return {"block_size": block_size, "num_blocks": allocator.num_blocks, "requests_fit": len(tables),
+            "reserved_slots": reserved, "used_slots": used, "internal_fragmentation": reserved - used,
+            "external_fragmentation": 0, "free_slots": allocator.num_free * block_size,
+            "waste_pct": 100.0 * (reserved - used) / reserved if reserved else 0.0}
+
+
+def run(max_model_len: int = 2048, kv_tokens: int = 32768, num_requests: int = 512, seed: int = 0,
+        block_sizes: tuple[int, ...] = BLOCK_SIZES) -> dict:
+    lengths = sharegpt_like_lengths(num_requests, seed, max_total_len=max_model_len)
+    naive = naive_study(lengths, kv_tokens, max_model_len)
+    paged = [paged_study(lengths, kv_tokens, bs) for bs in block_sizes]
+    for row in paged:
+        row["concurrency_vs_stage1"] = row["requests_fit"] / naive["requests_fit"] if naive["requests_fit"] else None
+    totals = [p + o for p, o in lengths]
+    return {
+        "config": {"max_model_len": max_model_len, "kv_tokens": kv_tokens, "num_requests": num_requests, "seed": seed,
+                   "block_sizes": list(block_sizes)},
+        "trace": {"mean_prompt_len": sum(p for p, _ in lengths) / len(lengths),
+                  "mean_output_len": sum(o for _, o in lengths) / len(lengths),
+                  "mean_total_len": sum(totals) / len(totals), "max_total_len": max(totals),
+                  "distribution": "log-normal prompt (median 100, sigma 1) and output (median 200, sigma 1), "
+                                  "clipped; prompt + output <= max_model_len"},
+        "stage1": naive,
+        "stage2": paged,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["stage1\n(reserve max_model_len)"] + [f"stage2\nblock {r['block_size']}" for r in result["stage2"]]
+    rows = [result["stage1"], *result["stage2"]]
+    used = [r["used_slots"] for r in rows]
+    internal = [r["internal_fragmentation"] for r in rows]
+    external = [r["external_fragmentation"] for r in rows]
+    free = [r["free_slots"] - r["external_fragmentation"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = range(len(rows))
+    ax1.bar(x, used, label="used (token K/V)", color="#2a9d8f")
+    ax1.bar(x, internal, bottom=used, label="internal fragmentation", color="#e76f51")
+    b2 = [u + i for u, i in zip(used, internal)]
+    ax1.bar(x, external, bottom=b2, label="external fragmentation", color="#f4a261")
+    ax1.bar(x, free, bottom=[b + e for b, e in zip(b2, external)], label="free", color="#dddddd")
+    ax1.set_xticks(list(x), labels, fontsize=8)
+    ax1.set_ylabel("KV slots (tokens)")
+    ax1.set_title(f"KV budget {result['config']['kv_tokens']} tokens")
+    ax1.legend(fontsize=7)
+    ax2.bar(x, [r["requests_fit"] for r in rows], color="#264653")
+    for i, r in enumerate(rows):
+        ax2.text(i, r["requests_fit"], f"{r['requests_fit']}\n{r['waste_pct']:.1f}% waste", ha="center",
+                 va="bottom", fontsize=8)
+    ax2.set_xticks(list(x), labels, fontsize=8)
+    ax2.set_ylabel("requests resident at once")
+    ax2.set_title(f"concurrency at max_model_len={result['config']['max_model_len']}")
+    ax2.margins(y=0.2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    c, t = result["config"], result["trace"]
+    lines = [
+        "### KV fragmentation: contiguous reservations vs paged blocks",
+        "",
+        f"Produced by `{result['command']}` on {result['date']} "
+        f"({result['machine']['processor']}, {result['machine']['cpu_count']} CPUs). Model-free.",
+        "",
+        f"KV budget {c['kv_tokens']} tokens, max_model_len {c['max_model_len']}, trace of {c['num_requests']} "
+        f"ShareGPT-like requests (seed {c['seed']}; mean prompt {t['mean_prompt_len']:.0f}, mean output "
+        f"{t['mean_output_len']:.0f}, mean total {t['mean_total_len']:.0f} tokens). Requests admitted in order "
+        "until the next does not fit; each counted at its full length (prompt + output).",
+        "",
+        "| engine | requests fit | vs stage1 | reserved | used | internal frag | external frag | waste % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    n = result["stage1"]
+    lines.append(f"| stage1 (reserve {c['max_model_len']}) | {n['requests_fit']} | 1.00x | {n['reserved_slots']} | "
+                 f"{n['used_slots']} | {n['internal_fragmentation']} | {n['external_fragmentation']} | "
+                 f"{n['waste_pct']:.1f} |")
+    for r in result["stage2"]:
+        ratio = r["concurrency_vs_stage1"]
+        lines.append(f"| stage2 (block {r['block_size']}) | {r['requests_fit']} | "
+                     f"{ratio:.2f}x | {r['reserved_slots']} | {r['used_slots']} | {r['internal_fragmentation']} | "
+                     f"{r['external_fragmentation']} | {r['waste_pct']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-tokens", type=int, default=32768)
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--plot", default="docs/assets/kv_fragmentation.png")
+    ap.add_argument("--markdown", default="docs/results/kv_fragmentation.md")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    result = {**run_info("benchmarks.kv_fragmentation", argv), **run(args.max_model_len, args.kv_tokens,
+                                                                     args.num_requests, args.seed)}
+    result["runtime_s"] = round(time.perf_counter() - start, 3)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv_fragmentation.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, Path(args.plot))
+    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.markdown).write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

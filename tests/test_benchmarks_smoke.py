@@ -1,0 +1,66 @@
+"""Each benchmark's ``main`` runs with tiny settings and writes sane JSON, plot and markdown."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import kv_fragmentation, offline_throughput, prefix_cache
+
+
+def _outputs(tmp_path, name):
+    return ["--out-dir", str(tmp_path), "--plot", str(tmp_path / f"{name}.png"),
+            "--markdown", str(tmp_path / f"{name}.md")]
+
+
+def _check_files(tmp_path, name):
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    md = (tmp_path / f"{name}.md").read_text()
+    assert f"python -m benchmarks.{name}" in md
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    return data
+
+
+def test_kv_fragmentation_smoke(tmp_path):
+    kv_fragmentation.main(["--max-model-len", "512", "--kv-tokens", "4096", "--num-requests", "64",
+                           *_outputs(tmp_path, "kv_fragmentation")])
+    data = _check_files(tmp_path, "kv_fragmentation")
+    naive = data["stage1"]
+    assert naive["requests_fit"] == 4096 // 512
+    assert naive["reserved_slots"] == naive["used_slots"] + naive["internal_fragmentation"]
+    for row in data["stage2"]:
+        assert row["requests_fit"] >= naive["requests_fit"]
+        assert row["reserved_slots"] - row["used_slots"] < row["block_size"] * row["requests_fit"]
+        assert row["external_fragmentation"] == 0
+        assert 0 <= row["waste_pct"] < naive["waste_pct"]
+    assert [r["block_size"] for r in data["stage2"]] == [8, 16, 32]
+
+
+def test_offline_throughput_smoke(tmp_path):
+    offline_throughput.main(["--num-requests", "4", "--max-prompt-len", "16", "--max-output-len", "8",
+                             "--max-num-seqs", "2", "--engines", "stage1,stage2,stage3,stage4,hf_padded",
+                             "--scheduler-requests", "32", *_outputs(tmp_path, "offline_throughput")])
+    data = _check_files(tmp_path, "offline_throughput")
+    engines = {r["engine"]: r for r in data["engines"]}
+    assert {"stage1", "stage2", "stage3", "stage4", "hf_padded"} <= engines.keys()
+    for name in ("stage1", "stage2", "stage3", "stage4"):
+        assert engines[name]["identical_to_stage1"] == 1.0, name
+        assert engines[name]["output_tokens"] == data["config"]["max_output_tokens"]
+        assert engines[name]["output_tokens_per_s"] > 0
+    assert engines["stage1"]["throughput_vs_stage1"] == 1.0
+    assert data["scheduler_overhead"]["num_running"] == 32 and data["scheduler_overhead"]["mean_ms"] > 0
+    assert "vllm" in data["skipped"] or "vllm" in engines
+
+
+def test_prefix_cache_smoke(tmp_path):
+    prefix_cache.main(["--system-prompt-len", "48", "--long-prompt-len", "64", "--num-short-phase1", "3",
+                       "--num-short-phase2", "2", "--max-tokens", "2", "--block-size", "8",
+                       *_outputs(tmp_path, "prefix_cache")])
+    data = _check_files(tmp_path, "prefix_cache")
+    engines = {r["engine"]: r for r in data["engines"]}
+    off, on = engines["stage4_cache_off"]["total"], engines["stage4_cache_on"]["total"]
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert off["prefill_tokens_computed"] == engines["stage3"]["total"]["prefill_tokens_computed"]
+    assert data["checks"]["total"]["saved_equals_cached"]
+    assert data["checks"]["same_outputs_all_engines"]
+    assert on["hit_rate"] > 0 and off["hit_rate"] == 0
