@@ -28,7 +28,7 @@ serve: $(STAMP)
 	$(PY) -m stage5_server serve $(SERVE_ARGS)
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
