@@ -113,8 +113,8 @@ class BaseLLM:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         request = self._make_request(prompt, params or SamplingParams(), request_id, priority, cache_salt)
+        self.engine.add_request(request)  # may still refuse it; then nothing is tracked
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-        self.engine.add_request(request)
         return request.request_id
 
     def step(self) -> list[RequestOutput]:
@@ -146,12 +146,12 @@ class BaseLLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
-        for prompt, request in zip(prompts, requests):
-            self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-            self.engine.add_request(request)
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(requests), use_tqdm)
         try:
+            for prompt, request in zip(prompts, requests):
+                self.engine.add_request(request)
+                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             while len(results) < len(requests):
                 for out in self.step():
                     if out.finished:

@@ -83,24 +83,35 @@ class EngineCore:
 
 
 class StatsLogger:
-    """A periodic line like vLLM's ``LoggingStatLogger`` (``vllm/v1/metrics/loggers.py``)."""
+    """A periodic line like vLLM's ``LoggingStatLogger`` (``vllm/v1/metrics/loggers.py``).
 
-    def __init__(self, interval: float):
+    Throughput and the prefix-cache hit rate cover the last interval; preemptions are
+    cumulative. An idle interval logs at DEBUG, so a quiet engine stays quiet.
+    """
+
+    def __init__(self, interval: float, log: logging.Logger = logger):
+        if not isinstance(interval, (int, float)) or interval <= 0:
+            raise ValueError(f"log_stats_interval: must be > 0 seconds, got {interval!r}")
         self.interval = interval
+        self.log = log
         self.last_time = time.monotonic()
         self.last = SchedulerStats()
 
-    def maybe_log(self, stats: SchedulerStats) -> str | None:
-        now = time.monotonic()
+    def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
         if now - self.last_time < self.interval:
             return None
         line = format_stats_line(self.last, stats, now - self.last_time)
-        logger.info(line)
+        idle = (stats.num_running == stats.num_waiting == 0
+                and stats.num_prompt_tokens_computed == self.last.num_prompt_tokens_computed
+                and stats.num_generation_tokens == self.last.num_generation_tokens)
+        self.log.log(logging.DEBUG if idle else logging.INFO, line)
         self.last, self.last_time = stats, now
         return line
 
 
 def format_stats_line(before: SchedulerStats, after: SchedulerStats, seconds: float) -> str:
+    seconds = max(seconds, 1e-9)
     prompt = (after.num_prompt_tokens_computed - before.num_prompt_tokens_computed) / seconds
     generation = (after.num_generation_tokens - before.num_generation_tokens) / seconds
     queries = after.prefix_cache_queries - before.prefix_cache_queries

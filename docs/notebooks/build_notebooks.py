@@ -284,7 +284,7 @@ are freed and it later re-prefills its prompt plus the tokens it had already gen
 """),
         code("""
 work = [([40 + i] * 6, 24) for i in range(4)]
-small = LLM(model=MODEL, max_model_len=64, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=8)
+small = LLM(model=MODEL, max_model_len=48, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=8)
 kinds, usage, preempt = run_traced(small, work)
 plot_timeline(kinds, "stage3, 12-block pool: preempted requests re-prefill (hatched) later", 16)
 fig, ax = plt.subplots(figsize=(9, 2.4))
@@ -293,7 +293,7 @@ ax.set_xlabel("step"); ax.set_ylabel("KV usage"); ax2.set_ylabel("preemptions (c
 fig.legend(loc="lower right", fontsize=8); plt.show()
 print("preemptions:", preempt[-1], "steps:", len(kinds))
 
-big = LLM(model=MODEL, max_model_len=64, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8)
+big = LLM(model=MODEL, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8)
 p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 same = [o.outputs[0].token_ids for o in small.generate([w for w, _ in work], p, use_tqdm=False)] == \\
        [o.outputs[0].token_ids for o in big.generate([w for w, _ in work], p, use_tqdm=False)]

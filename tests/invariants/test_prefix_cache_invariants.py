@@ -32,7 +32,7 @@ def check_pool_invariants(engine):
 def test_caching_on_gives_the_same_tokens_as_caching_off_under_preemption(stage, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     off = stage.make_llm(tiny_llama, enable_prefix_caching=False).generate(OVERLAPPING, params, use_tqdm=False)
-    llm = stage.make_llm(tiny_llama, num_kv_blocks=48, max_num_batched_tokens=32)
+    llm = stage.make_llm(tiny_llama, num_kv_blocks=48, max_num_batched_tokens=32, max_model_len=192)
     for p in OVERLAPPING:
         llm.add_request(p, params)
     outputs = {}

@@ -26,7 +26,8 @@ def _request(params, rid="r"):
 def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     argmax = logits.argmax(-1).tolist()
-    for params in (SamplingParams(temperature=1.0, top_k=1, seed=1), SamplingParams(temperature=1.0, top_p=1e-6, seed=1)):
+    for params in (SamplingParams(temperature=1.0, top_k=1, seed=1),
+                   SamplingParams(temperature=1.0, top_p=1e-6, seed=1)):
         reqs = [_request(params, str(i)) for i in range(4)]
         assert sample(logits, reqs, torch.Generator().manual_seed(0)) == argmax
 

@@ -1,0 +1,274 @@
+"""The ``stagedserve`` command: ``serve``, ``make-tiny-model``, and (when present) ``bench``.
+
+    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
+    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small}]
+
+Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
+flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
+own default, so a flag an engine does not know is an error only when it is used.
+
+API keys come from ``--api-key`` (repeatable) or, when no ``--api-key`` is given, from
+``STAGEDSERVE_API_KEY`` (comma-separated; prefer it: command lines are visible to every
+local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
+separates the group); keys in one group share prefix-cache blocks, keys in different
+groups never do, and a key without a group is a group of its own.
+
+``bench`` subcommands live in ``stage5_server/bench/cli.py``: its
+``add_bench_subcommands(subparsers)`` adds parsers that ``set_defaults(func=handler)``,
+where ``handler(args) -> int | None``; this file only calls it when it is importable.
+
+vLLM: ``vllm/entrypoints/cli/main.py`` and ``vllm/entrypoints/cli/serve.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Any
+
+logger = logging.getLogger("stagedserve")
+
+API_KEY_ENV = "STAGEDSERVE_API_KEY"
+DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
+# CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
+ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+               "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
+               "attention_backend", "seed")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+# ---- argument types ------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1.5GiB"``, ``"1048576"`` -> bytes (K/M/G alone are binary)."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").lower() if match else None
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+# ---- the parser ----------------------------------------------------------------------------
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagedserve", description="The stagedserve LLM serving engine.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(subparsers)
+    _add_make_tiny_model(subparsers)
+    _add_bench_subcommands(subparsers)
+    return parser
+
+
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL (a Hugging Face model directory; default: the embedded "
+                                          "default model) over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model directory (default: embedded)")
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    net.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
+    net.add_argument("--api-key", action="append", metavar="KEY[:GROUP]",
+                     help=f"accept this API key (repeatable); GROUP is its trust group. Default: ${API_KEY_ENV}")
+    net.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    net.add_argument("--trust-client-cache-salt", action="store_true",
+                     help="accept a client cache_salt (it only partitions the key's own group further)")
+    net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    net.add_argument("--log-stats-interval", type=_non_negative_float, default=10.0,
+                     help="seconds between stats log lines; 0 turns them off (default: 10)")
+    net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
+    net.add_argument("--uvicorn-log-level", default="info",
+                     choices=("critical", "error", "warning", "info", "debug", "trace"))
+    eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
+    eng.add_argument("--max-model-len", type=_positive_int, default=None)
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    eng.add_argument("--block-size", type=_positive_int, default=None)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=_fraction, default=None)
+    eng.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes of K/V, e.g. 2GiB")
+    eng.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
+    eng.add_argument("--attention-backend", default=None, help="torch or triton")
+    eng.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=serve)
+
+
+def _add_make_tiny_model(subparsers) -> None:
+    p = subparsers.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint (for tests)")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.set_defaults(func=make_tiny_model)
+
+
+def _add_bench_subcommands(subparsers) -> None:
+    """The hook for ``stagedserve bench ...`` (``stage5_server/bench/cli.py``, when it exists)."""
+    try:
+        from stage5_server.bench.cli import add_bench_subcommands
+    except ModuleNotFoundError as exc:
+        if exc.name in ("stage5_server.bench", "stage5_server.bench.cli"):
+            return  # not written (yet): no bench subcommands
+        logger.warning("bench subcommands unavailable: %s", exc)
+        return
+    except ImportError as exc:
+        logger.warning("bench subcommands unavailable: %s", exc)
+        return
+    add_bench_subcommands(subparsers)
+
+
+# ---- serve ---------------------------------------------------------------------------------
+
+
+def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
+    return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
+
+
+def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
+    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``."""
+    entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
+    if not entries:
+        return None
+    keys: dict[str, str | None] = {}
+    for entry in entries:
+        entry = entry.strip()
+        key, sep, group = entry.rpartition(":")
+        if not sep:
+            key, group = entry, None
+        if not key:
+            raise ValueError("api_key: empty key (expected KEY or KEY:GROUP)")
+        if sep and not group:
+            raise ValueError("api_key: empty group after ':' (expected KEY or KEY:GROUP)")
+        if key in keys:
+            raise ValueError("api_key: the same key is given twice")
+        keys[key] = group
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def configure_logging(level: str = "info") -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
+    logger.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
+
+
+def serve(args: argparse.Namespace) -> int:
+    configure_logging(args.uvicorn_log_level)
+    try:
+        engine_kwargs = build_engine_kwargs(args)
+        api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
+    except ValueError as exc:
+        print(f"stagedserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from stage5_server import LLM
+    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, create_app, describe_routes
+
+    try:
+        llm = LLM(model=args.model, **engine_kwargs)
+        app = create_app(llm, api_keys=api_keys,
+                         served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME,
+                         trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
+                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                         log_stats_interval=args.log_stats_interval or None)
+    except ValueError as exc:
+        print(f"stagedserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    serving = app.state.serving
+    logger.info("model: %s (served as %r)", llm.model_path, serving.served_model_name)
+    logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
+    logger.info("resolved engine configuration (%s): %s", llm.stage,
+                ", ".join(f"{k}={v}" for k, v in sorted(llm.args.items())))
+    logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
+                "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
+                args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
+    if api_keys:
+        source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source,
+                    ", ".join(app.state.api_keys.groups))
+    elif _is_loopback(args.host):
+        logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
+    else:
+        logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
+                       "set --api-key or %s", args.host, API_KEY_ENV)
+    for line in describe_routes(app):
+        logger.info("route: %s", line)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+# ---- make-tiny-model -------------------------------------------------------------------------
+
+
+def make_tiny_model(args: argparse.Namespace) -> int:
+    from shared.tiny_model import SMALL, TINY
+    from shared.tiny_model import make_tiny_model as make
+
+    path = make(args.dir, arch=args.arch, seed=args.seed, size={"tiny": TINY, "small": SMALL}[args.size])
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Helpers for the server tests: a small engine, uvicorn on a loopback port, SSE and metrics parsing.
+
+Each test module starts one real server (uvicorn on a thread, a port picked by the OS)
+and shares it; nothing here is a pytest fixture, so modules compose what they need.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stage5_server import LLM
+from stage5_server.api_server import ServerThread
+
+# Small and quick on CPU: every prompt + max_tokens in the tests fits max_model_len=256.
+ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=160,
+                     max_num_batched_tokens=256)
+
+
+def make_llm(model_path, **overrides) -> LLM:
+    return LLM(model=str(model_path), **{**ENGINE_KWARGS, **overrides})
+
+
+@contextmanager
+def running_server(app) -> Iterator[ServerThread]:
+    server = ServerThread(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def sse_events(lines: Iterable[str]) -> list[Any]:
+    """The ``data:`` payloads of an SSE stream: dicts, and the string ``"[DONE]"``.
+
+    Checks the framing: every non-empty line is a ``data: `` line.
+    """
+    events = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from Prometheus text (summed over samples matching ``labels``)."""
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    return total if found else None
+
+
+def engine_runner(llm) -> Any:
+    """The model runner whose ``execute`` runs a step's forward pass."""
+    engine = llm.engine
+    runner = getattr(engine, "runner", None) or getattr(engine, "model_runner", None)
+    assert runner is not None and hasattr(runner, "execute"), "engine has no runner.execute to patch"
+    return runner
+
+
+def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1) -> dict[str, int]:
+    """Make the runner's ``execute`` raise on its ``on_call``-th call (1-based), ``times`` times in a row."""
+    runner = engine_runner(llm)
+    original = runner.execute
+    state = {"calls": 0, "failures": 0}
+
+    def execute(*args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] >= on_call and state["failures"] < times:
+            state["failures"] += 1
+            raise RuntimeError("injected engine failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    return state
+
+
+class EngineCallRecorder:
+    """Wraps ``llm.add_request`` / ``step`` / ``abort`` to record cache salts and calling threads."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.salts: dict[str, str | None] = {}
+        self.threads: set[str] = set()
+        self._lock = threading.Lock()
+        self._originals = {name: getattr(llm, name) for name in ("add_request", "step", "abort")}
+        for name, original in self._originals.items():
+            setattr(llm, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            with self._lock:
+                self.threads.add(threading.current_thread().name)
+                if name == "add_request":
+                    self.salts[kwargs.get("request_id") or args[2]] = kwargs.get("cache_salt")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def restore(self) -> None:
+        for name in self._originals:
+            delattr(self.llm, name)  # back to the class's method

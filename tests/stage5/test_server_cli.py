@@ -1,0 +1,183 @@
+"""The ``stagedserve`` CLI: vLLM's flag names, only the flags given reach the engine, API keys
+from flags or the environment, ``make-tiny-model``, the ``bench`` hook, and a real ``serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stage5_server.cli import ENGINE_ARGS, build_engine_kwargs, main, make_parser, parse_size, resolve_api_keys
+from tests.stage5.server_fixtures import auth, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str):
+    return make_parser().parse_args(list(argv))
+
+
+def test_serve_defaults_bind_loopback_and_pass_no_engine_arguments():
+    args = parse("serve")
+    assert args.model is None
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert build_engine_kwargs(args) == {}
+    assert args.api_key is None and not args.trust_client_cache_salt and not args.metrics_public
+
+
+def test_serve_passes_exactly_the_engine_flags_given():
+    args = parse("serve", "/models/m", "--max-model-len", "2048", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "512", "--block-size", "32", "--no-enable-prefix-caching",
+                 "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "100",
+                 "--dtype", "bfloat16", "--device", "cuda:1", "--attention-backend", "triton", "--seed", "7",
+                 "--served-model-name", "m", "--log-stats-interval", "5", "--metrics-public")
+    assert args.model == "/models/m"
+    assert build_engine_kwargs(args) == {
+        "max_model_len": 2048, "max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 32,
+        "enable_prefix_caching": False, "gpu_memory_utilization": 0.8, "kv_cache_memory": 1 << 30,
+        "num_kv_blocks": 100, "dtype": "bfloat16", "device": "cuda:1", "attention_backend": "triton", "seed": 7}
+    assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
+    assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
+
+
+@pytest.mark.parametrize("argv", [["serve", "--max-model-len", "abc"], ["serve", "--max-num-seqs", "0"],
+                                  ["serve", "--gpu-memory-utilization", "1.5"], ["serve", "--port", "70000"],
+                                  ["serve", "--dtype", "int3"], ["serve", "--kv-cache-memory", "lots"],
+                                  ["serve", "--unknown-flag"], []])
+def test_bad_arguments_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
+def test_parse_size_understands_units():
+    assert parse_size("1048576") == 1 << 20
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("2G") == 2 << 30
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("1GB") == 10**9
+
+
+def test_api_keys_come_from_flags_or_else_the_environment():
+    assert resolve_api_keys(None, None) is None
+    assert resolve_api_keys(["a", "b:team"], "ignored") == {"a": None, "b": "team"}
+    assert resolve_api_keys(None, "x:g1, y:g1 ,z") == {"x": "g1", "y": "g1", "z": None}
+    assert resolve_api_keys(["k:with:colons:grp"], None) == {"k:with:colons": "grp"}
+    for bad in (["a", "a"], [":g"], ["k:"]):
+        with pytest.raises(ValueError, match="api_key"):
+            resolve_api_keys(bad, None)
+
+
+@pytest.fixture
+def fake_uvicorn_run(monkeypatch):
+    """``serve`` would block in ``uvicorn.run``: record its arguments instead."""
+    import uvicorn
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
+    return calls
+
+
+def test_serve_reports_an_engine_argument_error_without_starting(tiny_llama, capsys, fake_uvicorn_run):
+    assert main(["serve", str(tiny_llama), "--max-model-len", "256", "--attention-backend", "bogus"]) == 2
+    assert "attention_backend" in capsys.readouterr().err
+    assert fake_uvicorn_run == []
+
+
+def test_serve_builds_the_app_logs_its_configuration_and_runs_uvicorn(tiny_llama, fake_uvicorn_run, caplog,
+                                                                        monkeypatch):
+    monkeypatch.setenv("STAGEDSERVE_API_KEY", "ignored-because-flags-win")
+    with caplog.at_level("INFO", logger="stagedserve"):
+        code = main(["serve", str(tiny_llama), "--port", "0", "--max-model-len", "128", "--num-kv-blocks", "16",
+                     "--api-key", "k1:ops", "--api-key", "k2", "--metrics-public", "--log-stats-interval", "0"])
+    assert code == 0
+    [(app, kwargs)] = fake_uvicorn_run
+    assert (kwargs["host"], kwargs["port"]) == ("127.0.0.1", 0)
+    assert app.state.api_keys.groups == ["key#2", "ops"]
+    assert app.state.public_paths == {"/health", "/metrics"}
+    assert app.state.serving.served_model_name == str(tiny_llama)
+    assert app.state.engine.llm.max_model_len == 128
+    log = caplog.text
+    assert "engine arguments from the command line: {'max_model_len': 128, 'num_kv_blocks': 16}" in log
+    assert "route: POST       /v1/completions  (API key)" in log and "/metrics  (public)" in log
+    assert "k1" not in log and "ignored-because" not in log
+    app.state.engine.shutdown()
+
+
+def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path, capsys):
+    target = tmp_path / "tiny-qwen3"
+    assert main(["make-tiny-model", str(target), "--arch", "qwen3", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip() == str(target)
+    config = json.loads((target / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert any(target.glob("*.safetensors")) and (target / "tokenizer.json").is_file()
+
+
+def test_bench_subcommands_are_added_when_their_module_exists(monkeypatch):
+    calls = []
+
+    def add_bench_subcommands(subparsers):
+        bench = subparsers.add_parser("bench")
+        bench.add_argument("--rate", type=float)
+        bench.set_defaults(func=lambda args: calls.append(args.rate) or 0)
+
+    package = types.ModuleType("stage5_server.bench")
+    package.__path__ = []
+    module = types.ModuleType("stage5_server.bench.cli")
+    module.add_bench_subcommands = add_bench_subcommands
+    monkeypatch.setitem(sys.modules, "stage5_server.bench", package)
+    monkeypatch.setitem(sys.modules, "stage5_server.bench.cli", module)
+    assert main(["bench", "--rate", "2.5"]) == 0
+    assert calls == [2.5]
+
+
+@pytest.mark.slow
+def test_stagedserve_serve_runs_a_secured_server_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "STAGEDSERVE_API_KEY": "env-key:ops", "PYTHONPATH": str(REPO)}
+    log = (tmp_path / "serve.log").open("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stage5_server", "serve", str(tiny_llama), "--port", str(port),
+         "--max-model-len", "128", "--num-kv-blocks", "16", "--served-model-name", "tiny", "--uvicorn-log-level",
+         "warning"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return process.poll() is not None
+
+    try:
+        assert wait_until(healthy, timeout=90, interval=0.2) and process.poll() is None
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        response = httpx.post(f"{url}/v1/chat/completions", headers=auth("env-key"), timeout=30,
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 3})
+        assert response.status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    log.seek(0)
+    output = log.read()
+    assert code == 0, output
+    assert "route: POST       /v1/chat/completions  (API key)" in output
+    assert "route: GET        /health  (public)" in output
+    assert "API keys: 1 from $STAGEDSERVE_API_KEY, trust groups: ops" in output
+    assert "env-key" not in output  # keys are never logged
+    assert "max_model_len=128" in output

@@ -1,0 +1,165 @@
+"""The security boundary: an API key on every route but /health, trust groups that set the
+prefix-cache salt, and client cache salts refused unless the server trusts them."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from stage5_server.api_server import APIKeys, CacheSalter, create_app
+from stage5_server.async_llm import AsyncLLM
+from tests.stage5.server_fixtures import EngineCallRecorder, auth, make_llm, metric, running_server
+
+KEYS = {"alice-key": "teamA", "alan-key": "teamA", "bob-key": "teamB"}
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    llm = make_llm(tiny_llama)
+    recorder = EngineCallRecorder(llm)
+    engine = AsyncLLM(llm, log_stats_interval=None)
+    strict = create_app(engine, api_keys=KEYS, served_model_name=MODEL)
+    trusting = create_app(engine, api_keys=KEYS, served_model_name=MODEL, trust_client_cache_salt=True,
+                          metrics_public=True)
+    try:
+        with running_server(strict) as s1, running_server(trusting) as s2:
+            yield {"strict": (strict, s1.url), "trusting": (trusting, s2.url), "recorder": recorder,
+                   "engine": engine}
+    finally:
+        engine.shutdown()
+        recorder.restore()
+
+
+def _requests_for(route) -> list[tuple[str, str]]:
+    path = re.sub(r"\{[^}]+\}", "x", route.path)  # fill path parameters
+    return [(method, path) for method in sorted(route.methods or ["GET"])]
+
+
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(servers):
+    app, url = servers["strict"]
+    checked = 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for route in app.routes:
+            for method, path in _requests_for(route):
+                for headers in ({}, auth("wrong-key"), {"Authorization": "Basic alice-key"}):
+                    response = client.request(method, path, headers=headers, json={})
+                    if path == "/health":
+                        assert response.status_code == 200
+                        continue
+                    assert response.status_code == 401, (method, path, headers)
+                    if method != "HEAD":
+                        assert response.json()["error"]["code"] == "invalid_api_key"
+                    assert response.headers["www-authenticate"] == "Bearer"
+                checked += 1
+    paths = {r.path for r in app.routes}
+    assert {"/docs", "/redoc", "/openapi.json", "/metrics", "/v1/completions", "/v1/chat/completions",
+            "/v1/models", "/tokenize", "/detokenize", "/version"} <= paths
+    assert checked >= len(paths)
+
+
+def test_a_valid_key_opens_the_docs_and_the_api(servers):
+    _, url = servers["strict"]
+    with httpx.Client(base_url=url, headers=auth("bob-key"), timeout=30) as client:
+        assert client.get("/docs").status_code == 200
+        assert client.get("/openapi.json").json()["info"]["title"] == "stagedserve"
+        assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+        assert client.get("/metrics").status_code == 200
+
+
+def test_unknown_paths_answer_401_without_a_key_and_404_with_one(servers):
+    _, url = servers["strict"]
+    assert httpx.get(f"{url}/score").status_code == 401  # vLLM's unprefixed aliases: nothing to find here
+    response = httpx.get(f"{url}/score", headers=auth("alice-key"))
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_a_route_added_after_create_app_is_protected_too(servers):
+    app, url = servers["strict"]
+    app.add_api_route("/late-admin", lambda: {"secret": True}, methods=["GET"])
+    assert httpx.get(f"{url}/late-admin").status_code == 401
+    assert httpx.get(f"{url}/late-admin", headers=auth("alice-key")).json() == {"secret": True}
+
+
+def test_metrics_can_be_made_public_health_always_is(servers):
+    _, strict_url = servers["strict"]
+    _, public_url = servers["trusting"]
+    assert httpx.get(f"{strict_url}/metrics").status_code == 401
+    response = httpx.get(f"{public_url}/metrics")
+    assert response.status_code == 200 and metric(response.text, "vllm:kv_cache_usage_perc") is not None
+    assert httpx.get(f"{public_url}/v1/models").status_code == 401  # only /metrics became public
+    assert httpx.get(f"{strict_url}/health").status_code == 200
+
+
+def _complete(url: str, key: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "The shared system prompt", "max_tokens": 2, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=auth(key), timeout=30)
+
+
+def _salt_of(servers, response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return servers["recorder"].salts[response.json()["id"]]
+
+
+def test_keys_in_one_trust_group_share_a_salt_and_groups_differ(servers):
+    _, url = servers["strict"]
+    alice = _salt_of(servers, _complete(url, "alice-key"))
+    alan = _salt_of(servers, _complete(url, "alan-key"))
+    bob = _salt_of(servers, _complete(url, "bob-key"))
+    assert alice == alan
+    assert alice != bob
+    for salt in (alice, bob):  # unguessable: a 256-bit HMAC, not the group's name
+        assert re.fullmatch(r"[0-9a-f]{64}", salt)
+    assert _salt_of(servers, _complete(url, "alice-key")) == alice  # stable for the server's lifetime
+
+
+def test_client_cache_salt_is_refused_unless_the_server_trusts_it(servers):
+    _, strict_url = servers["strict"]
+    _, trusting_url = servers["trusting"]
+    refused = _complete(strict_url, "alice-key", cache_salt="my-salt")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "cache_salt"
+
+    group_salt = _salt_of(servers, _complete(trusting_url, "alice-key"))
+    mine = _salt_of(servers, _complete(trusting_url, "alice-key", cache_salt="my-salt"))
+    mine_again = _salt_of(servers, _complete(trusting_url, "alan-key", cache_salt="my-salt"))
+    other = _salt_of(servers, _complete(trusting_url, "alice-key", cache_salt="other-salt"))
+    bob_same_salt = _salt_of(servers, _complete(trusting_url, "bob-key", cache_salt="my-salt"))
+    assert mine == mine_again  # same group, same client salt: shared
+    assert len({group_salt, mine, other, bob_same_salt}) == 4  # a client salt never reaches another group
+
+
+def test_every_engine_call_runs_on_the_engine_thread(servers):
+    _complete(servers["strict"][1], "alice-key")
+    assert servers["recorder"].threads == {"stagedserve-engine"}
+
+
+def test_a_server_without_keys_is_open_but_still_salts_by_its_one_group(tiny_llama):
+    llm = make_llm(tiny_llama, num_kv_blocks=32)
+    recorder = EngineCallRecorder(llm)
+    app = create_app(llm, served_model_name=MODEL, log_stats_interval=None)
+    with running_server(app) as server:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert response.status_code == 200
+        assert re.fullmatch(r"[0-9a-f]{64}", recorder.salts[response.json()["id"]])
+
+
+def test_api_keys_compare_every_key_and_reject_bad_configurations():
+    keys = APIKeys({"k1": "g", "k2": "g", "k3": None})
+    assert keys.authenticate("k1") == keys.authenticate("k2") == "g"
+    assert keys.authenticate("k3") == "key#3"  # a key without a group is a group of its own
+    assert keys.authenticate("k4") is None and keys.authenticate(None) is None
+    assert keys.authenticate("k1 ") is None
+    for bad in ([], {"": "g"}, {"has space": "g"}, {"k": "bad group!"}, ["k", "k"]):
+        with pytest.raises(ValueError, match="api_keys"):
+            APIKeys(bad)
+
+
+def test_cache_salts_depend_on_the_server_secret():
+    a, b = CacheSalter(), CacheSalter()
+    assert a.salt("teamA") != b.salt("teamA")
+    assert CacheSalter(b"s" * 32).salt("teamA") == CacheSalter(b"s" * 32).salt("teamA")
+    assert a.salt("teamA", "x") != a.salt("teamA") != a.salt("teamB")
+

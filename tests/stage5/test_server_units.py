@@ -1,0 +1,109 @@
+"""Server pieces that need no engine: the stats line, the metrics registry, the request
+models, streaming deltas that never emit a stop string, and the demo's metric summary."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client import REGISTRY
+
+from shared import CompletionOutput, RequestOutput, RequestTimeline, SamplingParams
+from shared.metrics import SchedulerStats
+from stage3_continuous.engine import StatsLogger as LoggingStatLogger
+from stage3_continuous.engine import format_stats_line
+from stage5_server.api_server import _DeltaTracker
+from stage5_server.demo import histogram_quantile, summarize_metrics
+from stage5_server.protocol import ChatCompletionRequest, CompletionRequest, loc_to_param
+from stage5_server.server_metrics import PrometheusStatLogger, build_1_2_5_buckets
+
+
+def test_stats_line_reports_interval_throughput_and_engine_state():
+    before = SchedulerStats(num_prompt_tokens_computed=100, num_generation_tokens=10)
+    after = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.635, num_preemptions=4,
+                           prefix_cache_queries=200, prefix_cache_hits=50, num_prompt_tokens_computed=300,
+                           num_generation_tokens=50, num_steps=9)
+    assert format_stats_line(before, after, 2.0) == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 2 reqs, KV cache usage: 63.5%, Prefix cache hit rate: 25.0%, Preemptions: 4")
+
+
+def test_stats_logger_waits_for_its_interval_and_is_quiet_when_idle(caplog):
+    stat_logger = LoggingStatLogger(10.0)
+    start = stat_logger.last_time
+    busy = SchedulerStats(num_running=1, num_generation_tokens=5)
+    with caplog.at_level(logging.DEBUG, logger="stagedserve"):
+        assert stat_logger.maybe_log(busy, now=start + 5) is None
+        assert stat_logger.maybe_log(busy, now=start + 10) is not None
+        assert stat_logger.maybe_log(SchedulerStats(num_generation_tokens=5), now=start + 20) is not None
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.DEBUG]
+    with pytest.raises(ValueError, match="log_stats_interval"):
+        LoggingStatLogger(0)
+
+
+def test_token_count_buckets_are_1_2_5_up_to_max_model_len():
+    assert build_1_2_5_buckets(256) == [1, 2, 5, 10, 20, 50, 100, 200]
+
+
+def _output(finish: str = "length", token_times=(1.1, 1.2, 1.4)) -> RequestOutput:
+    timeline = RequestTimeline(arrival=1.0, first_scheduled=1.05, token_times=list(token_times), finished=1.5)
+    completion = CompletionOutput(0, "abc", [1, 2, 3], finish_reason=finish)
+    return RequestOutput("r", None, [5, 6], [completion], finished=True, timeline=timeline)
+
+
+def test_prometheus_logger_uses_its_own_registry_and_vllm_names():
+    stats = SchedulerStats(num_running=2, kv_cache_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4)
+    metrics = PrometheusStatLogger("m", lambda: stats, max_model_len=256)
+    other = PrometheusStatLogger("m", lambda: stats, max_model_len=256)  # no duplicate-name clash
+    metrics.record_finished(_output())
+    metrics.record_aborted("abort")
+    text = metrics.render().decode()
+    assert 'vllm:num_requests_running{model_name="m"} 2.0' in text
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.5' in text
+    assert 'vllm:prefix_cache_hits_total{model_name="m"} 4.0' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="m"} 1.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
+    assert 'vllm:request_queue_time_seconds_count{model_name="m"} 1.0' in text
+    assert 'finished_reason="length"' not in other.render().decode()  # nothing recorded there
+    assert REGISTRY.get_sample_value("vllm:num_requests_running", {"model_name": "m"}) is None
+
+
+def test_stop_strings_are_held_back_while_streaming():
+    tracker = _DeltaTracker(SamplingParams(stop=["STOP"]))
+
+    def out(text: str, finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(0, text, list(range(len(text))), "stop" if finished else None)
+        return RequestOutput("r", None, [1], [completion], finished=finished)
+
+    assert tracker.advance(out("ab")) is None  # could still be the start of "STOP"
+    assert tracker.advance(out("abcdef"))[0] == "abc"
+    assert tracker.advance(out("abcdefST"))[0] == "de"
+    assert tracker.advance(out("abcdef", finished=True))[0] == "f"  # the stop string never went out
+
+
+def test_request_models_accept_off_values_and_name_the_field_otherwise():
+    CompletionRequest.model_validate({"prompt": "x", "n": 1, "echo": False, "presence_penalty": 0.0,
+                                      "logit_bias": {}, "best_of": None})
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                          "response_format": {"type": "text"}, "tool_choice": "none"})
+    with pytest.raises(ValueError, match="n is not supported"):
+        CompletionRequest.model_validate({"prompt": "x", "n": True})  # true is not 1
+    assert loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    buckets = [(0.1, 2), (0.2, 6), (0.5, 8), (float("inf"), 8)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.15)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.1)
+
+
+def test_demo_summary_reads_the_hit_rate_and_preemptions_from_metrics():
+    stats = SchedulerStats(prefix_cache_queries=200, prefix_cache_hits=150, num_preemptions=3)
+    metrics = PrometheusStatLogger("demo", lambda: stats, max_model_len=64)
+    metrics.record_finished(_output("stop"))
+    summary = summarize_metrics(metrics.render().decode())
+    assert summary["prefix_cache_hit_rate"] == 0.75
+    assert summary["preemptions"] == 3
+    assert summary["requests_ok"] == 1
+    assert 0.1 <= summary["ttft_p50"] <= 0.25  # the one TTFT (about 0.1 s) lies in the (0.1, 0.25] bucket
