@@ -11,13 +11,12 @@ detokenization in the front end). The rest is the engine's overhead.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kv_fragmentation import run_info
+from benchmarks.common import run_info, write_results
 from shared import SamplingParams, cached_tiny_model, default_model, summarize
 from stage4_prefix_cache import LLM
 
@@ -86,12 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [measure(model, b, args.steps) for b in args.batch_sizes]
     result = {**run_info("benchmarks.engine_overhead", argv),
               "config": {"model": Path(model).name, "threads": args.threads, "steps": args.steps}, "rows": rows}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.markdown).write_text(to_markdown(result))
-    print(to_markdown(result))
+    write_results("engine_overhead", result, to_markdown(result), args.out_dir, args.markdown)
     return result
 
 

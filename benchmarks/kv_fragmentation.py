@@ -18,32 +18,15 @@ one reservation; stage2: always 0, any free block will do).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import run_info, write_results
 from shared.workloads import sharegpt_like_lengths
 from stage1_naive import ContiguousKVCache
 from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError
 
 BLOCK_SIZES = (8, 16, 32)
-
-
-def run_info(module: str, argv: list[str] | None) -> dict:
-    """Date, machine and the exact command line (no absolute paths)."""
-    args = sys.argv[1:] if argv is None else argv
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"system": platform.system(), "machine": platform.machine(),
-                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
-        "command": " ".join(["python", "-m", module, *map(shlex.quote, args)]),
-    }
 
 
 def naive_study(lengths: list[tuple[int, int]], kv_tokens: int, max_model_len: int) -> dict:
@@ -179,13 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**run_info("benchmarks.kv_fragmentation", argv), **run(args.max_model_len, args.kv_tokens,
                                                                      args.num_requests, args.seed)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_fragmentation.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.plot))
-    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.markdown).write_text(markdown(result))
-    print(markdown(result))
+    write_results("kv_fragmentation", result, markdown(result), args.out_dir, args.markdown)
     return result
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kv_fragmentation import run_info
+from benchmarks.common import run_info, write_results
 from shared import SamplingParams, cached_tiny_model, default_model, kv_bytes_per_token, summarize
 from shared.config import ModelConfig
 from shared.workloads import random_token_prompts, sharegpt_like_lengths
@@ -361,13 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
                     args.max_num_batched_tokens, tuple(args.engines.split(",")), args.scheduler_requests)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     result["config"]["torch_threads"] = args.threads
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "offline_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.plot))
-    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.markdown).write_text(markdown(result))
-    print(markdown(result))
+    write_results("offline_throughput", result, markdown(result), args.out_dir, args.markdown)
     return result
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kv_fragmentation import run_info
+from benchmarks.common import run_info, write_results
 from shared import SamplingParams, cached_tiny_model, summarize
 from shared.config import ModelConfig
 from shared.workloads import two_phase_load
@@ -213,13 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
                     args.num_short_phase2, args.max_tokens, args.block_size, args.max_num_batched_tokens)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     result["config"]["torch_threads"] = args.threads
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefix_cache.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.plot))
-    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.markdown).write_text(markdown(result))
-    print(markdown(result))
+    write_results("prefix_cache", result, markdown(result), args.out_dir, args.markdown)
     return result
 
 

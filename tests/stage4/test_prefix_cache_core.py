@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import string
-from dataclasses import dataclass
 
 import pytest
 
@@ -22,32 +21,13 @@ from stage4_prefix_cache.kv_cache_utils import (
     hash_block_tokens,
     hash_request_tokens,
 )
+from tests.stage4.fake_request import FakeRequest
 
 BLOCK_SIZE = 4
 
 
 def ids(letters: str) -> list[int]:
     return [string.ascii_uppercase.index(c) for c in letters]
-
-
-@dataclass
-class FakeRequest:
-    """The duck-typed request the manager reads."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    num_prompt_tokens: int = -1
-
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens < 0:
-            self.num_prompt_tokens = len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def req(request_id: str, letters: str, **kwargs) -> FakeRequest:

@@ -10,7 +10,6 @@ hand out a block whose contents really are the request's prefix.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,24 +27,7 @@ from stage4_prefix_cache.kv_cache_utils import (
     encode_block,
     hash_request_tokens,
 )
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    num_prompt_tokens: int = -1
-
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens < 0:
-            self.num_prompt_tokens = len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+from tests.stage4.fake_request import FakeRequest
 
 
 def identity(request: FakeRequest) -> tuple:

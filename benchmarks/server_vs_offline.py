@@ -1,0 +1,143 @@
+"""The server path against the offline engine, same workload, same concurrency.
+
+One seeded random workload runs twice through stage5's engine: offline with
+``LLM.generate`` (``max_num_seqs = C``), then through the HTTP server started as its own
+process (``stagedserve serve``, as deployed), driven by ``stagedserve bench serve``'s load
+generator from this process (streaming completions, ``max_concurrency = C``, all requests
+sent at once). Output tokens per
+second of each, and the ratio: what HTTP, JSON, SSE and the async engine thread cost.
+A stage5 goal is that the server keeps at least 80% of the offline throughput.
+
+    python -m benchmarks.server_vs_offline [--num-prompts 64 --concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.common import run_info, write_results
+from shared import SamplingParams, cached_tiny_model, default_model
+from stage5_server.bench.datasets import DatasetConfig, build_dataset
+from stage5_server.bench.report import summarize_run
+from stage5_server.bench.serve import ServeConfig, run_serve
+from stage5_server.llm import LLM
+
+
+def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
+    dataset = DatasetConfig(name="random", num_prompts=num_prompts, seed=seed, prompt_len=48, output_len=48,
+                            len_sigma=0.6, max_prompt_len=192, max_output_len=192)
+    requests = build_dataset(dataset)
+    engine_kwargs = dict(max_model_len=512, max_num_seqs=concurrency, max_num_batched_tokens=512, device="cpu",
+                         enable_prefix_caching=False, seed=0)
+
+    offline = LLM(model, **engine_kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    offline.generate([requests[0].prompt], params[0], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = offline.generate([r.prompt for r in requests], params, use_tqdm=False)
+    offline_s = time.perf_counter() - start
+    offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+
+    with served_in_subprocess(model, engine_kwargs) as (url, api_key):
+        config = ServeConfig(base_url=url, api_key=api_key, model="bench", max_concurrency=concurrency,
+                             warmup_requests=2, dataset=dataset, seed=seed)
+        served = summarize_run(run_serve(config))
+    server_tps = served["output_token_throughput_tok_s"]
+    offline_tps = offline_tokens / offline_s
+    return {"config": {"model": Path(model).name, "num_prompts": num_prompts, "concurrency": concurrency,
+                       "engine": engine_kwargs, "threads": torch.get_num_threads()},
+            "offline": {"wall_s": offline_s, "output_tokens": offline_tokens, "output_tok_s": offline_tps},
+            "server": {"window_s": served["window_s"] if "window_s" in served else None,
+                       "completed": served.get("completed"), "failed": served.get("failed"),
+                       "output_tokens": served["total_output_tokens"], "output_tok_s": server_tps,
+                       "ttft_ms": served.get("ttft_ms"), "itl_ms": served.get("itl_ms")},
+            "server_over_offline": server_tps / offline_tps}
+
+
+@contextmanager
+def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120.0):
+    """``stagedserve serve`` on a free loopback port, with a fresh key; stopped with SIGINT."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    api_key = secrets.token_urlsafe(24)
+    flags = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
+             "max_num_batched_tokens": "--max-num-batched-tokens", "device": "--device", "seed": "--seed"}
+    cmd = [sys.executable, "-m", "stage5_server", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "bench", "--no-enable-prefix-caching", "--log-stats-interval", "0"]
+    for name, flag in flags.items():
+        cmd += [flag, str(engine_kwargs[name])]
+    env = {**os.environ, "STAGEDSERVE_API_KEY": api_key, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy in time")
+            time.sleep(0.2)
+        yield url, api_key
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def to_markdown(result: dict) -> str:
+    c, off, srv = result["config"], result["offline"], result["server"]
+    return "\n".join([
+        "### Server path vs offline engine",
+        "",
+        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
+        f"{result['machine']['cpu_count']} CPUs, {c['threads']} torch thread(s)); model `{c['model']}`, "
+        f"{c['num_prompts']} requests, concurrency {c['concurrency']}, greedy, EOS ignored.",
+        "",
+        "| path | output tokens | output tok/s |",
+        "|---|---:|---:|",
+        f"| offline `LLM.generate` | {off['output_tokens']} | {off['output_tok_s']:.1f} |",
+        f"| HTTP server (own process), streaming | {srv['output_tokens']} | {srv['output_tok_s']:.1f} |",
+        "",
+        f"Server / offline: **{100 * result['server_over_offline']:.0f}%** (goal: at least 80%).",
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir; default the tiny llama ('default': the small one)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--markdown", default="docs/results/server_vs_offline.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = default_model() if args.model == "default" else str(args.model or cached_tiny_model("llama"))
+    result = {**run_info("benchmarks.server_vs_offline", argv), **run(model, args.num_prompts, args.concurrency)}
+    write_results("server_vs_offline", result, to_markdown(result), args.out_dir, args.markdown)
+    return result
+
+
+if __name__ == "__main__":
+    main()
