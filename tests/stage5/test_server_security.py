@@ -163,3 +163,22 @@ def test_cache_salts_depend_on_the_server_secret():
     assert CacheSalter(b"s" * 32).salt("teamA") == CacheSalter(b"s" * 32).salt("teamA")
     assert a.salt("teamA", "x") != a.salt("teamA") != a.salt("teamB")
 
+
+
+def test_only_keys_in_one_trust_group_share_prefix_cache_blocks(servers):
+    """The same long prompt: a hit for a key in the first sender's group, none for another group."""
+    _, url = servers["strict"]
+    prompt = "Prompts that start the same way share their cached blocks: a system prompt is computed once. " * 2
+
+    def hits_after(key: str) -> float:
+        response = httpx.post(f"{url}/v1/completions", headers=auth(key), timeout=60,
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert response.status_code == 200, response.text
+        text = httpx.get(f"{url}/metrics", headers=auth(key), timeout=10).text
+        return metric(text, "vllm:prefix_cache_hits_total")
+
+    before = hits_after("alice-key")  # teamA computes the prompt (maybe hitting its own earlier blocks)
+    after_bob = hits_after("bob-key")  # teamB: the same tokens under another salt
+    assert after_bob == before
+    after_alan = hits_after("alan-key")  # teamA again, through another key of the group
+    assert after_alan > after_bob

