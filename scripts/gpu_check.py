@@ -313,17 +313,15 @@ def engine_throughput(args) -> dict:
         return {"skipped": f"import failed: {exc!r}"}
 
     model = args.model
-    if model is None:
+    if model is None:  # a Qwen3-0.6B-shaped checkpoint with random weights, built on the spot
         try:
-            from shared import default_model
-            model = default_model()
+            from shared.tiny_model import QWEN3_0_6B, make_tiny_model
+            print("  building a Qwen3-0.6B-shaped random checkpoint ...")
+            model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu_check_model_")), arch="qwen3",
+                                        size=QWEN3_0_6B))
         except Exception as exc:
-            try:
-                from shared import make_tiny_model
-                model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu_check_model_"))))
-            except Exception as exc2:
-                print(f"  skipped: no checkpoint (default_model: {exc!r}; make_tiny_model: {exc2!r}); pass --model")
-                return {"skipped": "no checkpoint available"}
+            print(f"  skipped: no checkpoint ({exc!r}); pass --model")
+            return {"skipped": "no checkpoint available"}
 
     prompts = [f"Request {i}: write a short story about a serving engine that pages its cache."
                for i in range(args.engine_requests)]
@@ -331,7 +329,8 @@ def engine_throughput(args) -> dict:
     token_ids = {}
     for backend in ("triton", "torch"):
         try:
-            llm = llm_cls(model=model, attention_backend=backend, device="cuda", seed=0)
+            llm = llm_cls(model=model, attention_backend=backend, device="cuda", seed=0, max_model_len=4096,
+                          max_num_seqs=args.engine_requests, max_num_batched_tokens=8192)
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))  # compile / warm up
             params = SamplingParams(temperature=0, max_tokens=args.engine_max_tokens, ignore_eos=True)
             import torch

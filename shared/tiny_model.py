@@ -74,13 +74,15 @@ def _model_config(arch: str, vocab_size: int, eos_ids: list[int], size: dict):
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=size["hidden_size"], intermediate_size=size["intermediate_size"],
-        num_hidden_layers=size["num_hidden_layers"], num_attention_heads=size["num_attention_heads"],
-        num_key_value_heads=size["num_key_value_heads"], head_dim=32, max_position_embeddings=4096,
+        # A model's vocabulary may be larger than its tokenizer's (padded embeddings).
+        vocab_size=max(vocab_size, size.get("vocab_size", 0)), hidden_size=size["hidden_size"],
+        intermediate_size=size["intermediate_size"], num_hidden_layers=size["num_hidden_layers"],
+        num_attention_heads=size["num_attention_heads"], num_key_value_heads=size["num_key_value_heads"],
+        head_dim=size.get("head_dim", 32), max_position_embeddings=size.get("max_position_embeddings", 4096),
         rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=eos_ids, bos_token_id=None, pad_token_id=eos_ids[0],
         # A wide init makes logits well separated, so greedy argmax never hinges on a
         # float rounding difference between two implementations.
-        initializer_range=0.25, tie_word_embeddings=arch == "qwen3",
+        initializer_range=size.get("initializer_range", 0.25), tie_word_embeddings=arch == "qwen3",
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
@@ -91,6 +93,11 @@ def _model_config(arch: str, vocab_size: int, eos_ids: list[int], size: dict):
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+# Qwen3-0.6B's shapes, for timing on a GPU (random weights: the text is noise, the work is real).
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  initializer_range=0.02, dtype="bfloat16")
+SIZES = {"tiny": TINY, "small": SMALL, "qwen3-0.6b": QWEN3_0_6B}
 
 
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512,
@@ -106,6 +113,8 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_
     config, model_cls = _model_config(arch, len(tokenizer), eos_ids, size or TINY)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if "dtype" in (size or {}):
+        model = model.to(getattr(torch, size["dtype"]))
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = eos_ids[0]
     path.mkdir(parents=True, exist_ok=True)
@@ -121,16 +130,15 @@ def cache_dir() -> Path:
 
 def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny") -> Path:
     """Build (once, atomically, safe across processes) and return a cached checkpoint."""
-    sizes = {"tiny": TINY, "small": SMALL}
-    if size_name not in sizes:
-        raise ValueError(f"size: unknown {size_name!r}; choose one of {sorted(sizes)}")
+    if size_name not in SIZES:
+        raise ValueError(f"size: unknown {size_name!r}; choose one of {sorted(SIZES)}")
     target = cache_dir() / f"{arch}-{size_name}-seed{seed}-v1"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        make_tiny_model(tmp, arch=arch, seed=seed, size=sizes[size_name])
+        make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name])
         try:
             tmp.rename(target)
         except OSError:  # another process won the race

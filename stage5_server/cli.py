@@ -1,7 +1,7 @@
 """The ``stagedserve`` command: ``serve``, ``make-tiny-model``, and (when present) ``bench``.
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
-    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small}]
+    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small,qwen3-0.6b}]
 
 Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
 flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
@@ -150,7 +150,7 @@ def _add_make_tiny_model(subparsers) -> None:
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--size", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
     p.set_defaults(func=make_tiny_model)
 
 
@@ -260,10 +260,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def make_tiny_model(args: argparse.Namespace) -> int:
-    from shared.tiny_model import SMALL, TINY
+    from shared.tiny_model import SIZES
     from shared.tiny_model import make_tiny_model as make
 
-    path = make(args.dir, arch=args.arch, seed=args.seed, size={"tiny": TINY, "small": SMALL}[args.size])
+    path = make(args.dir, arch=args.arch, seed=args.seed, size=SIZES[args.size])
     print(path)
     return 0
 

@@ -102,3 +102,16 @@ def test_make_tiny_model_writes_a_checkpoint_transformers_loads(tmp_path):
     assert tok.chat_template and tok.decode(tok.encode("Café 東京 🙂")) == "Café 東京 🙂"
     with pytest.raises(ValueError, match="arch"):
         make_tiny_model(tmp_path / "x", arch="mamba")
+
+
+def test_size_presets_carry_head_dim_padded_vocab_and_dtype(tmp_path):
+    """The knobs of the Qwen3-0.6B preset (used by the GPU check), on a small model."""
+    from shared import make_tiny_model
+
+    size = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=128, vocab_size=1000, initializer_range=0.02, dtype="bfloat16")
+    path = make_tiny_model(tmp_path / "m", arch="qwen3", size=size)
+    config = ModelConfig.from_pretrained(path)
+    assert (config.head_dim, config.vocab_size, config.num_key_value_heads) == (128, 1000, 1)
+    tokens = [5, 6, 7, 8]
+    torch.testing.assert_close(our_logits(path, tokens), hf_logits(path, tokens), rtol=1e-3, atol=1e-3)
