@@ -119,13 +119,22 @@ class BaseLLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that changed."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        # With ``finished_only`` (``generate``), text is only needed at the end, so a request
+        # is detokenized per step only when a stop string must be looked for.
         outputs = []
         for req in self.engine.step():
+            if finished_only and not req.is_finished and not req.sampling_params.stop:
+                continue
             if self.output_processor.update(req):  # a stop string ended it
                 self.engine.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            outputs.append(self.output_processor.make_output(req.request_id))
-            if outputs[-1].finished:
+            output = self.output_processor.make_output(req.request_id)
+            if output.finished:
                 self.output_processor.remove(req.request_id)
+            if output.finished or not finished_only:
+                outputs.append(output)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -153,10 +162,9 @@ class BaseLLM:
                 self.engine.add_request(request)
                 self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             while len(results) < len(requests):
-                for out in self.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+                for out in self._step(finished_only=True):
+                    results[out.request_id] = out
+                    bar.update(1)
         except BaseException:
             pending = [r.request_id for r in requests if r.request_id not in results]
             self.abort(pending)  # give back their KV before the error propagates

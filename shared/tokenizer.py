@@ -10,11 +10,18 @@ from transformers import AutoTokenizer
 class Tokenizer:
     def __init__(self, path: str | Path):
         self.hf = AutoTokenizer.from_pretrained(str(path))
+        # Detokenization runs for every request every step: when transformers' wrapper would
+        # add nothing (a fast tokenizer, no space clean-up), call the Rust tokenizer directly.
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._backend_decode = None if getattr(self.hf, "clean_up_tokenization_spaces", False) else \
+            getattr(backend, "decode", None)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -58,3 +58,11 @@ def test_goodput_divides_passing_completions_by_the_window_not_by_completions():
     assert goodput(550, 100.0) == 5.5  # the seed's candidate A, not 550/600*1000/100 = 9.17
     assert goodput(752, 100.0) == 7.52
     assert goodput(0, 100.0) == 0
+
+
+def test_decode_equals_transformers_decode_including_special_tokens(checkpoints):
+    for path in checkpoints.values():
+        tok = Tokenizer(path)
+        ids = tok.encode("Hello, world! Café 東京") + [0, 1, 2] + tok.encode(" more text")
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
