@@ -112,6 +112,8 @@ class BaseLLM:
     # ---- the public API ---------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        if request_id is not None and request_id in self.output_processor.states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
         request = self._make_request(prompt, params or SamplingParams(), request_id, priority, cache_salt)
         self.engine.add_request(request)  # may still refuse it; then nothing is tracked
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)

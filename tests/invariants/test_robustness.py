@@ -89,3 +89,15 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_unknown_engine_argument_is_named(stage, tiny_llama):
     with pytest.raises(ValueError, match="no_such_knob"):
         stage.make_llm(tiny_llama, no_such_knob=1)
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_still_finishes(stage, tiny_llama):
+    llm = stage.make_llm(tiny_llama)
+    llm.add_request(PROMPTS[0], GREEDY, request_id="same")
+    with pytest.raises(ValueError, match="request_id"):
+        llm.add_request(PROMPTS[1], GREEDY, request_id="same")
+    finished = []
+    while llm.has_unfinished_requests():
+        finished += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == ["same"] and len(finished[0].outputs[0].token_ids) == 8
+    assert llm.engine.kv_cache_usage() == 0
