@@ -6,11 +6,17 @@ pass, sampling) and the rest (scheduling, KV bookkeeping, output processing and
 detokenization in the front end). The rest is the engine's overhead.
 
     python -m benchmarks.engine_overhead [--batch-sizes 1 4 16 64 256 --steps 30]
+
+``--profile`` also runs the largest batch under cProfile and writes where the time goes
+(``docs/results/engine_overhead_profile.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -54,6 +60,19 @@ def measure(model: str, batch_size: int, steps: int, prompt_len: int = 16) -> di
             "overhead_ms_p50": rest * 1e3, "overhead_fraction": rest / step}
 
 
+def profile_largest(model: str, batch_size: int, steps: int) -> str:
+    """The functions where a steady decode step spends its time (cumulative), as text."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    measure(model, batch_size, steps)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("cumulative")
+    stats.print_stats(r"(llm_base|engine|scheduler|kv_cache_manager|block_pool|model_runner|output_processor|"
+                      r"tokenizer|sampler|attention|model)\.py", 25)
+    return out.getvalue()
+
+
 def to_markdown(result: dict) -> str:
     lines = [
         "### Engine overhead per decode step",
@@ -79,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--markdown", default="docs/results/engine_overhead.md")
+    ap.add_argument("--profile", action="store_true", help="also profile the largest batch")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = default_model() if args.model == "default" else str(args.model or cached_tiny_model("llama"))
@@ -86,6 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**run_info("benchmarks.engine_overhead", argv),
               "config": {"model": Path(model).name, "threads": args.threads, "steps": args.steps}, "rows": rows}
     write_results("engine_overhead", result, to_markdown(result), args.out_dir, args.markdown)
+    if args.profile:
+        text = profile_largest(model, max(args.batch_sizes), args.steps)
+        Path(args.markdown).with_name("engine_overhead_profile.txt").write_text(
+            f"# {result['command']} ({result['date']})\n" + text)
     return result
 
 
