@@ -163,10 +163,12 @@ class BaseLLM:
             for prompt, request in zip(prompts, requests):
                 self.engine.add_request(request)
                 self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
+            mine = {r.request_id for r in requests}  # other requests may share the engine
             while len(results) < len(requests):
                 for out in self._step(finished_only=True):
-                    results[out.request_id] = out
-                    bar.update(1)
+                    if out.request_id in mine:
+                        results[out.request_id] = out
+                        bar.update(1)
         except BaseException:
             pending = [r.request_id for r in requests if r.request_id not in results]
             self.abort(pending)  # give back their KV before the error propagates
@@ -203,7 +205,11 @@ class BaseLLM:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
-        return Request(request_id or str(next(self._ids)), token_ids, params, priority=priority,
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.output_processor.states:  # a caller took this one by hand
+                request_id = str(next(self._ids))
+        return Request(request_id, token_ids, params, priority=priority,
                        cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
 
 

@@ -101,3 +101,12 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_still_finishes(sta
         finished += [o for o in llm.step() if o.finished]
     assert [o.request_id for o in finished] == ["same"] and len(finished[0].outputs[0].token_ids) == 8
     assert llm.engine.kv_cache_usage() == 0
+
+
+def test_generate_returns_its_own_outputs_while_other_requests_share_the_engine(stage, tiny_llama):
+    llm = stage.make_llm(tiny_llama)
+    llm.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="1")
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert "1" not in [o.request_id for o in outs]
