@@ -15,7 +15,6 @@ vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLog
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -25,8 +24,6 @@ from prometheus_client.registry import Collector
 
 from shared.metrics import SchedulerStats
 from shared.outputs import RequestOutput
-
-logger = logging.getLogger("stagedserve")
 
 # vLLM's buckets, with a few smaller ones in front: the course's CPU models answer in milliseconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
