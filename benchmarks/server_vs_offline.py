@@ -45,25 +45,39 @@ def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
     offline = LLM(model, **engine_kwargs)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     offline.generate([requests[0].prompt], params[0], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = offline.generate([r.prompt for r in requests], params, use_tqdm=False)
-    offline_s = time.perf_counter() - start
+    offline_s, offline_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    with served_in_subprocess(model, engine_kwargs) as (url, api_key):
+    with served_in_subprocess(model, engine_kwargs) as (url, api_key, pid):
         config = ServeConfig(base_url=url, api_key=api_key, model="bench", max_concurrency=concurrency,
                              warmup_requests=2, dataset=dataset, seed=seed)
+        cpu_before = process_cpu_seconds(pid)
         served = summarize_run(run_serve(config))
+        server_cpu_s = process_cpu_seconds(pid) - cpu_before if cpu_before is not None else None
     server_tps = served["output_token_throughput_tok_s"]
     offline_tps = offline_tokens / offline_s
     return {"config": {"model": Path(model).name, "num_prompts": num_prompts, "concurrency": concurrency,
                        "engine": engine_kwargs, "threads": torch.get_num_threads()},
-            "offline": {"wall_s": offline_s, "output_tokens": offline_tokens, "output_tok_s": offline_tps},
+            "offline": {"wall_s": offline_s, "output_tokens": offline_tokens, "output_tok_s": offline_tps,
+                        "cpu_ms_per_token": 1e3 * offline_cpu_s / offline_tokens},
             "server": {"window_s": served["window_s"] if "window_s" in served else None,
                        "completed": served.get("completed"), "failed": served.get("failed"),
                        "output_tokens": served["total_output_tokens"], "output_tok_s": server_tps,
-                       "ttft_ms": served.get("ttft_ms"), "itl_ms": served.get("itl_ms")},
+                       "ttft_ms": served.get("ttft_ms"), "itl_ms": served.get("itl_ms"),
+                       "cpu_ms_per_token": (1e3 * server_cpu_s / served["total_output_tokens"]
+                                            if server_cpu_s is not None and served["total_output_tokens"] else None)},
             "server_over_offline": server_tps / offline_tps}
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux ``/proc``; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -95,7 +109,7 @@ def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not become healthy in time")
             time.sleep(0.2)
-        yield url, api_key
+        yield url, api_key, proc.pid
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -113,12 +127,18 @@ def to_markdown(result: dict) -> str:
         f"{result['machine']['cpu_count']} CPUs, {first['threads']} torch thread(s)); {first['num_prompts']} "
         f"requests, concurrency {first['concurrency']}, greedy, EOS ignored; the server in its own process.",
         "",
-        "| model | offline tok/s | server tok/s (streaming) | server / offline |",
-        "|---|---:|---:|---:|",
+        "| model | offline tok/s | server tok/s (streaming) | server / offline | CPU ms per token, offline | "
+        "CPU ms per token, server process |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+
+    def ms(value):
+        return "n/a" if value is None else f"{value:.3f}"
+
     for r in result["runs"]:
         lines.append(f"| `{r['config']['model']}` | {r['offline']['output_tok_s']:.1f} | "
-                     f"{r['server']['output_tok_s']:.1f} | {100 * r['server_over_offline']:.0f}% |")
+                     f"{r['server']['output_tok_s']:.1f} | {100 * r['server_over_offline']:.0f}% | "
+                     f"{ms(r['offline']['cpu_ms_per_token'])} | {ms(r['server']['cpu_ms_per_token'])} |")
     lines += ["", "Goal: the server keeps at least 80% of the offline throughput.", ""]
     return "\n".join(lines)
 
