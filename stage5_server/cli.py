@@ -29,6 +29,8 @@ import re
 import sys
 from typing import Any
 
+from stage5_server.arg_types import fraction, non_negative_float, positive_int
+
 logger = logging.getLogger("stagedserve")
 
 API_KEY_ENV = "STAGEDSERVE_API_KEY"
@@ -61,14 +63,6 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -78,24 +72,8 @@ def _port(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 # ---- the parser ----------------------------------------------------------------------------
@@ -124,20 +102,20 @@ def _add_serve(subparsers) -> None:
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
     net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
-    net.add_argument("--log-stats-interval", type=_non_negative_float, default=10.0,
+    net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=("critical", "error", "warning", "info", "debug", "trace"))
     eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
-    eng.add_argument("--max-model-len", type=_positive_int, default=None)
-    eng.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    eng.add_argument("--block-size", type=_positive_int, default=None)
+    eng.add_argument("--max-model-len", type=positive_int, default=None)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    eng.add_argument("--block-size", type=positive_int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    eng.add_argument("--gpu-memory-utilization", type=_fraction, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=fraction, default=None)
     eng.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes of K/V, e.g. 2GiB")
-    eng.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
     eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
     eng.add_argument("--attention-backend", default=None, help="torch or triton")

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from stage5_server.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from stage5_server.bench.datasets import DATASETS, DatasetConfig
 from stage5_server.bench.goodput import SLO
 from stage5_server.bench.report import format_result, format_sweep_table, plot_results, save_result, summarize_run
@@ -43,47 +44,28 @@ def _rate(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return int(text)
 
 
-def _non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return int(text)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
-def _non_negative_float(text: str) -> float:
-    value = 0.0 if text in ("0", "0.0") else _positive_float(text)
-    return value
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
     load.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                       help="/v1/completions (token-id prompts sent as ids) or /v1/chat/completions")
-    load.add_argument("--max-concurrency", type=_positive_int, default=None,
+    load.add_argument("--max-concurrency", type=positive_int, default=None,
                       help="at most this many requests in flight (default: unbounded)")
-    load.add_argument("--warmup-requests", type=_non_negative_int, default=0,
+    load.add_argument("--warmup-requests", type=non_negative_int, default=0,
                       help="send this many warm-up requests first (not counted)")
-    load.add_argument("--warmup-seconds", type=_non_negative_float, default=0.0,
+    load.add_argument("--warmup-seconds", type=non_negative_float, default=0.0,
                       help="requests sent in the first S seconds are warm-up (not counted)")
-    load.add_argument("--window-seconds", type=_positive_float, default=None,
+    load.add_argument("--window-seconds", type=positive_float, default=None,
                       help="fixed measured window; requests unfinished at its end are outstanding "
                            "(default: until the last measured request ends)")
-    load.add_argument("--request-timeout", type=_positive_float, default=600.0,
+    load.add_argument("--request-timeout", type=positive_float, default=600.0,
                       help="a request still running after this many seconds fails (default: 600)")
     load.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival gaps")
     load.add_argument("--temperature", type=float, default=0.0)
@@ -93,26 +75,26 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--dataset", choices=DATASETS, default="random")
     data.add_argument("--dataset-path", default=None, help="json dataset: a list of strings or of "
                                                            '{"prompt", "max_tokens"}')
-    data.add_argument("--num-prompts", type=_positive_int, default=None,
+    data.add_argument("--num-prompts", type=positive_int, default=None,
                       help="measured requests (default: 100; 22 for two-phase; the whole file for json)")
-    data.add_argument("--max-tokens", type=_positive_int, default=None, help="override every output budget")
-    data.add_argument("--vocab-size", type=_positive_int, default=256,
+    data.add_argument("--max-tokens", type=positive_int, default=None, help="override every output budget")
+    data.add_argument("--vocab-size", type=positive_int, default=256,
                       help="random token ids are drawn from [3, VOCAB_SIZE) (default 256: byte tokens)")
-    data.add_argument("--prompt-len", type=_positive_int, default=100, help="random: median prompt tokens")
-    data.add_argument("--output-len", type=_positive_int, default=200, help="random: median output tokens")
+    data.add_argument("--prompt-len", type=positive_int, default=100, help="random: median prompt tokens")
+    data.add_argument("--output-len", type=positive_int, default=200, help="random: median output tokens")
     data.add_argument("--len-sigma", type=float, default=1.0, help="random: log-normal sigma of both lengths")
-    data.add_argument("--max-prompt-len", type=_positive_int, default=1024)
-    data.add_argument("--max-output-len", type=_positive_int, default=1024)
-    data.add_argument("--prefix-len", type=_positive_int, default=384,
+    data.add_argument("--max-prompt-len", type=positive_int, default=1024)
+    data.add_argument("--max-output-len", type=positive_int, default=1024)
+    data.add_argument("--prefix-len", type=positive_int, default=384,
                       help="shared-prefix / two-phase: shared system prompt tokens")
-    data.add_argument("--long-prompt-len", type=_positive_int, default=1024, help="two-phase: long prompt tokens")
-    data.add_argument("--phase-gap-seconds", type=_non_negative_float, default=1.0,
+    data.add_argument("--long-prompt-len", type=positive_int, default=1024, help="two-phase: long prompt tokens")
+    data.add_argument("--phase-gap-seconds", type=non_negative_float, default=1.0,
                       help="two-phase: pause between phase 1 draining and phase 2")
     slo = p.add_argument_group("SLOs (a completion passes only if it meets every one given)")
-    slo.add_argument("--slo-ttft-ms", type=_positive_float, default=None)
-    slo.add_argument("--slo-itl-p99-ms", type=_positive_float, default=None,
+    slo.add_argument("--slo-ttft-ms", type=positive_float, default=None)
+    slo.add_argument("--slo-itl-p99-ms", type=positive_float, default=None,
                      help="the p99 of each request's own inter-token gaps")
-    slo.add_argument("--slo-tpot-ms", type=_positive_float, default=None)
+    slo.add_argument("--slo-tpot-ms", type=positive_float, default=None)
     out = p.add_argument_group("output")
     out.add_argument("--save-result", default=None, metavar="FILE.json",
                      help="all numbers, the config, the date and every request's timeline")
@@ -141,13 +123,13 @@ def add_bench_subcommands(subparsers) -> None:
     w.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
     w.add_argument("--request-rates", "--request-rate", dest="request_rate", type=_rate, nargs="+",
                    default=[1.0, 4.0, math.inf])
-    w.add_argument("--max-num-batched-tokens", type=_positive_int, nargs="+", default=[256, 2048],
+    w.add_argument("--max-num-batched-tokens", type=positive_int, nargs="+", default=[256, 2048],
                    help="token budgets per step to compare")
-    w.add_argument("--max-num-seqs", type=_positive_int, nargs="+", default=[16], help="running-set caps")
+    w.add_argument("--max-num-seqs", type=positive_int, nargs="+", default=[16], help="running-set caps")
     eng = w.add_argument_group("engine (same for every setting)")
-    eng.add_argument("--max-model-len", type=_positive_int, default=None)
-    eng.add_argument("--block-size", type=_positive_int, default=None)
-    eng.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    eng.add_argument("--max-model-len", type=positive_int, default=None)
+    eng.add_argument("--block-size", type=positive_int, default=None)
+    eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
     eng.add_argument("--device", default=None)
     eng.add_argument("--dtype", default=None)
     eng.add_argument("--attention-backend", default=None)
