@@ -31,3 +31,13 @@ def write_results(name: str, result: dict, markdown_text: str, out_dir: str | Pa
     Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
     Path(markdown_path).write_text(markdown_text)
     print(markdown_text)
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import run_info, save_figure, write_results
 from shared.workloads import sharegpt_like_lengths
 from stage1_naive import ContiguousKVCache
 from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError
@@ -114,10 +114,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("requests resident at once")
     ax2.set_title(f"concurrency at max_model_len={result['config']['max_model_len']}")
     ax2.margins(y=0.2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown(result: dict) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import run_info, save_figure, write_results
 from shared import SamplingParams, cached_tiny_model, default_model, kv_bytes_per_token, summarize
 from shared.config import ModelConfig
 from shared.workloads import random_token_prompts, sharegpt_like_lengths
@@ -321,10 +321,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.legend(fontsize=8)
     fig.suptitle(f"{result['config']['num_requests']} requests, model {result['config']['model']}, "
                  f"max_num_seqs={result['config']['max_num_seqs']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _ms(x: float) -> str:

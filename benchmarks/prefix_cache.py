@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import run_info, save_figure, write_results
 from shared import SamplingParams, cached_tiny_model, summarize
 from shared.config import ModelConfig
 from shared.workloads import two_phase_load
@@ -141,10 +141,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_title(f"prefill work (saved with caching: {100 * result['checks']['total']['saved_fraction']:.0f}%)")
     ax2.set_ylabel("TTFT (ms)")
     ax2.set_title("TTFT per phase")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown(result: dict) -> str:
