@@ -70,7 +70,7 @@ class BaseLLM:
         self.model_path = model or default_model()
         self.device = torch.device(self.args["device"] or self.default_device())
         self.dtype = self._resolve_dtype(self.args["dtype"])
-        self.model, self.model_config = load_model(self.model_path, self.dtype, self.device)
+        self.model, self.model_config = self._load_model()
         self.tokenizer = Tokenizer(self.args["tokenizer"] or self.model_path)
         max_len = self.args["max_model_len"] or self.model_config.max_position_embeddings
         if not isinstance(max_len, int) or max_len < 2:
@@ -90,6 +90,10 @@ class BaseLLM:
 
     def default_device(self) -> str:
         return "cpu"
+
+    def _load_model(self) -> tuple[Any, ModelConfig]:
+        """The model and its config. A stage whose model runs in other processes returns ``None`` as the model."""
+        return load_model(self.model_path, self.dtype, self.device)
 
     # ---- helpers for stages -----------------------------------------------------------
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
