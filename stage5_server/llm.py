@@ -3,7 +3,8 @@
 New here: the backend registry (``torch`` | ``triton``), CUDA as the default device when
 present (bf16 weights), and a KV cache sized from free GPU memory after a profiling
 forward pass (``gpu_memory_utilization``, as vLLM's ``gpu_worker.py`` does) when no
-explicit size is given.
+explicit size is given. With ``tensor_parallel_size=N`` the model is split over N worker
+processes (``stage5_server/parallel``); this process keeps the scheduler and loads no weights.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ import logging
 
 import torch
 
+from shared.config import ModelConfig
 from shared.llm_base import DEFAULT_KV_CACHE_MEMORY, kv_bytes_per_token
 from stage4_prefix_cache.llm import LLM as _PrefixCachingLLM
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention_backends import ATTENTION_BACKENDS, resolve_attention_backend
+from stage5_server.parallel import build_tensor_parallel_engine, check_tensor_parallel_size
 
 logger = logging.getLogger("stagedserve")
 
-SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9}
+SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
+                      "tensor_parallel_size": 1,
+                      "distributed_interface": None}  # network interface of the ranks' traffic; None: loopback
 
 
 class LLM(_PrefixCachingLLM):
@@ -28,6 +33,23 @@ class LLM(_PrefixCachingLLM):
 
     def default_device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _load_model(self):
+        config = ModelConfig.from_pretrained(self.model_path)
+        self.tensor_parallel_size = check_tensor_parallel_size(self.args["tensor_parallel_size"], config, self.device)
+        if self.tensor_parallel_size == 1:
+            return super()._load_model()
+        return None, config  # the weights live in the workers
+
+    def _build_engine(self):
+        if self.tensor_parallel_size == 1:
+            return super()._build_engine()
+        return build_tensor_parallel_engine(self)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     def _attention_backend(self, kv_cache):
         name = resolve_attention_backend(self.args["attention_backend"], self.device)
@@ -42,30 +64,31 @@ class LLM(_PrefixCachingLLM):
         utilization = self.args["gpu_memory_utilization"]
         if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-        memory = self._profile_free_kv_memory(utilization)
+        num_tokens = min(self.args["max_num_batched_tokens"], self.max_model_len)
+        memory = profile_free_kv_memory(self.model, self.device, num_tokens, utilization)
         tokens = memory // kv_bytes_per_token(self.model_config, self.dtype)
         logger.info("KV cache sized from GPU memory: %.2f GiB -> %d tokens", memory / 2**30, tokens)
         return tokens
 
-    def _profile_free_kv_memory(self, utilization: float) -> int:
-        """Run one forward of ``max_num_batched_tokens`` tokens without a KV cache and
-        give the KV cache what is left of ``utilization * total`` after its peak."""
-        num_tokens = min(self.args["max_num_batched_tokens"], self.max_model_len)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.model.set_attention_backend(_NoCacheAttention())
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), None)
-        self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        other_processes = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * utilization) - peak - max(0, other_processes)
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache "
-                             f"(weights and activations peak at {peak / 2**30:.2f} GiB)")
-        return budget
+
+def profile_free_kv_memory(model, device: torch.device, num_tokens: int, utilization: float) -> int:
+    """Run one forward of ``num_tokens`` tokens without a KV cache and give the KV cache what
+    is left of ``utilization * total`` after its peak."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model.set_attention_backend(_NoCacheAttention())
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), None)
+    model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    other_processes = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - peak - max(0, other_processes)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache "
+                         f"(weights and activations peak at {peak / 2**30:.2f} GiB)")
+    return budget
 
 
 class _NoCacheAttention:
