@@ -42,7 +42,7 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
-               "attention_backend", "seed")
+               "attention_backend", "seed", "tensor_parallel_size", "distributed_interface")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -120,6 +120,10 @@ def _add_serve(subparsers) -> None:
     eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
     eng.add_argument("--attention-backend", default=None, help="torch or triton")
     eng.add_argument("--seed", type=int, default=None)
+    eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
+    eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
+                     help="network interface of the ranks' unauthenticated traffic (default: loopback); "
+                          "never one reachable from an untrusted network")
     p.set_defaults(func=serve)
 
 
