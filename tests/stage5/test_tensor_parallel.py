@@ -1,0 +1,259 @@
+"""Tensor parallelism on CPU: 2 gloo ranks give the same tokens as one process, offline and
+through the server; bad splits are refused up front; traffic stays on loopback; a rank that
+dies stops the engine with an error instead of a hang.
+
+The 2-rank engines start once per module (spawning workers costs seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from shared import SamplingParams
+from shared.config import ModelConfig
+from shared.tiny_model import TINY, make_tiny_model
+from stage5_server import LLM
+from stage5_server.api_server import create_app
+from stage5_server.parallel import TensorParallelError, tensor_parallel_shape
+from stage5_server.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from stage5_server.parallel.parallel_state import resolve_interface
+from tests.stage5.server_fixtures import auth, running_server, wait_until
+
+ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, block_size=4, max_num_batched_tokens=16, device="cpu",
+                     attention_backend="torch", kv_cache_memory=1 << 20)
+# Chunked prefill (a 30-token prompt over a 16-token budget), batches of several, decode to 20 tokens.
+PROMPTS = ["Hello there, how are", "The quick brown fox jumps over", list(range(3, 33)), "A"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+KEY = "tp-key"
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def run_with_timeout(fn, timeout: float):
+    """``fn()``'s result or exception; fails the test if it has not returned within ``timeout`` seconds."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still blocked after {timeout}s: a hang, not an error"
+    return box
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    single = LLM(model=str(tiny_llama), **ENGINE_KWARGS)
+    split = LLM(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_KWARGS)
+    yield single, split
+    split.shutdown()
+
+
+# ---- refusals: checked before any process starts ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tiny_llama) -> ModelConfig:
+    return ModelConfig.from_pretrained(tiny_llama)
+
+
+def test_heads_that_do_not_divide_are_refused_naming_the_fields(tiny_llama, tiny_config):
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        LLM(model=str(tiny_llama), tensor_parallel_size=3, device="cpu")
+    six_heads = dataclasses.replace(tiny_config, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 is not divisible by tensor_parallel_size=2"):
+        tensor_parallel_shape(six_heads, 2)
+    eight_heads = dataclasses.replace(tiny_config, num_attention_heads=8, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 is not a multiple of num_key_value_heads=3"):
+        tensor_parallel_shape(eight_heads, 4)
+    with pytest.raises(ValueError, match="intermediate_size=255"):
+        tensor_parallel_shape(dataclasses.replace(tiny_config, intermediate_size=255), 2)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tiny_config):
+    shape = tensor_parallel_shape(tiny_config, 4)  # 4 query heads, 2 KV heads over 4 ranks
+    assert (shape.num_heads, shape.num_kv_heads, shape.kv_head_replicas) == (1, 1, 2)
+    # Query head r belongs to KV head r // 2 (groups of 2); rank r holds exactly that one.
+    assert [shape.kv_head_start(rank) for rank in range(4)] == [0, 0, 1, 1]
+    assert tensor_parallel_shape(tiny_config, 2).num_kv_heads == 1
+
+
+def test_more_ranks_than_devices_are_refused(tiny_llama, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "cpu_count", lambda: 1)  # a one-core machine
+        with pytest.raises(ValueError, match="tensor_parallel_size: 2 CPU ranks need 2 cores, found 1"):
+            LLM(model=str(tiny_llama), tensor_parallel_size=2, device="cpu")
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need 2 GPUs, found"):
+            LLM(model=str(tiny_llama), tensor_parallel_size=2, device="cuda")
+    for bad in (0, "2", 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
+            LLM(model=str(tiny_llama), tensor_parallel_size=bad, device="cpu")
+
+
+def test_unknown_interface_is_refused_and_the_default_is_loopback():
+    assert resolve_interface(None).startswith("lo")
+    with pytest.raises(ValueError, match="distributed_interface: no network interface 'nope0'"):
+        resolve_interface("nope0")
+
+
+def test_vocab_shards_pad_past_the_vocabulary_and_the_head_drops_the_padding():
+    full = torch.arange(5 * 2, dtype=torch.float32).view(5, 2)  # a 5-token vocabulary over 2 ranks: 3 + 3 rows
+    last = VocabParallelEmbedding(3, 2, start=3, vocab_size=5)
+    assert torch.equal(last.load_shard("weight", full), torch.tensor([[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]))
+    head = ParallelLMHead(6, 2, start=0, vocab_size=5)  # one rank holding the padded vocabulary
+    assert head(torch.ones(1, 2)).shape == (1, 5)
+
+
+# ---- two ranks against one -----------------------------------------------------------------------------------
+
+
+def test_greedy_tokens_are_identical_to_one_process(pair):
+    single, split = pair
+    assert token_ids(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
+        token_ids(single.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_seeded_sampling_is_identical_to_one_process(pair):
+    single, split = pair
+    params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=s) for s in range(len(PROMPTS))]
+    assert token_ids(split.generate(PROMPTS, params, use_tqdm=False)) == \
+        token_ids(single.generate(PROMPTS, params, use_tqdm=False))
+
+
+def test_each_rank_holds_half_the_heads_and_the_kv_budget_is_per_rank(pair):
+    single, split = pair
+    ranks = split.engine.executor.workers
+    assert [(w["rank"], w["num_heads"], w["num_kv_heads"]) for w in ranks] == [(0, 2, 1), (1, 2, 1)]
+    # Same kv_cache_memory per device, half the KV heads per rank: twice the blocks.
+    blocks = lambda llm: llm.engine.scheduler.kv_cache_manager.block_pool.num_blocks  # noqa: E731
+    assert blocks(split) == 2 * blocks(single)
+    assert split.model is None  # the engine process holds no weights
+
+
+def test_rank_traffic_stays_on_loopback(pair):
+    """Every socket of every rank, listening or connected, is on a loopback address (a TCP rendezvous
+    store would listen on all interfaces: the ranks meet through a file instead)."""
+    _, split = pair
+    for pid in split.engine.executor.pids:
+        sockets = [c for c in psutil.Process(pid).net_connections(kind="inet") if c.laddr]
+        assert sockets, "the ranks talk over sockets"
+        for conn in sockets:
+            assert ipaddress.ip_address(conn.laddr.ip).is_loopback, conn
+
+
+def test_server_on_two_ranks_answers_with_the_same_tokens(pair):
+    single, split = pair
+    prompt = PROMPTS[1]
+    reference = single.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    app = create_app(split, api_keys=[KEY], served_model_name="tp", log_stats_interval=None)
+    with running_server(app) as server, httpx.Client(base_url=server.url, headers=auth(KEY), timeout=60) as http:
+        body = {"model": "tp", "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["text"] == reference.text
+        assert response.json()["usage"]["completion_tokens"] == len(reference.token_ids)
+
+
+def test_shutdown_stops_every_worker(pair):
+    _, split = pair
+    processes = split.engine.executor.processes
+    split.shutdown()
+    assert all(not p.is_alive() for p in processes)
+    with pytest.raises(TensorParallelError, match="down"):
+        split.generate(["after shutdown"], GREEDY, use_tqdm=False)
+
+
+# ---- other shapes (each starts its own ranks) -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v bias; per-head q/k norms and tied embeddings
+def test_other_families_match_one_process(arch, checkpoints):
+    path = str(checkpoints[arch])
+    expected = token_ids(LLM(model=path, **ENGINE_KWARGS).generate(PROMPTS, GREEDY, use_tqdm=False))
+    split = LLM(model=path, tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        assert token_ids(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    finally:
+        split.shutdown()
+
+
+@pytest.mark.slow
+def test_one_kv_head_replicated_on_both_ranks_and_an_odd_vocabulary(tmp_path):
+    path = make_tiny_model(tmp_path / "mqa", vocab_size=509, size=dict(TINY, num_key_value_heads=1))
+    config = ModelConfig.from_pretrained(path)
+    assert config.num_key_value_heads == 1 and config.vocab_size % 2 == 1  # the shapes this test is about
+    expected = token_ids(LLM(model=str(path), **ENGINE_KWARGS).generate(PROMPTS, GREEDY, use_tqdm=False))
+    split = LLM(model=str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        assert [w["num_kv_heads"] for w in split.engine.executor.workers] == [1, 1]
+        assert token_ids(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    finally:
+        split.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_stops_the_engine_with_an_error_not_a_hang(tiny_llama):
+    split = LLM(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_KWARGS)
+    executor = split.engine.executor
+    try:
+        for prompt in PROMPTS:
+            split.add_request(prompt, GREEDY)
+        split.step()
+        split.step()  # mid-generation
+        os.kill(executor.pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        box = run_with_timeout(lambda: [split.step() for _ in range(50)], timeout=60)
+        assert isinstance(box.get("error"), TensorParallelError), box
+        assert "rank 1" in str(box["error"]) and "exited with code -9" in str(box["error"])
+        assert time.monotonic() - start < 30
+        assert all(p.exitcode is not None for p in executor.processes), "no rank outlives the failure"
+        # The engine stays down, and says so at once.
+        box = run_with_timeout(lambda: split.generate(["again"], GREEDY, use_tqdm=False), timeout=10)
+        assert isinstance(box.get("error"), TensorParallelError)
+    finally:
+        split.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_under_the_server_fails_the_request_and_health(tiny_llama):
+    split = LLM(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_KWARGS)
+    app = create_app(split, api_keys=[KEY], served_model_name="tp", log_stats_interval=None)
+    engine = app.state.engine
+    try:
+        with running_server(app) as server, httpx.Client(base_url=server.url, headers=auth(KEY), timeout=60) as http:
+            assert http.get("/health").status_code == 200
+            body = {"model": "tp", "prompt": "a long answer", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+            box: dict = {}
+            request = threading.Thread(target=lambda: box.update(response=http.post("/v1/completions", json=body)))
+            request.start()
+            assert wait_until(lambda: engine.stats.num_generation_tokens >= 3, timeout=30), "generation never began"
+            os.kill(split.engine.executor.pids[1], signal.SIGKILL)
+            request.join(60)
+            assert not request.is_alive(), "the request hangs after a rank died"
+            assert box["response"].status_code == 503, box["response"].text
+            assert box["response"].json()["error"]["code"] == "engine_unavailable"
+            assert wait_until(lambda: http.get("/health").status_code == 503, timeout=10)
+            assert all(p.exitcode is not None for p in split.engine.executor.processes)
+    finally:
+        split.shutdown()
