@@ -99,7 +99,8 @@ def worker_main(rank: int, settings: WorkerSettings, conn) -> None:
     try:
         device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")
         if device.type == "cpu":  # the ranks share the cores instead of each claiming all of them
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.world_size))
+            threads = os.environ.get("OMP_NUM_THREADS")
+            torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // settings.world_size))
         init_tensor_parallel(rank, settings.world_size, settings.store_path, settings.interface, device,
                              settings.timeout_s)
         worker = Worker(rank, settings)
