@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import kv_fragmentation, offline_throughput, prefix_cache
 
 
@@ -64,3 +66,16 @@ def test_prefix_cache_smoke(tmp_path):
     assert data["checks"]["total"]["saved_equals_cached"]
     assert data["checks"]["same_outputs_all_engines"]
     assert on["hit_rate"] > 0 and off["hit_rate"] == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_smoke(tmp_path):
+    from benchmarks import tensor_parallel
+
+    tensor_parallel.main(["--model", "tiny", "--num-requests", "2", "--prompt-len", "8", "--output-len", "4",
+                          "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "tensor_parallel.md")])
+    data = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    assert data["same_tokens"] is True
+    assert [r["tensor_parallel_size"] for r in data["rows"]] == [1, 2]
+    assert all(r["output_tokens_per_s"] > 0 for r in data["rows"])
+    assert "python -m benchmarks.tensor_parallel" in (tmp_path / "tensor_parallel.md").read_text()
