@@ -7,7 +7,7 @@ worker process: a rank that exits, or answers with an error, fails the step at o
 error naming it, and the executor stops the other ranks. Nothing waits forever on a peer
 that is gone; a rank stuck in a collective gives up after the process group's timeout.
 
-Workers are started with ``spawn`` (CUDA cannot be forked) as daemon processes, so they
+Workers are started with ``spawn`` (a forked child cannot use CUDA) as daemon processes, so they
 cannot outlive the engine: ``shutdown`` joins them, a finalizer stops them if the executor is
 dropped, and a worker whose pipe closes exits by itself.
 

@@ -14,7 +14,6 @@ vLLM: ``vllm/v1/worker/gpu_worker.py`` (``init_worker_distributed_environment``,
 
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention_backends import ATTENTION_BACKENDS
 from stage5_server.parallel.parallel_state import init_tensor_parallel, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import load_sharded_model
-
-logger = logging.getLogger("stagedserve")
 
 
 @dataclass
