@@ -45,6 +45,7 @@ from shared.sampling_params import SamplingParams
 logger = logging.getLogger("stagedserve")
 
 IDLE_POLL_MS = 200  # while idle, wake this often to check that the parent is still alive
+SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: then give up
 NOTHING_SCHEDULABLE_POLL_MS = 5  # nothing could run (KV full): wait this long for an abort or a new request
 
 
@@ -112,7 +113,7 @@ class EngineCoreProc:
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()
             self.take_messages(0 if busy else IDLE_POLL_MS)
-            if self.stopping or (not busy and os.getppid() != self.parent_pid):
+            if self.stopping or os.getppid() != self.parent_pid:
                 break  # asked to stop, or orphaned (the parent was killed)
             if self.engine.has_unfinished_requests():
                 self.step()
@@ -167,8 +168,12 @@ class EngineCoreProc:
 
     def send(self, outputs: list[dict[str, Any]], failed: dict[str, Any] | None = None) -> None:
         self._last_stats = self.engine.stats()
-        self.output.send(encode({"type": "outputs", "outputs": outputs, "failed": failed,
-                                 "stats": dataclasses.asdict(self._last_stats)}))
+        try:
+            self.output.send(encode({"type": "outputs", "outputs": outputs, "failed": failed,
+                                     "stats": dataclasses.asdict(self._last_stats)}))
+        except zmq.Again:  # nobody at the other end any more
+            logger.error("the API server stopped reading outputs; exiting")
+            self.stopping = True
 
 
 def _plain(value: Any) -> Any:
@@ -194,6 +199,8 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader, only on a missing one
+    output_socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     output_socket.connect(output_address)
     input_socket = context.socket(zmq.PULL)
     input_socket.setsockopt(zmq.LINGER, 0)
@@ -215,6 +222,8 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
         output_socket.send(encode({"type": "ready", "config": config}))
         EngineCoreProc(llm.engine, input_socket, output_socket, parent_pid).run()
         logger.info("engine core process exiting")
+    except zmq.Again:
+        logger.error("no API server to report to; exiting")
     finally:
         input_socket.close()
         output_socket.close()

@@ -300,7 +300,7 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
         except httpx.HTTPError:
             return process.poll() is not None
 
-    engine_pid = None
+    engine_pid, signalled = None, False
     try:
         assert wait_until(healthy, timeout=120, interval=0.2) and process.poll() is None, log.read()
         log.seek(0)
@@ -308,8 +308,22 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
         assert engine_pid != process.pid and not process_gone(engine_pid)
         response = httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 3})
         assert response.status_code == 200
+        # Signal the server while a stream is under way: the engine process is busy, not idle.
+        stream = httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                              json={"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True})
+        with stream as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(sig)
+            signalled = True
+            try:
+                for _ in lines:
+                    pass
+            except httpx.HTTPError:
+                pass  # a killed server just drops the connection
     finally:
-        process.send_signal(sig)
+        if not signalled:
+            process.send_signal(sig)
         try:
             code = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
