@@ -335,3 +335,22 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
             os.kill(engine_pid, signal.SIGKILL)
     assert gone, "the engine process outlived the server"
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+
+
+def test_serve_engine_process_flag_builds_a_split_server_and_stops_its_engine(tiny_llama, monkeypatch, caplog):
+    import uvicorn
+
+    from stage5_server.cli import main, make_parser
+
+    assert make_parser().parse_args(["serve"]).engine_process is False  # the measured default
+    assert make_parser().parse_args(["serve", "--engine-process"]).engine_process is True
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(app))
+    with caplog.at_level("INFO", logger="stagedserve"):
+        assert main(["serve", str(tiny_llama), "--engine-process", "--max-model-len", "128",
+                     "--num-kv-blocks", "16", "--log-stats-interval", "0"]) == 0
+    [app] = served
+    engine = app.state.engine
+    assert isinstance(engine, MPAsyncLLM) and engine.engine_args["max_model_len"] == 128
+    assert f"engine core: separate process (pid {engine.engine_pid})" in caplog.text
+    assert not engine.is_running and wait_until(lambda: process_gone(engine.engine_pid), timeout=10)
