@@ -370,6 +370,8 @@ class AsyncLLM(AsyncEngine):
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
+        except EngineDeadError:  # it cannot step again (a tensor-parallel rank died): stop, /health turns 503
+            raise
         except Exception as exc:
             logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
             self._fail_requests(list(self._streams),

@@ -41,6 +41,7 @@ from shared.metrics import SchedulerStats
 from shared.outputs import Logprob
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
+from stage5_server.async_llm import EngineDeadError
 
 logger = logging.getLogger("stagedserve")
 
@@ -107,6 +108,7 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.num_sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.stopping = False
+        self.dead = False  # the engine cannot step again (e.g. a tensor-parallel rank died)
         self._last_stats: SchedulerStats | None = None
 
     def run(self) -> None:
@@ -148,8 +150,12 @@ class EngineCoreProc:
             ids = list(self.num_sent)
             self.engine.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             self.num_sent.clear()
-            self.send([], failed={"ids": ids, "error": "the engine failed while running this request "
-                                                       f"({type(exc).__name__})"})
+            error = str(exc) if isinstance(exc, EngineDeadError) else \
+                f"the engine failed while running this request ({type(exc).__name__})"
+            self.send([], failed={"ids": ids, "error": error})
+            if isinstance(exc, EngineDeadError):  # it cannot step again: exit, the API server turns unhealthy
+                self.dead = True
+                self.stopping = True
             return
         outputs = []
         for request in updated:
@@ -220,8 +226,11 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
                   "tokenizer": str(llm.args["tokenizer"] or llm.model_path),
                   "engine_args": {k: _plain(v) for k, v in llm.args.items()}}
         output_socket.send(encode({"type": "ready", "config": config}))
-        EngineCoreProc(llm.engine, input_socket, output_socket, parent_pid).run()
+        proc = EngineCoreProc(llm.engine, input_socket, output_socket, parent_pid)
+        proc.run()
         logger.info("engine core process exiting")
+        if proc.dead:
+            raise SystemExit(1)
     except zmq.Again:
         logger.error("no API server to report to; exiting")
     finally:

@@ -20,7 +20,14 @@ from shared.request import Request
 from stage5_server.api_server import TIMELINE_HEADER, create_app
 from stage5_server.async_llm import AsyncLLM, EngineDeadError, RequestAborted
 from stage5_server.core_client import MPAsyncLLM, make_async_llm
-from stage5_server.engine_core_proc import output_to_wire, request_from_wire, request_to_wire
+from stage5_server.engine_core_proc import (
+    EngineCoreProc,
+    decode,
+    encode,
+    output_to_wire,
+    request_from_wire,
+    request_to_wire,
+)
 from stage5_server.server_metrics import request_phases
 from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, sse_events, wait_until
 
@@ -76,6 +83,56 @@ def test_request_phases_split_the_first_token_at_the_process_boundary():
     assert phases["frontend_in"] + phases["queue"] + phases["prefill"] + phases["frontend_out"] == \
         phases["server_ttft"]
     assert request_phases(RequestTimeline(arrival=1.0))["prefill"] is None
+
+
+def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_step_raises(tiny_llama, monkeypatch):
+    import zmq
+
+    llm = make_llm(tiny_llama)
+    context = zmq.Context()
+    sockets = {}
+    for name, kind, peer in (("to_core", zmq.PUSH, zmq.PULL), ("from_core", zmq.PULL, zmq.PUSH)):
+        sockets[name] = context.socket(kind)
+        sockets[name].bind(f"inproc://{name}")
+        sockets[name + "_peer"] = context.socket(peer)
+        sockets[name + "_peer"].connect(f"inproc://{name}")
+    core = EngineCoreProc(llm.engine, sockets["to_core_peer"], sockets["from_core_peer"], os.getppid())
+
+    def add(request_id: str) -> None:
+        request = Request(request_id, [5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        sockets["to_core"].send(encode(["add", request_to_wire(request)]))
+        core.take_messages(1000)
+
+    def received() -> dict:
+        assert sockets["from_core"].poll(5000)
+        return decode(sockets["from_core"].recv())
+
+    try:
+        add("a")
+        core.step()
+        core.step()
+        first, second = received(), received()
+        tokens = llm.engine.scheduler.requests["a"].output_token_ids
+        assert len(tokens) == 2  # one per step, each sent once
+        assert [o["tokens"] for o in first["outputs"] + second["outputs"]] == [tokens[:1], tokens[1:]]
+        assert second["stats"]["num_running"] == 1
+
+        monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        core.step()  # an ordinary failure: the requests in flight fail, the loop keeps serving
+        failed = received()
+        assert failed["failed"]["ids"] == ["a"] and "RuntimeError" in failed["failed"]["error"]
+        assert not core.stopping and not core.num_sent and failed["stats"]["num_running"] == 0
+
+        add("b")
+        monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(EngineDeadError("rank 1 died")))
+        core.step()  # the engine cannot step again: fail, and leave the loop (the process exits non-zero)
+        failed = received()
+        assert failed["failed"] == {"ids": ["b"], "error": "rank 1 died"}
+        assert core.dead and core.stopping
+    finally:
+        for socket in sockets.values():
+            socket.close(linger=0)
+        context.term()
 
 
 # ---- both modes, one engine each ---------------------------------------------------------------
