@@ -230,6 +230,7 @@ def test_bad_input_is_refused_before_it_reaches_the_core(engines):
     assert split.is_running
 
 
+@pytest.mark.slow
 def test_a_bad_engine_argument_fails_start_up_with_the_childs_message(tiny_llama):
     with pytest.raises(ValueError, match="no_such_engine_arg"):
         make_async_llm(str(tiny_llama), engine_process=True, log_stats_interval=None, no_such_engine_arg=1)
@@ -394,6 +395,7 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
 
 
+@pytest.mark.slow
 def test_serve_engine_process_flag_builds_a_split_server_and_stops_its_engine(tiny_llama, monkeypatch, caplog):
     import uvicorn
 
