@@ -81,7 +81,7 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 @contextmanager
-def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120.0):
+def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120.0, extra_args: tuple[str, ...] = ()):
     """``stagedserve serve`` on a free loopback port, with a fresh key; stopped with SIGINT."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -93,6 +93,7 @@ def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120
            "--served-model-name", "bench", "--no-enable-prefix-caching", "--log-stats-interval", "0"]
     for name, flag in flags.items():
         cmd += [flag, str(engine_kwargs[name])]
+    cmd += list(extra_args)
     env = {**os.environ, "STAGEDSERVE_API_KEY": api_key, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

@@ -17,6 +17,10 @@ class RequestTimeline:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)  # one entry per output token
     finished: float | None = None
+    # A server's extra points (time.monotonic, one clock for every process of the machine):
+    received: float | None = None  # the HTTP request reached the server
+    queued: float | None = None  # the engine core took the request in
+    first_delivered: float | None = None  # the first output, detokenized, was handed to its consumer
 
     @property
     def ttft(self) -> float | None:

@@ -4,8 +4,14 @@
 
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group)
          -> BodySizeLimitMiddleware (413) -> route: parse strictly (protocol.py, 400)
-         -> tokenize on the engine thread -> AsyncLLM.add_request(cache_salt=group's salt)
+         -> tokenize (``engine.call``) -> engine.add_request(cache_salt=group's salt)
          -> JSON response, or SSE ``data: {...}`` chunks ending in ``data: [DONE]``
+
+The engine is an ``AsyncEngine``: ``AsyncLLM`` (the engine core on a thread of this
+process) or ``MPAsyncLLM`` (the engine core in a process of its own; see ``core_client.py``).
+A request that sends ``X-Stagedserve-Timeline: 1`` gets its server-side timeline
+(``server_metrics.request_phases``) as an extra ``server_timeline`` key in the response
+body, or in the stream's final choice chunk: opt-in, so standard clients see standard bodies.
 
 The security boundary, which is stricter than vLLM's:
 
@@ -55,7 +61,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.outputs import Logprob, RequestOutput
 from shared.sampling_params import SamplingParams
-from stage5_server.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestAborted, RequestStream
+from stage5_server.async_llm import (
+    AsyncEngine,
+    AsyncLLM,
+    EngineDeadError,
+    EngineError,
+    RequestAborted,
+    RequestStream,
+)
 from stage5_server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -68,13 +81,14 @@ from stage5_server.protocol import (
     now,
     usage,
 )
-from stage5_server.server_metrics import PrometheusStatLogger
+from stage5_server.server_metrics import PrometheusStatLogger, request_phases
 
 logger = logging.getLogger("stagedserve")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 PUBLIC_GROUP = "public"  # the one trust group of a server run without API keys
 TRUST_GROUP_SCOPE_KEY = "stagedserve.trust_group"
+TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -360,9 +374,9 @@ def _finish_reason(output: RequestOutput) -> str | None:
 
 
 class OpenAIServing:
-    """Completions and chat completions over one ``AsyncLLM``."""
+    """Completions and chat completions over one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, salter: CacheSalter,
+    def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
                  trust_client_cache_salt: bool):
         self.engine = engine
         self.served_model_name = served_model_name
@@ -406,9 +420,10 @@ class OpenAIServing:
                            code="context_length_exceeded")
 
     async def start(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                    salt: str) -> RequestStream:
+                    salt: str, received: float) -> RequestStream:
         try:
-            return await self.engine.add_request(token_ids, params, request_id, cache_salt=salt)
+            return await self.engine.add_request(token_ids, params, request_id, cache_salt=salt,
+                                                 received_time=received)
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
         except EngineDeadError as exc:
@@ -462,6 +477,8 @@ class OpenAIServing:
 
     # -- POST /v1/completions
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        received = time.monotonic()
+        timeline = _timeline_extra(request)
         self.check_model(body.model)
         salt = self.cache_salt(request, body.cache_salt)
         params = body.sampling_params(body.max_tokens, body.logprobs)
@@ -469,7 +486,7 @@ class OpenAIServing:
         token_ids = prompt if isinstance(prompt, list) else await self.on_engine(self.engine.tokenizer.encode, prompt)
         self.check_lengths(len(token_ids), params.max_tokens, "prompt")
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", now(), self.served_model_name
-        stream = await self.start(token_ids, params, request_id, salt)
+        stream = await self.start(token_ids, params, request_id, salt, received)
 
         def base(choices: list, **extra) -> dict[str, Any]:
             return {"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -479,7 +496,8 @@ class OpenAIServing:
             c = out.outputs[0]
             choice = {"index": 0, "text": c.text, "logprobs": completion_logprobs(out, 0, len(c.token_ids), 0),
                       "finish_reason": _finish_reason(out), "stop_reason": c.stop_reason}
-            return base([choice], usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens))
+            return base([choice], usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
+                        **timeline(out))
 
         offset = 0
 
@@ -489,7 +507,8 @@ class OpenAIServing:
             offset += len(text)
             choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": _finish_reason(out) if out.finished else None}
-            return base([choice], **({"usage": None} if body.include_usage else {}))
+            return base([choice], **({"usage": None} if body.include_usage else {}),
+                        **(timeline(out) if out.finished else {}))
 
         def usage_chunk(out: RequestOutput) -> dict[str, Any]:
             return base([], usage=usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
@@ -503,6 +522,8 @@ class OpenAIServing:
 
     # -- POST /v1/chat/completions
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        received = time.monotonic()
+        timeline = _timeline_extra(request)
         self.check_model(body.model)
         salt = self.cache_salt(request, body.cache_salt)
         top_n = body.top_logprobs or 0
@@ -510,7 +531,7 @@ class OpenAIServing:
         token_ids = await self.on_engine(self.engine.tokenizer.apply_chat_template, body.conversation())
         self.check_lengths(len(token_ids), params.max_tokens, "messages")
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now(), self.served_model_name
-        stream = await self.start(token_ids, params, request_id, salt)
+        stream = await self.start(token_ids, params, request_id, salt, received)
 
         def base(obj: str, choices: list, **extra) -> dict[str, Any]:
             return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices,
@@ -522,7 +543,8 @@ class OpenAIServing:
                       "logprobs": chat_logprobs(out, 0, len(c.token_ids), top_n),
                       "finish_reason": _finish_reason(out), "stop_reason": c.stop_reason}
             return base("chat.completion", [choice],
-                        usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens))
+                        usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
+                        **timeline(out))
 
         first_chunk = True
 
@@ -534,7 +556,8 @@ class OpenAIServing:
                 first_chunk = False
             choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(out, start, end, top_n),
                       "finish_reason": _finish_reason(out) if out.finished else None}
-            return base("chat.completion.chunk", [choice], **({"usage": None} if body.include_usage else {}))
+            return base("chat.completion.chunk", [choice], **({"usage": None} if body.include_usage else {}),
+                        **(timeline(out) if out.finished else {}))
 
         def usage_chunk(out: RequestOutput) -> dict[str, Any]:
             return base("chat.completion.chunk", [], usage=usage(len(out.prompt_token_ids),
@@ -546,6 +569,13 @@ class OpenAIServing:
             def events(first: RequestOutput) -> AsyncIterator[str]:
                 return self.events(first, stream, params, chunk, usage_chunk if body.include_usage else None)
         return await self.respond(request, stream, response, events)
+
+
+def _timeline_extra(request: Request):
+    """``{"server_timeline": phases}`` for a request that opted in with ``X-Stagedserve-Timeline: 1``."""
+    if request.headers.get(TIMELINE_HEADER) != "1":
+        return lambda output: {}
+    return lambda output: {"server_timeline": request_phases(output.timeline)}
 
 
 def _engine_api_error(exc: BaseException) -> APIError:
@@ -590,23 +620,24 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 _HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def create_app(engine: AsyncLLM | Any, *, api_keys: Mapping[str, str | None] | list[str] | None = None,
+def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] | list[str] | None = None,
                served_model_name: str | None = None, trust_client_cache_salt: bool = False,
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None) -> FastAPI:
-    """The OpenAI-compatible app over an ``AsyncLLM``, or over an ``LLM`` (wrapped, and shut down with the app).
+    """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an in-process
+    ``AsyncLLM``, and shut down with the app).
 
     ``api_keys``: ``{key: trust group}`` or a list of keys (each its own group); None runs
     without authentication (keep the server on loopback then). ``log_stats_interval``
     applies only when an ``LLM`` is wrapped here.
     """
-    owns_engine = not isinstance(engine, AsyncLLM)
+    owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
     keys = APIKeys(api_keys) if api_keys is not None else None
-    model_name = served_model_name or str(engine.llm.model_path)
+    model_name = served_model_name or engine.model_path
     metrics = PrometheusStatLogger(model_name, lambda: engine.stats, engine.max_model_len)
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt)
@@ -650,7 +681,7 @@ def create_app(engine: AsyncLLM | Any, *, api_keys: Mapping[str, str | None] | l
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(APIError(500, "Internal server error.", code="internal_error").body(), status_code=500)
 
-    @app.get("/health", summary="Liveness: 200 while the engine thread runs (no API key needed)")
+    @app.get("/health", summary="Liveness: 200 while the engine core runs (no API key needed)")
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(APIError(503, "The engine is not running.", code="engine_unavailable").body(),

@@ -13,9 +13,13 @@ one: a consumer that falls behind skips intermediate outputs and loses nothing.
 When ``llm.step()`` raises, every in-flight request fails with ``EngineError`` on its
 stream and is aborted (its KV blocks go back to the pool); the loop keeps serving.
 
-vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``) and the
-``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``. vLLM runs the engine
-core in a separate process behind ZMQ; a thread is enough here and keeps one process.
+This is the in-process mode: tokenizer, detokenizer and engine core share one process and
+one GIL with the HTTP event loop. ``core_client.MPAsyncLLM`` offers the same interface
+(``AsyncEngine``) with the engine core in a process of its own, as vLLM V1 does.
+
+vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``), the
+``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``, and
+``InprocClient`` in ``vllm/v1/engine/core_client.py`` (the engine core in the caller's process).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -99,12 +104,119 @@ class RequestStream:
         return await self.get()
 
 
-class AsyncLLM:
+class AsyncEngine:
+    """What the server uses of an engine, wherever its core runs (this process or another one).
+
+    Subclasses provide ``add_request``, ``abort``, ``call``, ``shutdown`` and the properties
+    below; streams, ``generate``, delivery to event loops and stat loggers are shared here.
+    ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the thread that
+    produces outputs.
+    """
+
+    stat_loggers: list[StatLogger]
+    tokenizer: Any  # use it only through ``call``
+    max_model_len: int
+    model_path: str
+    stage: str
+    engine_args: dict[str, Any]  # the resolved engine configuration
+    engine_process: bool  # True: the engine core runs in a process of its own
+
+    @property
+    def stats(self) -> SchedulerStats:
+        raise NotImplementedError
+
+    @property
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        raise NotImplementedError
+
+    async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
+                          priority: int = 0, cache_salt: str | None = None,
+                          received_time: float | None = None) -> RequestStream:
+        raise NotImplementedError
+
+    def abort(self, request_id: str | list[str]) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative ``RequestOutput``s until the final one (``finished=True``).
+
+        Closing the generator early (a client that went away) aborts the request.
+        """
+        stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]) -> None:
+        def put_all() -> None:
+            for stream, item in items:
+                stream.put(item)
+
+        try:
+            loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # that event loop is closed: nobody will read these
+            self.abort([s.request_id for s, _ in items])
+
+    def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """Hand outputs to their streams' loops; stamp each request's first delivery."""
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = defaultdict(list)
+        for stream, output in items:
+            if output.timeline.first_delivered is None:
+                output.timeline.first_delivered = now
+            if output.finished:
+                self._record("record_finished", output)
+            by_loop[stream.loop].append((stream, output))
+        for loop, loop_items in by_loop.items():
+            self._deliver(loop, loop_items)
+
+    def _deliver_errors(self, streams: list[RequestStream], make_error: Callable[[str], BaseException],
+                        reason: str) -> None:
+        for _ in streams:
+            self._record("record_aborted", reason)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = defaultdict(list)
+        for stream in streams:
+            by_loop[stream.loop].append((stream, make_error(stream.request_id)))
+        for loop, items in by_loop.items():
+            self._deliver(loop, items)
+
+    def _record(self, method: str, *args: Any) -> None:
+        for stat_logger in tuple(self.stat_loggers):  # the app may add or remove one meanwhile
+            try:
+                getattr(stat_logger, method)(*args)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("stat logger %s.%s failed", type(stat_logger).__name__, method)
+
+    @staticmethod
+    def _decode_logprob_tokens(tokenizer, output: RequestOutput) -> None:
+        """Fill ``Logprob.decoded_token`` (on the thread that may use the tokenizer)."""
+        logprobs = output.outputs[0].logprobs
+        if not logprobs:
+            return
+        for entry in logprobs:
+            for token_id, logprob in entry.items():
+                if logprob.decoded_token is None:
+                    logprob.decoded_token = tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class AsyncLLM(AsyncEngine):
     """Run ``llm`` on a background thread; serve many concurrent requests from asyncio.
 
     ``log_stats_interval`` (seconds; None or 0: off) logs vLLM's periodic stats line.
     ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the engine thread.
     """
+
+    engine_process = False
 
     def __init__(self, llm: BaseLLM, *, log_stats_interval: float | None = 10.0,
                  stat_loggers: list[StatLogger] | None = None, idle_poll_s: float = 0.5):
@@ -133,6 +245,18 @@ class AsyncLLM:
         return self.llm.max_model_len
 
     @property
+    def model_path(self) -> str:
+        return str(self.llm.model_path)
+
+    @property
+    def stage(self) -> str:
+        return self.llm.stage
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        return dict(self.llm.args)
+
+    @property
     def stats(self) -> SchedulerStats:
         """The engine's stats as of the engine thread's latest loop iteration."""
         return self._stats
@@ -146,8 +270,12 @@ class AsyncLLM:
         return await asyncio.wrap_future(self._submit(lambda: fn(*args, **kwargs)))
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request; return its stream. Invalid input raises ``ValueError`` naming the field."""
+                          priority: int = 0, cache_salt: str | None = None,
+                          received_time: float | None = None) -> RequestStream:
+        """Queue a request; return its stream. Invalid input raises ``ValueError`` naming the field.
+
+        ``received_time`` (``time.monotonic``): when the server got the request, for its timeline.
+        """
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
@@ -155,6 +283,8 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             self.llm.add_request(prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt)
+            timeline = self.llm.output_processor.states[request_id].request.timeline
+            timeline.received, timeline.queued = received_time, timeline.arrival  # in the core as it arrives
             self._streams[request_id] = stream
 
         try:
@@ -163,20 +293,6 @@ class AsyncLLM:
             self.abort(request_id)  # the add may still run: do not leave an orphan in the engine
             raise
         return stream
-
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative ``RequestOutput``s until the final one (``finished=True``).
-
-        Closing the generator early (a client that went away) aborts the request.
-        """
-        stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Returns at once; thread-safe."""
@@ -264,18 +380,16 @@ class AsyncLLM:
         if not outputs and self.llm.engine.stats().num_running == 0:
             # Nothing could be scheduled (no free KV blocks, say): wait for a command instead of spinning.
             self._run_commands(block=True, timeout=0.005)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        deliveries: list[tuple[RequestStream, RequestOutput]] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while it ran
             if output.finished:
                 del self._streams[output.request_id]
-                self._record("record_finished", output)
-            self._decode_logprob_tokens(output)
-            deliveries[stream.loop].append((stream, output))
-        for loop, items in deliveries.items():
-            self._deliver(loop, items)
+            self._decode_logprob_tokens(self.llm.tokenizer, output)
+            deliveries.append((stream, output))
+        self._deliver_outputs(deliveries)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]) -> None:
         def put_all() -> None:
@@ -284,7 +398,7 @@ class AsyncLLM:
 
         try:
             loop.call_soon_threadsafe(put_all)
-        except RuntimeError:  # that event loop is closed: nobody will read these
+        except RuntimeError:  # that event loop is closed (we are on the engine thread: abort now)
             self._abort_now([s.request_id for s, _ in items], "abort")
 
     def _abort_now(self, request_ids: list[str], reason: str) -> None:
@@ -302,29 +416,5 @@ class AsyncLLM:
             self.llm.abort([s.request_id for s in streams])
         except Exception:
             logger.exception("aborting %d request(s) failed", len(streams))
-        for _ in streams:
-            self._record("record_aborted", reason)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = defaultdict(list)
-        for stream in streams:
-            by_loop[stream.loop].append((stream, make_error(stream.request_id)))
-        for loop, items in by_loop.items():
-            self._deliver(loop, items)
-
-    def _record(self, method: str, *args: Any) -> None:
-        for stat_logger in tuple(self.stat_loggers):  # the app may add or remove one meanwhile
-            try:
-                getattr(stat_logger, method)(*args)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("stat logger %s.%s failed", type(stat_logger).__name__, method)
-
-    def _decode_logprob_tokens(self, output: RequestOutput) -> None:
-        """Fill ``Logprob.decoded_token`` here, where the tokenizer may be used."""
-        logprobs = output.outputs[0].logprobs
-        if not logprobs:
-            return
-        decode = self.llm.tokenizer.decode
-        for entry in logprobs:
-            for token_id, logprob in entry.items():
-                if logprob.decoded_token is None:
-                    logprob.decoded_token = decode([token_id], skip_special_tokens=False)
+        self._deliver_errors(streams, make_error, reason)
 

@@ -13,6 +13,10 @@ local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
 separates the group); keys in one group share prefix-cache blocks, keys in different
 groups never do, and a key without a group is a group of its own.
 
+``--engine-process`` runs the engine core (scheduler, KV cache, model) in a process of
+its own, with HTTP, tokenization and detokenization in this one (vLLM V1's split;
+``core_client.py``); ``--no-engine-process`` keeps it on a thread of the server process.
+
 ``bench`` subcommands live in ``stage5_server/bench/cli.py``: its
 ``add_bench_subcommands(subparsers)`` adds parsers that ``set_defaults(func=handler)``,
 where ``handler(args) -> int | None``; this file only calls it when it is importable.
@@ -26,6 +30,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from typing import Any
 
@@ -38,6 +43,8 @@ DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 # The engine thread and the event loop share one GIL; a shorter switch interval than
 # Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
 SWITCH_INTERVAL_S = 0.0005
+# The engine core in its own process by default? Decided by measurement: docs/serving.md.
+DEFAULT_ENGINE_PROCESS = False
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -107,6 +114,9 @@ def _add_serve(subparsers) -> None:
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=("critical", "error", "warning", "info", "debug", "trace"))
+    net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
+                     help="run the engine core in a separate process, HTTP and (de)tokenization in this one "
+                          f"(default: {'on' if DEFAULT_ENGINE_PROCESS else 'off'}; see docs/serving.md)")
     eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
     eng.add_argument("--max-model-len", type=positive_int, default=None)
     eng.add_argument("--max-num-seqs", type=positive_int, default=None)
@@ -201,24 +211,57 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from stage5_server import LLM
-    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, create_app, describe_routes
+    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, create_app
+    from stage5_server.core_client import make_async_llm
 
+    engine = None
     try:
-        llm = LLM(model=args.model, **engine_kwargs)
-        app = create_app(llm, api_keys=api_keys,
+        engine = make_async_llm(args.model, engine_process=args.engine_process,
+                                log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
+        app = create_app(engine, api_keys=api_keys,
                          served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME,
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
-                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                         log_stats_interval=args.log_stats_interval or None)
+                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:
+        if engine is not None:
+            engine.shutdown()
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
         return 2
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again once it is done;
+    # SIGTERM's default action would end this process there, before the engine is stopped.
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_after_sigterm)
+    try:
+        _log_configuration(args, app, engine, engine_kwargs, api_keys)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    except _SigtermExit:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        engine.shutdown()  # after uvicorn's graceful shutdown: the engine process never outlives the server
+    return 0
+
+
+class _SigtermExit(Exception):
+    pass
+
+
+def _exit_after_sigterm(signum, frame) -> None:
+    raise _SigtermExit
+
+
+def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
+                       api_keys: dict[str, str | None] | None) -> None:
+    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, describe_routes
+
     serving = app.state.serving
-    logger.info("model: %s (served as %r)", llm.model_path, serving.served_model_name)
+    logger.info("model: %s (served as %r)", engine.model_path, serving.served_model_name)
     logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
-    logger.info("resolved engine configuration (%s): %s", llm.stage,
-                ", ".join(f"{k}={v}" for k, v in sorted(llm.args.items())))
+    logger.info("resolved engine configuration (%s): %s", engine.stage,
+                ", ".join(f"{k}={v}" for k, v in sorted(engine.engine_args.items())))
+    logger.info("engine core: %s", f"separate process (pid {engine.engine_pid})" if engine.engine_process
+                else "a thread of the server process")
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
                 "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
                 args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
@@ -233,9 +276,6 @@ def serve(args: argparse.Namespace) -> int:
                        "set --api-key or %s", args.host, API_KEY_ENV)
     for line in describe_routes(app):
         logger.info("route: %s", line)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-    return 0
 
 
 # ---- make-tiny-model -------------------------------------------------------------------------

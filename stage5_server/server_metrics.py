@@ -6,6 +6,13 @@ Two kinds of numbers. Engine state (running, waiting, KV usage) and engine count
 latencies (TTFT, ITL, TPOT, queue time, end-to-end) and sizes are observed into
 histograms once, when a request finishes, from its ``RequestTimeline``.
 
+Each finished request's time is also split at the boundary between the API server and
+the engine core (``request_phases``), so a slow first token can be placed in the right
+process: ``frontend_in`` (HTTP parsing, tokenization, the hand-off to the core),
+``queue``, ``prefill``, ``decode`` (engine core), ``frontend_out`` (from the core sampling
+the first token to its detokenized output reaching the request's stream). The core
+phases use vLLM's histogram names; the two front-end phases are this server's own.
+
 Every metric carries a ``model_name`` label, and each app has its own
 ``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
 do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are.
@@ -22,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.metrics import SchedulerStats
+from shared.metrics import RequestTimeline, SchedulerStats
 from shared.outputs import RequestOutput
 
 # vLLM's buckets, with a few smaller ones in front: the course's CPU models answer in milliseconds.
@@ -35,10 +42,31 @@ REQUEST_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
 
 
 class StatLogger(Protocol):
-    """What ``AsyncLLM`` tells a stat logger, on the engine thread."""
+    """What an ``AsyncEngine`` tells a stat logger, on the thread that produces outputs."""
 
     def record_finished(self, output: RequestOutput) -> None: ...
     def record_aborted(self, reason: str) -> None: ...
+
+
+def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
+    """Where a request's time went, in seconds, by side of the API-server / engine-core boundary.
+
+    ``frontend_in + queue + prefill + frontend_out == server_ttft``; the time a client sees
+    beyond ``server_ttft`` is the event loop, HTTP and the network. None: not measured.
+    """
+
+    def between(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else max(end - start, 0.0)
+
+    t = timeline
+    queued = t.queued if t.queued is not None else t.arrival
+    first_token = t.token_times[0] if t.token_times else None
+    last_token = t.token_times[-1] if t.token_times else None
+    return {"frontend_in": between(t.received, queued), "queue": between(queued, t.first_scheduled),
+            "prefill": between(t.first_scheduled, first_token), "decode": between(first_token, last_token),
+            "inference": between(t.first_scheduled, last_token), "frontend_out": between(first_token,
+                                                                                         t.first_delivered),
+            "server_ttft": between(t.received, t.first_delivered)}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -108,8 +136,22 @@ class PrometheusStatLogger:
                               "Histogram of time per output token in seconds (per request).", TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.phases = {
+            "queue": histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "prefill": histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+            "decode": histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+            "inference": histogram("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "frontend_in": histogram("stagedserve:request_frontend_in_time_seconds",
+                                     "API server: request received to engine core taking it in (parse, tokenize, "
+                                     "hand-off).", TTFT_BUCKETS),
+            "frontend_out": histogram("stagedserve:request_frontend_out_time_seconds",
+                                      "API server: first token sampled by the engine core to its detokenized "
+                                      "output reaching the request's stream.", TTFT_BUCKETS),
+        }
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                        token_buckets)
         self.generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
@@ -121,10 +163,13 @@ class PrometheusStatLogger:
         self.prompt_tokens.observe(len(output.prompt_token_ids))
         self.generation_tokens.observe(len(completion.token_ids))
         timeline = output.timeline
-        for value, histogram in ((timeline.ttft, self.ttft), (timeline.tpot, self.tpot), (timeline.e2e, self.e2e),
-                                 (timeline.queue_time, self.queue_time)):
+        for value, histogram in ((timeline.ttft, self.ttft), (timeline.tpot, self.tpot), (timeline.e2e, self.e2e)):
             if value is not None:
                 histogram.observe(max(value, 0.0))
+        phases = request_phases(timeline)
+        for name, histogram in self.phases.items():
+            if phases[name] is not None:
+                histogram.observe(phases[name])
         for gap in timeline.itls:
             self.itl.observe(gap)
 

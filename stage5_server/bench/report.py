@@ -85,9 +85,21 @@ def summarize_run(run: BenchRun) -> dict[str, Any]:
         "itl_ms": _ms([g for _, _, itls, _ in completed for g in itls]),
         "tpot_ms": _ms([t for *_, t in completed if t is not None]),
         "e2e_ms": _ms([tl.e2e for _, tl, _, _ in completed if tl.e2e is not None]),
+        "server_phases_ms": _server_phases([r for r, *_ in completed]),
         "errors": dict(errors.most_common(10)),
         "requests": per_request,
     }
+
+
+SERVER_PHASES = ("frontend_in", "queue", "prefill", "decode", "frontend_out", "server_ttft")
+
+
+def _server_phases(records: list) -> dict[str, dict[str, float]]:
+    """Summaries of the server-reported phases (empty when the server reports none)."""
+    reported = [r.server_timeline for r in records if r.server_timeline]
+    if not reported:
+        return {}
+    return {name: _ms([t[name] for t in reported if t.get(name) is not None]) for name in SERVER_PHASES}
 
 
 def _fmt(v: Any, spec: str = ".2f") -> str:
@@ -126,6 +138,12 @@ def format_result(res: dict[str, Any]) -> str:
     for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
         s = res[key]
         lines.append(f"{label:<16}" + "".join(f"{_fmt(s[q]):>11}" for q in ("mean", "p50", "p90", "p99")))
+    phases = res.get("server_phases_ms") or {}
+    if phases:
+        lines.append(f"{'server phase (ms)':<16}")
+        for name in SERVER_PHASES:
+            s = phases[name]
+            lines.append(f"  {name:<14}" + "".join(f"{_fmt(s[q]):>11}" for q in ("mean", "p50", "p90", "p99")))
     lines.append("-" * 63)
     lines.append(f"ITL policy: {res['itl_policy']} ({c['no_itl_sample']} such request(s) here).")
     for msg, n in res["errors"].items():

@@ -7,6 +7,11 @@ requests in flight. Every request streams (``stream: true`` with
 
     send time -> first text chunk (TTFT) -> each later text chunk (ITL gaps) -> end of stream
 
+Each request also asks for the server's own timeline (``X-Stagedserve-Timeline: 1``); a
+stagedserve server puts it in the final chunk, and the record keeps it as ``server_timeline``
+(front-end, queue, prefill, decode and output-path seconds: ``server_metrics.request_phases``).
+Other servers ignore the header and the field stays None.
+
 A chunk is the unit the client can see: when the server coalesces several tokens into one
 chunk the client experiences one gap, so ITL is measured between chunks (as ``vllm bench
 serve`` does), while TPOT divides by the output-token count from the usage chunk.
@@ -32,6 +37,8 @@ import httpx
 from shared.metrics import RequestTimeline
 from stage5_server.bench.datasets import BenchRequest, DatasetConfig, build_dataset
 from stage5_server.bench.goodput import SLO
+
+TIMELINE_HEADER = "X-Stagedserve-Timeline"  # the server's opt-in header (api_server.TIMELINE_HEADER)
 
 
 @dataclass
@@ -90,6 +97,7 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int = 0
+    server_timeline: dict[str, float | None] | None = None  # the server's phases, when it reports them
 
     def timeline(self) -> RequestTimeline:
         return RequestTimeline(arrival=self.send_time, token_times=list(self.token_times), finished=self.end_time)
@@ -167,6 +175,8 @@ async def _stream_one(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                 if "error" in obj:
                     rec.error = f"stream error: {obj['error'].get('message', obj['error'])}"
                     continue
+                if obj.get("server_timeline"):
+                    rec.server_timeline = obj["server_timeline"]
                 if obj.get("usage"):
                     rec.prompt_tokens = obj["usage"].get("prompt_tokens")
                     rec.output_tokens = obj["usage"].get("completion_tokens") or 0
@@ -202,6 +212,7 @@ async def run_once(cfg: ServeConfig) -> BenchRun:
     needs_warmup = cfg.warmup_requests > 0 or cfg.warmup_seconds > 0
     warmup_pool = build_dataset(cfg.dataset, seed=cfg.seed + 1_000_003) if needs_warmup else []
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers[TIMELINE_HEADER] = "1"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: never route the benchmark through a proxy from the environment.
     async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,

@@ -61,11 +61,16 @@ def test_bench_serve_report_counts_add_up_and_latencies_are_positive(server_url,
         if r["in_window"]:
             assert r["send_time"] < r["token_times"][0] <= r["token_times"][-1] <= r["end_time"]
             assert 1 <= r["output_tokens"] <= 8
+            phases = r["server_timeline"]  # the server's own attribution, inside the client's interval
+            assert all(v is not None and v >= 0 for v in phases.values())
+            assert phases["server_ttft"] <= r["ttft_s"]
         assert r["send_time"] >= 0
     warm = [r for r in res["requests"] if r["warmup"]]
     assert len(warm) == 2 and not any(r["in_window"] for r in warm)
+    assert res["server_phases_ms"]["prefill"]["p50"] > 0
     assert (tmp_path / "cdf.png").stat().st_size > 0
-    assert "Goodput" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Goodput" in out and "server phase (ms)" in out
 
 
 def test_request_over_max_model_len_is_counted_failed_not_dropped(server_url, tmp_path):
