@@ -10,8 +10,9 @@ through a command queue (add, abort, call) and receives each request's outputs o
 Outputs are cumulative (text and token ids so far), so a stream keeps only the newest
 one: a consumer that falls behind skips intermediate outputs and loses nothing.
 
-When ``llm.step()`` raises, every in-flight request fails with ``EngineError`` on its
-stream and is aborted (its KV blocks go back to the pool); the loop keeps serving.
+When ``llm.step()`` raises, the requests of that step fail with ``EngineError`` on their
+streams and are aborted (their KV blocks go back to the pool); requests still waiting for
+their turn were not in it and go on, and the loop keeps serving.
 
 vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``) and the
 ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``. vLLM runs the engine
@@ -255,8 +256,13 @@ class AsyncLLM:
         try:
             outputs = self.llm.step()
         except Exception as exc:
-            logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
-            self._fail_requests(list(self._streams),
+            # The engine aborted the requests of the failed step; those still waiting were not in it and
+            # go on. A failure after the step (nobody aborted, culprit unknown) fails every request.
+            unfinished = self.llm.engine.scheduler.requests
+            failed = [rid for rid in self._streams if rid not in unfinished] or list(self._streams)
+            logger.exception("engine step failed; failing %d of %d in-flight request(s)", len(failed),
+                             len(self._streams))
+            self._fail_requests(failed,
                                 EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
             return
         if not outputs and self.llm.engine.stats().num_running == 0:
