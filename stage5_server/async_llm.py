@@ -55,6 +55,12 @@ class RequestAborted(Exception):
     """The request was aborted before it finished (``AsyncLLM.abort``)."""
 
 
+def _as_error(exc: BaseException) -> EngineError:
+    """A BaseException that is no Exception, such as a Rust panic in the tokenizer (pyo3's
+    ``PanicException``), fails the call that raised it like any error, not the server."""
+    return EngineError(f"{type(exc).__name__}: {exc}")
+
+
 class RequestStream:
     """The outputs of one request, handed from the engine thread to one event loop.
 
@@ -246,7 +252,7 @@ class AsyncLLM:
                 try:
                     future.set_result(fn())
                 except BaseException as exc:
-                    future.set_exception(exc)
+                    future.set_exception(exc if isinstance(exc, Exception) else _as_error(exc))
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -255,7 +261,9 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             # The engine aborted the requests of the failed step; those still waiting were not in it and
             # go on. A failure after the step (nobody aborted, culprit unknown) fails every request.
             unfinished = self.llm.engine.scheduler.requests

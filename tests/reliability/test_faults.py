@@ -124,13 +124,18 @@ async def until(client: httpx.AsyncClient, running: int, waiting: int, timeout: 
     raise AssertionError(f"the engine never had {running} running and {waiting} waiting")
 
 
-def test_a_tokenizer_failure_fails_that_request_only(one_at_a_time, monkeypatch):
+class PanicException(BaseException):
+    """What a Rust panic inside the tokenizer raises through pyo3: a BaseException, not an Exception."""
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, PanicException])
+def test_a_tokenizer_failure_on_the_prompt_fails_that_request_only(one_at_a_time, monkeypatch, failure):
     llm, url, _ = one_at_a_time
     encode = llm.tokenizer.encode
 
     def flaky_encode(text, *args, **kwargs):
         if "poison" in text:
-            raise RuntimeError("injected tokenizer failure")
+            raise failure("injected tokenizer failure")
         return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(llm.tokenizer, "encode", flaky_encode)
@@ -144,6 +149,28 @@ def test_a_tokenizer_failure_fails_that_request_only(one_at_a_time, monkeypatch)
     assert ok.status_code == 200, ok.text
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert wait_until(lambda: idle(url))
+
+
+def test_a_tokenizer_panic_while_detokenizing_a_step_fails_requests_not_the_server(one_at_a_time, monkeypatch):
+    llm, url, expected = one_at_a_time
+    decode = llm.tokenizer.decode
+    panicked = threading.Event()
+
+    def panicking_decode(*args, **kwargs):
+        if not panicked.is_set():
+            panicked.set()
+            raise PanicException("injected panic while detokenizing")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "decode", panicking_decode)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    error = error_of(httpx.post(f"{url}/v1/completions", json=body, headers=auth(KEY), timeout=30), 500)
+    assert error["code"] == "engine_error"
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    again = httpx.post(f"{url}/v1/completions", json=body, headers=auth(KEY), timeout=30)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected[1]
+    assert wait_until(lambda: idle(url))
+    count("faults", "tokenizer_failures")
 
 
 def test_a_client_that_disconnects_during_prefill_is_aborted_and_its_kv_returns(tiny_llama, monkeypatch):
