@@ -217,7 +217,7 @@ SECRETS = ["alice-key", "alan-key", "bob-key", "guessed-key-12345"]
 
 
 def test_errors_and_logs_carry_no_stack_trace_or_key_material(servers, monkeypatch, caplog):
-    """Every kind of error, with every logger at DEBUG: no traceback in a body, no key or salt anywhere."""
+    """Every kind of error, the server's logger at DEBUG: no traceback in a body, no key or salt anywhere."""
     _, url = servers["strict"]
     engine = servers["engine"]
     recorder = servers["recorder"]
