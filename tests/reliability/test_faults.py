@@ -80,7 +80,7 @@ def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(o
     fail_next = threading.Event()
 
     def execute_or_fail(*args, **kwargs):
-        time.sleep(0.01)  # keep the long request running while the others queue behind it
+        time.sleep(0.02)  # keep the long request running (~4 s) while the others queue behind it
         if fail_next.is_set():
             fail_next.clear()
             raise RuntimeError("injected model failure")
