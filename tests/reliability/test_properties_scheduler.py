@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from shared import Request, RequestStatus, SamplingParams
+from stage3_continuous.config import CacheConfig as PagedCacheConfig
 from stage3_continuous.config import SchedulerConfig
 from stage3_continuous.scheduler import Scheduler as ContinuousScheduler
 from stage4_prefix_cache.scheduler import CacheConfig
@@ -85,8 +86,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         count(self.section, "runs")
 
     def make_cache_config(self, block_size, num_blocks):
-        from stage3_continuous.config import CacheConfig as PagedCacheConfig
-
         return PagedCacheConfig(block_size, num_blocks)
 
     # -- the fake model runner ---------------------------------------------------------------
