@@ -12,6 +12,8 @@ import os
 import time
 from collections import defaultdict
 
+import pytest
+
 FIGURES: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
 
@@ -63,6 +65,7 @@ class FiguresPlugin:
             with open(markdown, "w") as f:
                 f.write(render_markdown(result))
 
+    @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent with -p no:xdist
     def pytest_testnodedown(self, node, error) -> None:
         import json
 
