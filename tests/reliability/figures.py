@@ -87,8 +87,7 @@ SECTIONS = {
 
 
 def render_markdown(result: dict) -> str:
-    lines = ["### Figures from the last run", "",
-             f"`{result['command'].strip()}` on {result['date']}: {result['tests']} tests, {result['outcome']}"
+    lines = [f"`{result['command'].strip()}` on {result['date']}: {result['tests']} tests, {result['outcome']}"
              f"{' (hypothesis derandomized, as in CI)' if result['derandomized'] else ''}.", "",
              "| what ran | figure | count |", "|---|---|---:|"]
     for section, counts in result["figures"].items():
