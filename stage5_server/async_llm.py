@@ -261,17 +261,13 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
-        except BaseException as exc:
+        except Exception as exc:
+            self._fail_step(exc)
+            return
+        except BaseException as exc:  # not an Exception: a Rust panic in the tokenizer (pyo3's PanicException)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            # The engine aborted the requests of the failed step; those still waiting were not in it and
-            # go on. A failure after the step (nobody aborted, culprit unknown) fails every request.
-            unfinished = self.llm.engine.scheduler.requests
-            failed = [rid for rid in self._streams if rid not in unfinished] or list(self._streams)
-            logger.exception("engine step failed; failing %d of %d in-flight request(s)", len(failed),
-                             len(self._streams))
-            self._fail_requests(failed,
-                                EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
+            self._fail_step(exc)
             return
         if not outputs and self.llm.engine.stats().num_running == 0:
             # Nothing could be scheduled (no free KV blocks, say): wait for a command instead of spinning.
@@ -288,6 +284,15 @@ class AsyncLLM:
             deliveries[stream.loop].append((stream, output))
         for loop, items in deliveries.items():
             self._deliver(loop, items)
+
+    def _fail_step(self, exc: BaseException) -> None:
+        # The engine aborted the requests of the failed step; those still waiting were not in it and
+        # go on. A failure after the step (nobody aborted, culprit unknown) fails every request.
+        unfinished = self.llm.engine.scheduler.requests
+        failed = [rid for rid in self._streams if rid not in unfinished] or list(self._streams)
+        logger.error("engine step failed; failing %d of %d in-flight request(s)", len(failed), len(self._streams),
+                         exc_info=exc)
+        self._fail_requests(failed, EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]) -> None:
         def put_all() -> None:
