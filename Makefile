@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve exercises clean
+.PHONY: demo test lint docs docs-serve serve exercises soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -32,6 +32,12 @@ docs: $(STAMP)
 
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
+
+# The load/soak test for longer than the suite's 20 s: make soak SOAK_SECONDS=600 SOAK_CLIENTS=64
+SOAK_SECONDS ?= 300
+SOAK_CLIENTS ?= 32
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_CLIENTS=$(SOAK_CLIENTS) $(PY) -m pytest -p no:xdist -q tests/reliability/test_soak.py
 
 # A learner's copy with STAGE's key functions blanked: make exercises STAGE=3
 exercises: $(STAMP)

@@ -10,8 +10,9 @@ through a command queue (add, abort, call) and receives each request's outputs o
 Outputs are cumulative (text and token ids so far), so a stream keeps only the newest
 one: a consumer that falls behind skips intermediate outputs and loses nothing.
 
-When ``llm.step()`` raises, every in-flight request fails with ``EngineError`` on its
-stream and is aborted (its KV blocks go back to the pool); the loop keeps serving.
+When ``llm.step()`` raises, the requests of that step fail with ``EngineError`` on their
+streams and are aborted (their KV blocks go back to the pool); requests still waiting for
+their turn were not in it and go on, and the loop keeps serving.
 
 This is the in-process mode: tokenizer, detokenizer and engine core share one process and
 one GIL with the HTTP event loop. ``core_client.MPAsyncLLM`` offers the same interface
@@ -57,6 +58,12 @@ class EngineDeadError(EngineError):
 
 class RequestAborted(Exception):
     """The request was aborted before it finished (``AsyncLLM.abort``)."""
+
+
+def _as_error(exc: BaseException) -> EngineError:
+    """A BaseException that is no Exception, such as a Rust panic in the tokenizer (pyo3's
+    ``PanicException``), fails the call that raised it like any error, not the server."""
+    return EngineError(f"{type(exc).__name__}: {exc}")
 
 
 class RequestStream:
@@ -361,7 +368,7 @@ class AsyncLLM(AsyncEngine):
                 try:
                     future.set_result(fn())
                 except BaseException as exc:
-                    future.set_exception(exc)
+                    future.set_exception(exc if isinstance(exc, Exception) else _as_error(exc))
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -373,9 +380,12 @@ class AsyncLLM(AsyncEngine):
         except EngineDeadError:  # it cannot step again (a tensor-parallel rank died): stop, /health turns 503
             raise
         except Exception as exc:
-            logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
-            self._fail_requests(list(self._streams),
-                                EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
+            self._fail_step(exc)
+            return
+        except BaseException as exc:  # not an Exception: a Rust panic in the tokenizer (pyo3's PanicException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._fail_step(exc)
             return
         if not outputs and self.llm.engine.stats().num_running == 0:
             # Nothing could be scheduled (no free KV blocks, say): wait for a command instead of spinning.
@@ -390,6 +400,15 @@ class AsyncLLM(AsyncEngine):
             self._decode_logprob_tokens(self.llm.tokenizer, output)
             deliveries.append((stream, output))
         self._deliver_outputs(deliveries)
+
+    def _fail_step(self, exc: BaseException) -> None:
+        # The engine aborted the requests of the failed step; those still waiting were not in it and
+        # go on. A failure after the step (nobody aborted, culprit unknown) fails every request.
+        unfinished = self.llm.engine.scheduler.requests
+        failed = [rid for rid in self._streams if rid not in unfinished] or list(self._streams)
+        logger.error("engine step failed; failing %d of %d in-flight request(s)", len(failed), len(self._streams),
+                         exc_info=exc)
+        self._fail_requests(failed, EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]) -> None:
         def put_all() -> None:

@@ -50,6 +50,15 @@ STAGES = [
 ]
 
 
+def pytest_configure(config):
+    # RELIABILITY_FIGURES=path.json: write the reliability suite's counts there (docs/reliability.md).
+    path = os.environ.get("RELIABILITY_FIGURES")
+    if path:
+        from tests.reliability.figures import FiguresPlugin
+
+        config.pluginmanager.register(FiguresPlugin(path), "reliability-figures")
+
+
 def pytest_addoption(parser):
     parser.addoption("--stage", action="store", type=int, default=None,
                      help="run the invariant suite against this stage only, plus tests/stageN/")

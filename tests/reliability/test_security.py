@@ -1,5 +1,6 @@
 """The security boundary: an API key on every route but /health, trust groups that set the
-prefix-cache salt, and client cache salts refused unless the server trusts them."""
+prefix-cache salt, client cache salts refused unless the server trusts them, limits on body
+size and prompt length, and errors and logs that carry no stack trace or key material."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 
 from stage5_server.api_server import APIKeys, CacheSalter, create_app
 from stage5_server.async_llm import AsyncLLM
-from tests.stage5.server_fixtures import EngineCallRecorder, auth, make_llm, metric, running_server
+from tests.reliability.figures import count
+from tests.stage5.server_fixtures import EngineCallRecorder, auth, fail_execute, make_llm, metric, running_server
 
 KEYS = {"alice-key": "teamA", "alan-key": "teamA", "bob-key": "teamB"}
 MODEL = "tiny"
+MAX_BODY = 64 << 10
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,7 @@ def servers(tiny_llama):
     llm = make_llm(tiny_llama)
     recorder = EngineCallRecorder(llm)
     engine = AsyncLLM(llm, log_stats_interval=None)
-    strict = create_app(engine, api_keys=KEYS, served_model_name=MODEL)
+    strict = create_app(engine, api_keys=KEYS, served_model_name=MODEL, max_body_bytes=MAX_BODY)
     trusting = create_app(engine, api_keys=KEYS, served_model_name=MODEL, trust_client_cache_salt=True,
                           metrics_public=True)
     try:
@@ -182,3 +185,74 @@ def test_only_keys_in_one_trust_group_share_prefix_cache_blocks(servers):
     assert after_bob == before
     after_alan = hits_after("alan-key")  # teamA again, through another key of the group
     assert after_alan > after_bob
+
+
+def test_the_key_is_checked_before_the_body_is_read_and_the_body_is_capped(servers):
+    _, url = servers["strict"]
+    huge = {"model": MODEL, "prompt": "x" * (MAX_BODY + 1)}
+    anonymous = httpx.post(f"{url}/v1/completions", json=huge, timeout=30)
+    assert anonymous.status_code == 401  # an anonymous client cannot make the server read (or parse) a big body
+    capped = httpx.post(f"{url}/v1/completions", json=huge, headers=auth("alice-key"), timeout=30)
+    assert capped.status_code == 413 and capped.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
+    ("/v1/completions", {"prompt": list(range(1, 300))}, "prompt"),
+    ("/v1/completions", {"prompt": list(range(1, 257))}, "prompt"),  # exactly max_model_len: no room left
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}, "messages"),
+    ("/v1/completions", {"prompt": "short", "max_tokens": 300}, "max_tokens"),
+])
+def test_prompts_longer_than_the_context_are_refused_before_they_reach_the_engine(servers, route, body, param):
+    _, url = servers["strict"]
+    engine = servers["engine"]
+    response = httpx.post(f"{url}{route}", json={"model": MODEL, **body}, headers=auth("alice-key"), timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+    assert engine.stats.num_waiting == engine.stats.num_running == 0
+
+
+SECRETS = ["alice-key", "alan-key", "bob-key", "guessed-key-12345"]
+
+
+def test_errors_and_logs_carry_no_stack_trace_or_key_material(servers, monkeypatch, caplog):
+    """Every kind of error, the server's logger at DEBUG: no traceback in a body, no key or salt anywhere."""
+    _, url = servers["strict"]
+    engine = servers["engine"]
+    recorder = servers["recorder"]
+    bodies = []
+    with caplog.at_level("DEBUG"), httpx.Client(base_url=url, timeout=30) as client:
+        def post(path, key, **kwargs):
+            response = client.post(path, headers=auth(key), **kwargs)
+            bodies.append(response)
+            return response
+
+        post("/v1/completions", "guessed-key-12345", json={"prompt": "hi"})  # a wrong key
+        client.get("/metrics", headers={"Authorization": "Basic alice-key"})
+        post("/v1/completions", "alice-key", json={"prompt": "alice-key", "max_tokens": "x"})  # a key in the body
+        post("/v1/completions", "alice-key", content=b"{not json alice-key")
+        post("/v1/completions", "alice-key", json={"prompt": "hi", "cache_salt": "bob-key"})
+        post("/v1/nothing-here", "alice-key")
+        ok = post("/v1/completions", "alice-key", json={"model": MODEL, "prompt": "remember me", "max_tokens": 2})
+        assert ok.status_code == 200
+        fail_execute(monkeypatch, engine.llm, on_call=1, times=1)
+        failed = post("/v1/completions", "alice-key", json={"model": MODEL, "prompt": "fail me", "max_tokens": 2})
+        assert failed.status_code == 500
+    salts = set(recorder.salts.values()) - {None}
+    assert salts
+    for response in bodies:
+        text = response.text
+        assert "Traceback" not in text and 'File "' not in text, text
+        assert not any(salt in text for salt in salts)
+        assert not any(key in text for key in SECRETS if key not in response.request.content.decode(errors="replace"))
+        if response.status_code >= 400:
+            assert set(response.json()) == {"error"}
+    server_records = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]  # not the client's
+    handler = caplog.handler
+    logged = "\n".join(handler.format(r) for r in server_records)  # tracebacks included
+    assert "injected engine failure" in logged and "Traceback" in logged  # the operator gets the stack...
+    for secret in [*SECRETS, *salts]:
+        assert secret not in logged, f"{secret!r} appears in the logs"  # ...but no key or salt was
+    count("security", "error_bodies_checked", len(bodies))
+    count("security", "log_records_checked", len(server_records))

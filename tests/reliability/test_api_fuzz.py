@@ -1,0 +1,127 @@
+"""Fuzz the live server with requests generated from its own OpenAPI schema (schemathesis).
+
+Every operation the app publishes is fuzzed with valid-by-schema requests (positive mode)
+and schema-violating ones (negative mode), over HTTP on loopback, with a valid API key.
+For every request: no 5xx, every 4xx body is an OpenAI error object, no traceback or key
+material in the body. Afterwards the server is healthy, holds no KV and runs nothing,
+and still answers a normal request.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stage5_server.api_server import create_app
+from stage5_server.protocol import NOOP_VALUES
+from tests.reliability.figures import count
+from tests.reliability.settings import DERANDOMIZE
+from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
+
+KEY = "fuzz-key-0123456789"
+MODEL = "tiny"
+OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/metrics")]
+# Generating requests run the model, so they get fewer examples than the cheap routes.
+EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40}
+DEFAULT_EXAMPLES = 25
+# Operations with inputs are fuzzed with invalid inputs too (the others have nothing to break).
+CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemathesis.GenerationMode
+         if mode == schemathesis.GenerationMode.POSITIVE or method == "POST"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    llm = make_llm(tiny_llama, max_model_len=64, num_kv_blocks=16)
+    app = create_app(llm, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None)
+    with running_server(app) as running:
+        raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
+        yield running.url, schemathesis.openapi.from_dict(raw), raw
+
+
+@pytest.fixture(scope="module")
+def session():
+    with requests.Session() as s:
+        yield s
+
+
+def test_the_fuzzed_operations_are_every_operation_the_schema_lists(server):
+    _, _, raw = server
+    listed = {(method.upper(), path) for path, ops in raw["paths"].items() for method in ops}
+    assert listed == set(OPERATIONS)
+
+
+def make_it_reach_the_engine(body: dict) -> None:
+    """Half the valid-by-schema bodies are steered past the checks the schema cannot express (the
+    served model's name, the fields accepted only when off, the prompt length), so the engine runs them."""
+    body["model"] = MODEL
+    for name in [*NOOP_VALUES, "cache_salt"]:
+        body.pop(name, None)
+    if "prompt" in body:
+        body["prompt"] = body["prompt"][:40] if isinstance(body["prompt"], str) and body["prompt"] else "Hello"
+    if isinstance(body.get("messages"), list):
+        roles = [m.get("role") for m in body["messages"] if isinstance(m, dict)] or ["user"]
+        body["messages"] = [{"role": role, "content": f"message {i}"} for i, role in enumerate(roles[:3])]
+    if not isinstance(body.get("stop"), (str, type(None))):
+        body.pop("stop")
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = max(1, body["max_tokens"] % 16)
+
+
+def check_response(response: requests.Response) -> None:
+    status = response.status_code
+    count("api_fuzz", "requests")
+    count("api_fuzz", f"status_{status // 100}xx")
+    assert status < 500, f"{status}: {response.text[:500]}"
+    assert "Traceback" not in response.text and KEY not in response.text
+    if status >= 400:
+        body = response.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        assert body["error"]["type"] == "invalid_request_error"
+    elif "text/event-stream" in response.headers.get("content-type", ""):
+        events = [line[len("data: "):] for line in response.text.splitlines() if line]
+        assert events and events[-1] == "[DONE]", response.text[-300:]
+        for payload in events[:-1]:
+            assert "error" not in json.loads(payload), payload
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
+def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(server, session, method, path, mode):
+    url, schema, _ = server
+    operation = schema[path][method]
+    max_examples = EXAMPLES.get(path, DEFAULT_EXAMPLES)
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode), tidy=st.booleans())
+    def fuzz(case, tidy):
+        if tidy and mode == schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
+            make_it_reach_the_engine(case.body)
+        headers = {**(case.headers or {}), **auth(KEY)}
+        check_response(case.call(base_url=url, session=session, headers=headers, timeout=60))
+
+    fuzz()
+    assert_healthy_idle_and_serving(url)
+
+
+def assert_healthy_idle_and_serving(url: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+    def idle() -> bool:
+        text = httpx.get(f"{url}/metrics", headers=auth(KEY), timeout=10).text
+        return (metric(text, "vllm:kv_cache_usage_perc") == 0 and metric(text, "vllm:num_requests_running") == 0
+                and metric(text, "vllm:num_requests_waiting") == 0)
+
+    assert wait_until(idle, timeout=30), "KV or requests left behind"
+    response = httpx.post(f"{url}/v1/completions", headers=auth(KEY), timeout=60,
+                          json={"model": MODEL, "prompt": "Still serving", "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
