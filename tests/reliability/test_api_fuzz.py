@@ -58,6 +58,20 @@ def test_the_fuzzed_operations_are_every_operation_the_schema_lists(server):
     assert listed == set(OPERATIONS)
 
 
+def test_the_schema_documents_the_errors_the_server_answers(server):
+    """Invalid input is a 400 with an OpenAI error object, not FastAPI's own 422 body."""
+    _, _, raw = server
+    for path, operations in raw["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            assert "422" not in responses
+            if "requestBody" in operation:
+                assert {"400", "401", "404", "413"} <= set(responses), (path, sorted(responses))
+    error = raw["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+    assert "HTTPValidationError" not in raw["components"]["schemas"]
+
+
 def make_it_reach_the_engine(body: dict) -> None:
     """Half the valid-by-schema bodies are steered past the checks the schema cannot express (the
     served model's name, the fields accepted only when off, the prompt length), so the engine runs them."""
@@ -75,8 +89,9 @@ def make_it_reach_the_engine(body: dict) -> None:
         body["max_tokens"] = max(1, body["max_tokens"] % 16)
 
 
-def check_response(response: requests.Response) -> None:
+def check_response(response: requests.Response, documented: set[str]) -> None:
     status = response.status_code
+    assert str(status) in documented, f"{status} is not in the schema's responses {sorted(documented)}"
     count("api_fuzz", "requests")
     count("api_fuzz", f"status_{status // 100}xx")
     assert status < 500, f"{status}: {response.text[:500]}"
@@ -96,8 +111,10 @@ def check_response(response: requests.Response) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
 def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(server, session, method, path, mode):
-    url, schema, _ = server
+    url, schema, raw = server
+    raw = raw["paths"]
     operation = schema[path][method]
+    documented = set(raw[path][method.lower()]["responses"])
     max_examples = EXAMPLES.get(path, DEFAULT_EXAMPLES)
 
     @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
@@ -107,7 +124,7 @@ def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(serv
         if tidy and mode == schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
             make_it_reach_the_engine(case.body)
         headers = {**(case.headers or {}), **auth(KEY)}
-        check_response(case.call(base_url=url, session=session, headers=headers, timeout=60))
+        check_response(case.call(base_url=url, session=session, headers=headers, timeout=60), documented)
 
     fuzz()
     assert_healthy_idle_and_serving(url)
