@@ -193,28 +193,34 @@ class BaseLLM:
                       priority: int = 0, cache_salt: str | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt: empty prompt; at least one token is needed")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.output_processor.states:  # a caller took this one by hand
                 request_id = str(next(self._ids))
         return Request(request_id, token_ids, params, priority=priority,
                        cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
+
+
+def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """A prompt (text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``) as
+    checked token ids; a ``ValueError`` names what is wrong."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        token_ids = list(prompt)
+    else:
+        raise ValueError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("prompt: empty prompt; at least one token is needed")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                         f"max_model_len={max_model_len}")
+    return token_ids
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from shared.llm_base import PromptType
+from shared.llm_base import PromptType, prompt_token_ids
 from shared.metrics import SchedulerStats
 from shared.output_processor import OutputProcessor
 from shared.request import Request, RequestStatus
@@ -187,7 +187,7 @@ class MPAsyncLLM(AsyncEngine):
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
-            token_ids = self._prompt_token_ids(prompt)
+            token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
             request = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
                               eos_token_ids=self.eos_token_ids)
             request.timeline.received = received_time
@@ -272,25 +272,6 @@ class MPAsyncLLM(AsyncEngine):
             self._stats_log.maybe_log(self._stats)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
-        """The checks of the offline ``LLM`` (``shared/llm_base.py``), made before anything is sent."""
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt: empty prompt; at least one token is needed")
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        return token_ids
-
     def _send(self, kind: str, payload: Any) -> None:
         """Send without blocking; with no engine process at the other end, an add fails and the rest drop."""
         with self._input_lock:
