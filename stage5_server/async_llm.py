@@ -172,7 +172,10 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(put_all)
         except RuntimeError:  # that event loop is closed: nobody will read these
-            self.abort([s.request_id for s, _ in items])
+            self._abort_unread([s.request_id for s, _ in items])
+
+    def _abort_unread(self, request_ids: list[str]) -> None:
+        self.abort(request_ids)
 
     def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
         """Hand outputs to their streams' loops; stamp each request's first delivery."""
@@ -410,15 +413,8 @@ class AsyncLLM(AsyncEngine):
                          exc_info=exc)
         self._fail_requests(failed, EngineError(f"the engine failed while running this request ({type(exc).__name__})"))
 
-    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]) -> None:
-        def put_all() -> None:
-            for stream, item in items:
-                stream.put(item)
-
-        try:
-            loop.call_soon_threadsafe(put_all)
-        except RuntimeError:  # that event loop is closed (we are on the engine thread: abort now)
-            self._abort_now([s.request_id for s, _ in items], "abort")
+    def _abort_unread(self, request_ids: list[str]) -> None:
+        self._abort_now(request_ids, "abort")  # on the engine thread already: abort now, not via the queue
 
     def _abort_now(self, request_ids: list[str], reason: str) -> None:
         self._end_requests(request_ids, lambda rid: RequestAborted(f"request {rid} was aborted"), reason)
