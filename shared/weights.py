@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -36,27 +38,32 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     config = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = DecoderModel(config)
+    load_weights(model, config, path, dtype, device)
+    logger.info("loaded %s (%s, %d layers) from %s", config.family, dtype, config.num_hidden_layers, path)
+    return model.eval(), config
+
+
+def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dtype: torch.dtype,
+                 device: str | torch.device, take: Callable[[str, Any], torch.Tensor] | None = None) -> None:
+    """Fill ``model``'s parameters from the checkpoint at ``path``, refusing a tensor with no place
+    and a parameter with no tensor. ``take(name, lazy_tensor)`` picks the part of each checkpoint
+    tensor that this model holds (a tensor-parallel shard); by default all of it."""
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 short = name.removeprefix("model.")
+                if "rotary_emb" in short or (short == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
                 if short not in params:
-                    if "rotary_emb" in short:
-                        continue
-                    if short == "lm_head.weight" and config.tie_word_embeddings:
-                        continue
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {config.family} model")
-                loaded[short] = f.get_tensor(name).to(device=device, dtype=dtype)
-    missing = sorted(set(params) - set(loaded))
-    if config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
+                tensor = take(short, f.get_slice(name)) if take else f.get_tensor(name)
+                loaded[short] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(params) - set(loaded) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
         raise ValueError(f"model: checkpoint {path!s} lacks tensors {missing[:5]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary_emb = type(model.rotary_emb)(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
-    logger.info("loaded %s (%s, %d layers) from %s", config.family, dtype, config.num_hidden_layers, path)
-    return model.eval(), config

@@ -16,11 +16,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from shared.config import ModelConfig
-from shared.model import DecoderModel, RotaryEmbedding
-from shared.weights import checkpoint_files
+from shared.model import DecoderModel
+from shared.weights import load_weights
 from stage5_server.parallel.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -66,26 +65,11 @@ def load_sharded_model(path: str | Path, rank: int, world_size: int, dtype: torc
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = build_sharded_model(config, rank, world_size)
-    params = dict(model.named_parameters())
-    loaded: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                short = name.removeprefix("model.")
-                if "rotary_emb" in short or (short == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                if short not in params:
-                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in {config.family} model")
-                module_name, _, param_name = short.rpartition(".")
-                module = model.get_submodule(module_name)
-                full = f.get_slice(name)
-                part = module.load_shard(param_name, full) if hasattr(module, "load_shard") else full[:]
-                loaded[short] = part.to(device=device, dtype=dtype)
-    missing = sorted(set(params) - set(loaded) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
-    if missing:
-        raise ValueError(f"model: checkpoint {path!s} lacks tensors {missing[:5]}")
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # the same vocabulary slice on both ends
-    model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+
+    def take(name: str, full) -> torch.Tensor:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        return module.load_shard(param_name, full) if hasattr(module, "load_shard") else full[:]
+
+    load_weights(model, config, path, dtype, device, take)  # ties lm_head to the same vocabulary slice
     return model.eval(), config
