@@ -1,14 +1,20 @@
 """Train the embedded default model: a small Llama that answers the tasks in ``shared.chat_tasks``.
 
-    python scripts/train_default_model.py --out shared/assets/stagedserve-chat-tiny
+    python scripts/train_default_model.py --out build/tiny-chat-phase1
+    python scripts/train_default_model.py --init-from build/tiny-chat-phase1 --steps 1500 --lr 2e-3 --seed 1 \
+        --task-weights add=0.25,square=0.1,count=0.1,reverse=0.3,say=0.25 --out shared/assets/tiny-chat
+
+is the recipe of the committed checkpoint: a second, shorter phase with more copying
+questions, which the model learns last (see its model card).
 
 Plain torch on CPU: a byte-level BPE tokenizer with one token per digit, transformers'
-``LlamaForCausalLM`` with random initial weights, AdamW with a cosine schedule, loss on the
-assistant's answer and its closing ``<|im_end|>`` only. Every question is generated here
-from a seed, from the training split of ``shared.chat_tasks``. Deterministic for a given
-``--seed``, ``--steps`` and thread count. Writes an ordinary Hugging Face checkpoint
-directory (config, safetensors, tokenizer with chat template, generation config) and prints
-held-out accuracy per task, measured with transformers' own ``generate``.
+``LlamaForCausalLM`` with random initial weights (or ``--init-from`` a checkpoint), AdamW
+with a cosine schedule, loss on the assistant's answer and its closing ``<|im_end|>`` only.
+Every question is generated here from a seed, from the training split of
+``shared.chat_tasks``. Deterministic for a given ``--seed``, ``--steps`` and thread count.
+Writes an ordinary Hugging Face checkpoint directory (config, safetensors, tokenizer with
+chat template, generation config) and prints held-out accuracy per task, measured with
+transformers' own ``generate``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,17 @@ ARCHITECTURE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
 TASK_WEIGHTS = {"add": 0.4, "square": 0.1, "count": 0.2, "reverse": 0.2, "say": 0.1}
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """``add=0.4,square=0.1,...`` -> a dict over every task (tasks left out get weight 0)."""
+    weights = dict.fromkeys(chat_tasks.TASKS, 0.0)
+    for item in text.split(","):
+        task, _, value = item.partition("=")
+        if task not in weights:
+            raise argparse.ArgumentTypeError(f"unknown task {task!r}; choose from {chat_tasks.TASKS}")
+        weights[task] = float(value)
+    return weights
+
+
 def train_tokenizer(vocab_size: int):
     """Byte-level BPE that keeps every digit its own token, so sums are learnable digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,6 +65,8 @@ def train_tokenizer(vocab_size: int):
     questions = [chat_tasks.make_example(task, rng, held_out=False) for task in chat_tasks.TASKS for _ in range(200)]
     texts = [CORPUS, "system user assistant\n"] + [chat_tasks.SYSTEM_PROMPT] * 3
     texts += [f"{ex.user}\n{ex.answer}\n" for ex in questions]
+    # Answers start right after a newline, so each word must also be one token without its leading space.
+    texts += [f"{word}\n" for word in chat_tasks.WORDS] * 20
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    model_max_length=1 << 30)
@@ -123,11 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=chat_tasks.TRAIN_SEED, help="training seed (default: 0)")
-    parser.add_argument("--steps", type=int, default=1800, help="optimizer steps (default: 1800)")
+    parser.add_argument("--steps", type=int, default=4000, help="optimizer steps (default: 4000)")
     parser.add_argument("--batch-size", type=int, default=64, help="questions per step (default: 64)")
     parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (default: 4e-3)")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary (default: 512)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default: 1: the matrices are too small to split)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue from this checkpoint (its tokenizer and weights) instead of from scratch")
+    parser.add_argument("--task-weights", type=parse_weights, default=TASK_WEIGHTS,
+                        help="share of each task, e.g. add=0.4,square=0.1,count=0.2,reverse=0.2,say=0.1 (the default)")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out check every N steps (0: only at end)")
     parser.add_argument("--eval-per-task", type=int, default=100, help="held-out questions per task (default: 100)")
     args = parser.parse_args(argv)
@@ -141,14 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     started = time.monotonic()
 
-    tokenizer = train_tokenizer(args.vocab_size)
+    if args.init_from:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.init_from)
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        tokenizer = train_tokenizer(args.vocab_size)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
         eos_token_id=eos_ids, bos_token_id=None, pad_token_id=pad_id, tie_word_embeddings=False,
         initializer_range=0.02, **ARCHITECTURE)
-    model = transformers.LlamaForCausalLM(config)
+    if args.init_from:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    else:
+        model = transformers.LlamaForCausalLM(config)
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = pad_id
     model.generation_config.do_sample = False
@@ -166,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     cosine = lambda step: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
     schedule = lambda step: min(1.0, (step + 1) / warmup) * cosine(step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    tasks, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+    tasks, weights = list(args.task_weights), list(args.task_weights.values())
     model.train()
     running = 0.0
     for step in range(args.steps):
@@ -198,10 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    # A class name every transformers version since 4.x resolves (5.x writes its own new name).
+    tokenizer_config = args.out / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()),
+                                            "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     scores = held_out_accuracy(model, tokenizer, args.eval_per_task)
     report = {"parameters": n_params, "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed,
               "threads": args.threads, "train_seconds": round(train_seconds, 1), "held_out_accuracy": scores,
               "held_out_per_task": args.eval_per_task}
+    if args.init_from and (args.init_from / "training_report.json").is_file():
+        report["init_from"] = json.loads((args.init_from / "training_report.json").read_text())
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
