@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import run_info, write_results
-from shared import SamplingParams, cached_tiny_model, default_model, summarize
+from shared import SamplingParams, resolve_model, summarize
 from shared.workloads import random_token_prompts
 from stage3_continuous import LLM
 
@@ -77,7 +77,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir; default the tiny llama ('default': the small one)")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
+                    "(the embedded trained model); default: tiny")
     ap.add_argument("--long-prompt-len", type=int, default=1536)
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--markdown", default="docs/results/chunked_prefill_itl.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = default_model() if args.model == "default" else str(args.model or cached_tiny_model("llama"))
+    model = resolve_model(args.model or "tiny")
     settings = [run_setting(model, chunked, args.budget, args.long_prompt_len, args.seed) for chunked in (False, True)]
     identical = settings[0]["outputs"] == settings[1]["outputs"]
     for s in settings:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import run_info, write_results
-from shared import SamplingParams, cached_tiny_model, default_model, summarize
+from shared import SamplingParams, resolve_model, summarize
 from stage4_prefix_cache import LLM
 
 
@@ -92,7 +92,8 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir; default the tiny llama ('default': the small one)")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
+                    "(the embedded trained model); default: tiny")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="also profile the largest batch")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = default_model() if args.model == "default" else str(args.model or cached_tiny_model("llama"))
+    model = resolve_model(args.model or "tiny")
     rows = [measure(model, b, args.steps) for b in args.batch_sizes]
     result = {**run_info("benchmarks.engine_overhead", argv),
               "config": {"model": Path(model).name, "threads": args.threads, "steps": args.steps}, "rows": rows}

@@ -8,7 +8,7 @@ order, ``--repeats`` times; the table shows the median of each number over the r
 with the server's own attribution of the first token (``server_timeline``: front end in,
 queue, prefill, front end out).
 
-    python -m benchmarks.engine_process [--models tiny default --concurrency 64 --repeats 3]
+    python -m benchmarks.engine_process [--models tiny small --concurrency 64 --repeats 3]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.common import run_info, write_results
 from benchmarks.server_vs_offline import process_cpu_seconds, served_in_subprocess
-from shared import cached_tiny_model, default_model
+from shared import resolve_model
 from stage5_server.bench.datasets import DatasetConfig
 from stage5_server.bench.goodput import SLO
 from stage5_server.bench.report import summarize_run
@@ -129,8 +129,8 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["tiny", "default"],
-                    help="checkpoint dirs, or 'tiny' (2 layers) / 'default' (the embedded default)")
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"],
+                    help="checkpoint dirs, or 'tiny' / 'small' (random Llamas) / 'default' (the trained default)")
     ap.add_argument("--num-prompts", type=int, default=192)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)  # served_in_subprocess hands this to the servers as OMP_NUM_THREADS
     slo = SLO(ttft_ms=args.slo_ttft_ms, itl_p99_ms=args.slo_itl_p99_ms)
-    named = {"tiny": lambda: str(cached_tiny_model("llama")), "default": default_model}
-    models = [str(named[m]()) if m in named else m for m in args.models]
+    models = [resolve_model(m) for m in args.models]
     result = {**run_info("benchmarks.engine_process", argv),
               "config": {"num_prompts": args.num_prompts, "concurrency": args.concurrency, "repeats": args.repeats,
                          "threads": args.threads, "slo": slo.describe()},

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import run_info, save_figure, write_results
-from shared import SamplingParams, cached_tiny_model, default_model, kv_bytes_per_token, summarize
+from shared import SamplingParams, cached_tiny_model, kv_bytes_per_token, resolve_model, summarize
 from shared.config import ModelConfig
 from shared.workloads import random_token_prompts, sharegpt_like_lengths
 
@@ -371,8 +371,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory; default: the tiny llama ('default' for "
-                                                  "shared.default_model())")
+    ap.add_argument("--model", default=None, help="checkpoint directory, or tiny / small (random llamas) / "
+                                                  "default (the embedded trained model); default: tiny")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plot", default="docs/assets/offline_throughput.png")
     ap.add_argument("--markdown", default="docs/results/offline_throughput.md")
     args = ap.parse_args(argv)
-    model = default_model() if args.model == "default" else args.model
+    model = resolve_model(args.model) if args.model else None
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     result = {**run_info("benchmarks.offline_throughput", argv),

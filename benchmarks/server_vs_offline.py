@@ -8,7 +8,7 @@ sent at once). Output tokens per
 second of each, and the ratio: what HTTP, JSON, SSE and the async engine thread cost.
 A stage5 goal is that the server keeps at least 80% of the offline throughput.
 
-    python -m benchmarks.server_vs_offline [--models tiny default --num-prompts 64 --concurrency 16]
+    python -m benchmarks.server_vs_offline [--models tiny small --num-prompts 64 --concurrency 16]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import httpx
 import torch
 
 from benchmarks.common import run_info, write_results
-from shared import SamplingParams, cached_tiny_model, default_model
+from shared import SamplingParams, resolve_model
 from stage5_server.bench.datasets import DatasetConfig, build_dataset
 from stage5_server.bench.report import summarize_run
 from stage5_server.bench.serve import ServeConfig, run_serve
@@ -146,8 +146,8 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["tiny", "default"],
-                    help="checkpoint dirs, or 'tiny' (2 layers) / 'default' (the 4-layer embedded default)")
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"],
+                    help="checkpoint dirs, or 'tiny' (2 layers) / 'small' (4 layers), random llamas")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--markdown", default="docs/results/server_vs_offline.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    named = {"tiny": lambda: str(cached_tiny_model("llama")), "default": default_model}
-    models = [named[m]() if m in named else m for m in args.models]
+    models = [resolve_model(m) for m in args.models]
     result = {**run_info("benchmarks.server_vs_offline", argv),
               "runs": [run(m, args.num_prompts, args.concurrency) for m in models]}
     write_results("server_vs_offline", result, to_markdown(result), args.out_dir, args.markdown)

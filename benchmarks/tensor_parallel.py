@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import run_info, write_results
-from shared import SamplingParams, cached_tiny_model, default_model
+from shared import SamplingParams, resolve_model
 from stage5_server import LLM
 
 
@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--markdown", default="docs/results/tensor_parallel.md")
     args = ap.parse_args(argv)
-    if args.model in ("tiny", "small"):
-        model = str(cached_tiny_model("llama", size_name=args.model))
-    else:
-        model = default_model() if args.model == "default" else args.model
+    model = resolve_model(args.model)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(args.prompt_len)] for i in range(args.num_requests)]
     torch.set_num_threads(args.threads_per_rank)  # one rank computes in this process
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)  # the workers of N ranks read it

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smaller sweep (batches 1,16,128; contexts 1024,8192)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine throughput hook")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory for the engine check (default: shared.default_model())")
+                   help="checkpoint directory for the engine check (default: a Qwen3-0.6B-shaped random one)")
     p.add_argument("--engine-requests", type=int, default=64)
     p.add_argument("--engine-max-tokens", type=int, default=128)
     args = p.parse_args(argv)

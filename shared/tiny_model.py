@@ -1,9 +1,10 @@
 """Tiny local checkpoints: random weights through transformers' own model classes.
 
-Nothing can be downloaded in tests, so every test, notebook and the demo build a small
-checkpoint here: a byte-level BPE tokenizer trained offline on the text below, a chat
+Nothing can be downloaded in tests, so the parity tests and the benchmarks build small
+checkpoints here: a byte-level BPE tokenizer trained offline on the text below, a chat
 template, and random weights from ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` with a fixed seed, saved with ``save_pretrained`` (safetensors).
+The demo and the notebooks use ``default_model()`` instead: a trained, committed checkpoint.
 The result is an ordinary Hugging Face model directory: transformers, this project and
 peers such as vLLM all load it the same way. Head dim is 32 so vLLM's CPU build accepts it.
 """
@@ -148,6 +149,26 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
     return target
 
 
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-chat"
+
+
 def default_model() -> str:
-    """Path of the embedded default checkpoint (a small random Llama), built on first use."""
-    return str(cached_tiny_model("llama", seed=0, size_name="small"))
+    """Path of the embedded default checkpoint: a trained 0.9M-parameter Llama that answers
+    simple checkable questions ("Add 4 and 5." -> "9"); see ``assets/tiny-chat/README.md``.
+    ``scripts/train_default_model.py`` reproduces it."""
+    return str(DEFAULT_MODEL_DIR)
+
+
+NAMED_MODELS = ("default", "tiny", "small")
+
+
+def resolve_model(name: str | None) -> str:
+    """A checkpoint directory for ``name``: ``default`` (the embedded trained model), ``tiny`` or
+    ``small`` (random Llamas built on first use, for parity tests and benchmarks), or a path."""
+    if name == "default":
+        return default_model()
+    if name in ("tiny", "small"):
+        return str(cached_tiny_model("llama", seed=0, size_name=name))
+    if not name:
+        raise ValueError("model: empty name; give a checkpoint directory or one of " + ", ".join(NAMED_MODELS))
+    return str(name)

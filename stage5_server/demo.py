@@ -9,9 +9,9 @@ vLLM-internals lab through the official ``openai`` client (``AsyncOpenAI``):
 - phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
   long prefills with decodes, and a small KV pool may force preemptions.
 
-It prints a few answers (random weights: gibberish, but deterministic), the periodic
-stats lines, and key numbers scraped from ``/metrics``; then it shuts down and exits 0.
-The model's answers are meaningless; the numbers are the point.
+It prints the questions with the model's answers next to the right ones (the embedded
+default model was trained on exactly these kinds of question), the periodic stats lines,
+and key numbers scraped from ``/metrics``; then it shuts down and exits 0.
 
 vLLM: the lab in the course's "vLLM internals" chapter (``vllm serve`` + ``load.py``).
 """
@@ -26,8 +26,9 @@ import secrets
 import sys
 import time
 
-SYSTEM_PROMPT = "You are a careful reasoning assistant. " * 12  # ~300 tokens with the tiny tokenizer
-LONG_USER = "Summarize the following ({}). " + "data point. " * 60  # ~560 tokens; two distinct ones
+from shared.chat_tasks import SYSTEM_PROMPT  # the long system prompt the default model was trained with
+
+LONG_USER = "Summarize the following ({}). " + "data point. " * 60  # ~770 tokens; two distinct ones
 SERVED_MODEL_NAME = "stagedserve-demo"
 ENGINE_KWARGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, block_size=16,
                      num_kv_blocks=96)  # 1,536 tokens of KV: tight enough that phase 2 can run out
@@ -44,6 +45,16 @@ class _StatsLines(logging.Handler):
         message = record.getMessage()
         if message.startswith("Avg prompt throughput"):
             self.lines.append(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {message}")
+
+
+def expected_answer(user: str) -> str | None:
+    """The right answer to one of the demo's short questions (None for the long prompts)."""
+    words = user.rstrip(".?").split()
+    if user.startswith("Add "):
+        return str(int(words[1]) + int(words[3]))
+    if user.endswith(" squared?"):
+        return str(int(words[2]) ** 2)
+    return None
 
 
 async def run_load(base_url: str, api_key: str, max_tokens: int) -> list[tuple[str, object]]:
@@ -156,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         metrics_text = httpx.get(f"{server.url}/metrics", headers=headers).text
     summary = summarize_metrics(metrics_text)
 
-    print("\nA few answers (random weights: the text is noise, the token counts are real):")
+    print("\nAnswers (greedy), against the right ones:")
+    short = [(user, response) for user, response in answers if expected_answer(user) is not None]
+    right = 0
+    for user, response in short:
+        reply, want = response.choices[0].message.content, expected_answer(user)
+        right += reply == want
+        print(f"  {user:22} -> {reply!r:8} {'right' if reply == want else f'wrong (expected {want!r})'}")
+    print(f"  {right} of {len(short)} right")
+    print("\nToken counts of three requests:")
     for user, response in [answers[0], answers[5], answers[12]]:
         usage = response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
