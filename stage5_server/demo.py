@@ -28,7 +28,7 @@ import time
 
 from shared.chat_tasks import SYSTEM_PROMPT  # the long system prompt the default model was trained with
 
-LONG_USER = "Summarize the following ({}). " + "data point. " * 60  # ~770 tokens; two distinct ones
+LONG_USER = "Summarize the following ({}). " + "data point. " * 60  # ~770 tokens of load (two distinct ones)
 SERVED_MODEL_NAME = "stagedserve-demo"
 ENGINE_KWARGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, block_size=16,
                      num_kv_blocks=96)  # 1,536 tokens of KV: tight enough that phase 2 can run out
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         right += reply == want
         print(f"  {user:22} -> {reply!r:8} {'right' if reply == want else f'wrong (expected {want!r})'}")
     print(f"  {right} of {len(short)} right")
-    print("\nToken counts of three requests:")
+    print("\nToken counts of three requests (the long one is load for the scheduler, not a task the model knows):")
     for user, response in [answers[0], answers[5], answers[12]]:
         usage = response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
