@@ -231,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.save_pretrained(args.out)
     # A class name every transformers version since 4.x resolves (5.x writes its own new name).
     tokenizer_config = args.out / "tokenizer_config.json"
-    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()),
-                                            "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    saved = json.loads(tokenizer_config.read_text())
+    for load_option in ("is_local", "local_files_only"):  # written back after loading with --init-from
+        saved.pop(load_option, None)
+    tokenizer_config.write_text(json.dumps({**saved, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     scores = held_out_accuracy(model, tokenizer, args.eval_per_task)
     report = {"parameters": n_params, "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed,
               "threads": args.threads, "train_seconds": round(train_seconds, 1), "held_out_accuracy": scores,
