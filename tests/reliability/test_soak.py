@@ -30,6 +30,7 @@ import pytest
 from shared import SamplingParams
 from shared.request import Request
 from stage5_server.api_server import create_app
+from tests.invariants.prompts import PROMPTS as INVARIANT_PROMPTS
 from tests.reliability.figures import count
 from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
 
@@ -38,11 +39,7 @@ SOAK_CLIENTS = int(os.environ.get("SOAK_CLIENTS", "32"))
 KEY = "soak-key"
 MODEL = "tiny"
 PROMPTS = [
-    "Hello, world!",
-    "A scheduler spends one token budget per step: running requests decode first,",
-    "x",
-    "Café 東京 🙂 blocks of a few tokens, found through a table, waste at most one partial block.",
-    "def add(a, b):",
+    *INVARIANT_PROMPTS,
     "The quick brown fox jumps over the lazy dog. " * 3,
     "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
     "Once upon a time",
