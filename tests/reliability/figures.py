@@ -81,6 +81,7 @@ SECTIONS = {
     "scheduler_stage4": "Stage 4 scheduler with prefix caching + fake runner (state machine)",
     "api_fuzz": "Live server fuzzed from its OpenAPI schema",
     "soak": "Soak: concurrent streaming clients on loopback",
+    "soak_engine_process": "Soak, engine core in its own process",
     "faults": "Injected faults",
     "security": "Security: error bodies and logs scanned",
 }

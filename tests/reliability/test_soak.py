@@ -30,9 +30,10 @@ import pytest
 from shared import SamplingParams
 from shared.request import Request
 from stage5_server.api_server import create_app
+from stage5_server.core_client import make_async_llm
 from tests.invariants.prompts import PROMPTS as INVARIANT_PROMPTS
 from tests.reliability.figures import count
-from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
+from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, wait_until
 
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "20"))
 SOAK_CLIENTS = int(os.environ.get("SOAK_CLIENTS", "32"))
@@ -136,10 +137,16 @@ async def soak(url: str, seconds: float, clients: int, tally: Counter, mismatche
 
 
 @pytest.mark.slow
-def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_llama, references):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_llama, references, engine_process):
     REFERENCES.update(references)
-    llm = make_llm(tiny_llama, **ENGINE)
-    app = create_app(llm, api_keys={KEY: "soak"}, served_model_name=MODEL, log_stats_interval=None)
+    if engine_process:  # the engine core in a child process; this process keeps HTTP and (de)tokenization
+        engine = make_async_llm(str(tiny_llama), engine_process=True, log_stats_interval=None,
+                                **{**ENGINE_KWARGS, **ENGINE})
+    else:
+        engine = make_llm(tiny_llama, **ENGINE)
+    app = create_app(engine, api_keys={KEY: "soak"}, served_model_name=MODEL, log_stats_interval=None)
+    section = "soak_engine_process" if engine_process else "soak"
     tally, mismatches, rss = Counter(), [], {}
 
     def on_warm():
@@ -170,16 +177,18 @@ def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_
                                 "ignore_eos": True})
         assert last.status_code == 200 and last.json()["choices"][0]["text"] == REFERENCES[(0, 8)]
 
+    if engine_process:
+        engine.shutdown()
     gc.collect()
     leftover = [o for o in gc.get_objects() if type(o) is Request and id(o) not in before]
     growth = rss_bytes() - rss.get("warm", rss_bytes())
     for name in ("sent", "completed", "disconnected", "gave_up", "give_up_too_late", "chunks"):
-        count("soak", name, tally[name])
-    count("soak", "clients", SOAK_CLIENTS)
-    count("soak", "seconds", round(elapsed))
-    count("soak", "server_preemptions", int(preemptions))
-    count("soak", "server_aborts", int(finished["abort"]))
-    count("soak", "rss_growth_after_warmup_mib", round(growth / 2**20))
+        count(section, name, tally[name])
+    count(section, "clients", SOAK_CLIENTS)
+    count(section, "seconds", round(elapsed))
+    count(section, "server_preemptions", int(preemptions))
+    count(section, "server_aborts", int(finished["abort"]))
+    count(section, "rss_growth_after_warmup_mib", round(growth / 2**20))
 
     assert not mismatches, f"{len(mismatches)} completed outputs differ from offline greedy: {mismatches[:3]}"
     assert tally["completed"] > SOAK_CLIENTS and tally["disconnected"] > 0 and tally["gave_up"] > 0, tally
