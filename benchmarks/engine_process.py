@@ -14,6 +14,7 @@ queue, prefill, front end out).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 
@@ -43,14 +44,15 @@ def process_tree_cpu_seconds(pid: int) -> float | None:
 MODES = {"in-process": "--no-engine-process", "engine process": "--engine-process"}
 
 
-def run_mode(model: str, mode: str, num_prompts: int, concurrency: int, slo: SLO, seed: int = 0) -> dict:
+def run_mode(model: str, mode: str, num_prompts: int, concurrency: int, slo: SLO, request_rate: float = math.inf,
+             seed: int = 0) -> dict:
     dataset = DatasetConfig(name="random", num_prompts=num_prompts, seed=seed, prompt_len=48, output_len=48,
                             len_sigma=0.6, max_prompt_len=192, max_output_len=192)
     engine_kwargs = dict(max_model_len=512, max_num_seqs=concurrency, max_num_batched_tokens=512, device="cpu",
                          seed=0)
     with served_in_subprocess(model, engine_kwargs, extra_args=(MODES[mode],)) as (url, api_key, pid):
         config = ServeConfig(base_url=url, api_key=api_key, model="bench", max_concurrency=concurrency,
-                             warmup_requests=4, dataset=dataset, seed=seed, slo=slo)
+                             request_rate=request_rate, warmup_requests=4, dataset=dataset, seed=seed, slo=slo)
         cpu_before, tree_before = process_cpu_seconds(pid), process_tree_cpu_seconds(pid)
         res = summarize_run(run_serve(config))
         server_cpu_s = process_cpu_seconds(pid) - cpu_before if cpu_before is not None else None
@@ -69,12 +71,13 @@ def run_mode(model: str, mode: str, num_prompts: int, concurrency: int, slo: SLO
             "server_phases_p99_ms": {name: s["p99"] for name, s in phases.items()}}
 
 
-def run_model(model: str, num_prompts: int, concurrency: int, repeats: int, slo: SLO) -> dict:
+def run_model(model: str, num_prompts: int, concurrency: int, repeats: int, slo: SLO,
+              request_rate: float = math.inf) -> dict:
     runs = []
     for repeat in range(repeats):
         order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            result = run_mode(model, mode, num_prompts, concurrency, slo)
+            result = run_mode(model, mode, num_prompts, concurrency, slo, request_rate)
             print(f"{Path(model).name} repeat {repeat} {mode}: {result['output_tok_s']:.0f} tok/s, "
                   f"TTFT p99 {result['ttft_p99_ms']:.0f} ms, ITL p99 {result['itl_p99_ms']:.1f} ms", flush=True)
             runs.append({"repeat": repeat, **result})
@@ -92,6 +95,11 @@ def run_model(model: str, num_prompts: int, concurrency: int, repeats: int, slo:
     return {"model": Path(model).name, "runs": runs, "medians": medians}
 
 
+def arrivals(request_rate: str) -> str:
+    rate = float(request_rate)
+    return "all sent at once" if math.isinf(rate) else f"Poisson arrivals at {rate:g} requests/s"
+
+
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [
@@ -99,7 +107,8 @@ def to_markdown(result: dict) -> str:
         "",
         f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
         f"{result['machine']['cpu_count']} CPUs, {cfg['threads']} torch thread(s) per process); "
-        f"{cfg['num_prompts']} streaming requests per run, {cfg['concurrency']} in flight, greedy, EOS ignored; "
+        f"{cfg['num_prompts']} streaming requests per run, at most {cfg['concurrency']} in flight, "
+        f"{arrivals(cfg.get('request_rate', 'inf'))}, greedy, EOS ignored; "
         f"medians of {cfg['repeats']} runs per mode, modes alternating. Goodput SLO: {cfg['slo']}.",
         "",
         "| model | mode | output tok/s | goodput req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
@@ -137,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server process")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-p99-ms", type=float, default=250.0)
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="Poisson arrivals at this many requests/s (default: all at once, held to --concurrency)")
+    ap.add_argument("--name", default="engine_process", help="results file name under --out-dir")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--markdown", default="docs/results/engine_process.md")
     args = ap.parse_args(argv)
@@ -145,9 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
     models = [resolve_model(m) for m in args.models]
     result = {**run_info("benchmarks.engine_process", argv),
               "config": {"num_prompts": args.num_prompts, "concurrency": args.concurrency, "repeats": args.repeats,
-                         "threads": args.threads, "slo": slo.describe()},
-              "models": [run_model(m, args.num_prompts, args.concurrency, args.repeats, slo) for m in models]}
-    write_results("engine_process", result, to_markdown(result), args.out_dir, args.markdown)
+                         "threads": args.threads, "slo": slo.describe(), "request_rate": str(args.request_rate)},
+              "models": [run_model(m, args.num_prompts, args.concurrency, args.repeats, slo, args.request_rate)
+                         for m in models]}
+    write_results(args.name, result, to_markdown(result), args.out_dir, args.markdown)
     return result
 
 

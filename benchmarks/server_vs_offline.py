@@ -2,7 +2,8 @@
 
 One seeded random workload runs twice through stage5's engine: offline with
 ``LLM.generate`` (``max_num_seqs = C``), then through the HTTP server started as its own
-process (``stagedserve serve``, as deployed), driven by ``stagedserve bench serve``'s load
+process (``stagedserve serve --no-engine-process``: engine core on a thread, so one process
+holds the whole server's CPU time), driven by ``stagedserve bench serve``'s load
 generator from this process (streaming completions, ``max_concurrency = C``, all requests
 sent at once). Output tokens per
 second of each, and the ratio: what HTTP, JSON, SSE and the async engine thread cost.
@@ -50,7 +51,8 @@ def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
     offline_s, offline_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    with served_in_subprocess(model, engine_kwargs) as (url, api_key, pid):
+    # In-process: the CPU per token below is one process's; benchmarks.engine_process compares the split.
+    with served_in_subprocess(model, engine_kwargs, extra_args=("--no-engine-process",)) as (url, api_key, pid):
         config = ServeConfig(base_url=url, api_key=api_key, model="bench", max_concurrency=concurrency,
                              warmup_requests=2, dataset=dataset, seed=seed)
         cpu_before = process_cpu_seconds(pid)
