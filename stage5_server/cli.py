@@ -44,7 +44,7 @@ DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 # Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
 SWITCH_INTERVAL_S = 0.0005
 # The engine core in its own process by default? Decided by measurement: docs/serving.md.
-DEFAULT_ENGINE_PROCESS = False
+DEFAULT_ENGINE_PROCESS = True
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",

@@ -396,17 +396,17 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
 
 
 @pytest.mark.slow
-def test_serve_engine_process_flag_builds_a_split_server_and_stops_its_engine(tiny_llama, monkeypatch, caplog):
+def test_serve_builds_a_split_server_by_default_and_stops_its_engine(tiny_llama, monkeypatch, caplog):
     import uvicorn
 
     from stage5_server.cli import main, make_parser
 
-    assert make_parser().parse_args(["serve"]).engine_process is False  # the measured default
-    assert make_parser().parse_args(["serve", "--engine-process"]).engine_process is True
+    assert make_parser().parse_args(["serve"]).engine_process is True  # the measured default
+    assert make_parser().parse_args(["serve", "--no-engine-process"]).engine_process is False
     served = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(app))
     with caplog.at_level("INFO", logger="stagedserve"):
-        assert main(["serve", str(tiny_llama), "--engine-process", "--max-model-len", "128",
+        assert main(["serve", str(tiny_llama), "--max-model-len", "128",  # no flag: the default
                      "--num-kv-blocks", "16", "--log-stats-interval", "0"]) == 0
     [app] = served
     engine = app.state.engine

@@ -98,7 +98,8 @@ def test_serve_builds_the_app_logs_its_configuration_and_runs_uvicorn(tiny_llama
     monkeypatch.setenv("STAGEDSERVE_API_KEY", "ignored-because-flags-win")
     with caplog.at_level("INFO", logger="stagedserve"):
         code = main(["serve", str(tiny_llama), "--port", "0", "--max-model-len", "128", "--num-kv-blocks", "16",
-                     "--api-key", "k1:ops", "--api-key", "k2", "--metrics-public", "--log-stats-interval", "0"])
+                     "--api-key", "k1:ops", "--api-key", "k2", "--metrics-public", "--log-stats-interval", "0",
+                     "--no-engine-process"])
     assert code == 0
     [(app, kwargs)] = fake_uvicorn_run
     assert (kwargs["host"], kwargs["port"]) == ("127.0.0.1", 0)
