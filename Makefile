@@ -33,7 +33,7 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
 
-# The load/soak test for longer than the suite's 20 s: make soak SOAK_SECONDS=600 SOAK_CLIENTS=64
+# The load/soak test (both engine modes) for longer than the suite's 20 s: make soak SOAK_SECONDS=600 SOAK_CLIENTS=64
 SOAK_SECONDS ?= 300
 SOAK_CLIENTS ?= 32
 soak: $(STAMP)
