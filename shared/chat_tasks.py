@@ -29,7 +29,8 @@ WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "b
          "car", "pen", "map", "key", "egg", "ice", "owl", "pig", "ant", "bee", "cow", "fox", "hen", "bus",
          "rain", "star", "ship")
 MAX_SQUARE = 31
-# Shared by many requests, long enough (about 150 tokens) that the prefix cache has full blocks to reuse.
+# Shared by many requests, long enough (195 tokens with the default model's tokenizer) that the prefix cache
+# has full blocks to reuse.
 SYSTEM_PROMPT = (
     "You are a careful reasoning assistant inside a small serving engine built for a course. "
     "A program checks every answer character by character, so answers are short and exact. "
