@@ -429,18 +429,20 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
 
-    async def respond(self, request: Request, stream: RequestStream, build_json, build_events) -> Response:
-        """Non-streaming: wait for the final output. Streaming: wait for the first, then SSE.
+    async def respond(self, request: Request, stream: RequestStream, params: SamplingParams, build_json,
+                      make_chunk=None, usage_chunk=None) -> Response:
+        """Non-streaming (no ``make_chunk``): wait for the final output. Streaming: wait for the
+        first, then SSE events built by ``make_chunk`` (and ``usage_chunk``, if usage is asked for).
 
         Waiting for the first output before sending headers lets an engine failure in
         the first step still answer with a 500 status rather than an error event.
         """
         try:
-            if build_events is None:
+            if make_chunk is None:
                 output = await _unless_disconnected(request, _final_output(stream))
                 return JSONResponse(build_json(output))
             first = await _unless_disconnected(request, stream.get())
-            return SSEResponse(build_events(first))
+            return SSEResponse(self.events(first, stream, params, make_chunk, usage_chunk))
         except ClientDisconnected:
             self.engine.abort(stream.request_id)
             return Response(status_code=499)  # nobody is listening
@@ -496,8 +498,7 @@ class OpenAIServing:
             c = out.outputs[0]
             choice = {"index": 0, "text": c.text, "logprobs": completion_logprobs(out, 0, len(c.token_ids), 0),
                       "finish_reason": _finish_reason(out), "stop_reason": c.stop_reason}
-            return base([choice], usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
-                        **timeline(out))
+            return base([choice], usage=_usage(out), **timeline(out))
 
         offset = 0
 
@@ -511,14 +512,10 @@ class OpenAIServing:
                         **(timeline(out) if out.finished else {}))
 
         def usage_chunk(out: RequestOutput) -> dict[str, Any]:
-            return base([], usage=usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
-                                        out.num_cached_tokens))
+            return base([], usage=_usage(out))
 
-        events = None
-        if body.stream:
-            def events(first: RequestOutput) -> AsyncIterator[str]:
-                return self.events(first, stream, params, chunk, usage_chunk if body.include_usage else None)
-        return await self.respond(request, stream, response, events)
+        return await self.respond(request, stream, params, response, chunk if body.stream else None,
+                                  usage_chunk if body.include_usage else None)
 
     # -- POST /v1/chat/completions
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -543,7 +540,7 @@ class OpenAIServing:
                       "logprobs": chat_logprobs(out, 0, len(c.token_ids), top_n),
                       "finish_reason": _finish_reason(out), "stop_reason": c.stop_reason}
             return base("chat.completion", [choice],
-                        usage=usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
+                        usage=_usage(out),
                         **timeline(out))
 
         first_chunk = True
@@ -560,15 +557,14 @@ class OpenAIServing:
                         **(timeline(out) if out.finished else {}))
 
         def usage_chunk(out: RequestOutput) -> dict[str, Any]:
-            return base("chat.completion.chunk", [], usage=usage(len(out.prompt_token_ids),
-                                                                 len(out.outputs[0].token_ids),
-                                                                 out.num_cached_tokens))
+            return base("chat.completion.chunk", [], usage=_usage(out))
 
-        events = None
-        if body.stream:
-            def events(first: RequestOutput) -> AsyncIterator[str]:
-                return self.events(first, stream, params, chunk, usage_chunk if body.include_usage else None)
-        return await self.respond(request, stream, response, events)
+        return await self.respond(request, stream, params, response, chunk if body.stream else None,
+                                  usage_chunk if body.include_usage else None)
+
+
+def _usage(output: RequestOutput) -> dict[str, Any]:
+    return usage(len(output.prompt_token_ids), len(output.outputs[0].token_ids), output.num_cached_tokens)
 
 
 def _timeline_extra(request: Request):
