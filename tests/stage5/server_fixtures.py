@@ -7,16 +7,23 @@ and shares it; nothing here is a pytest fixture, so modules compose what they ne
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from stage5_server import LLM
 from stage5_server.api_server import ServerThread
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Small and quick on CPU: every prompt + max_tokens in the tests fits max_model_len=256.
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=160,
@@ -125,3 +132,28 @@ class EngineCallRecorder:
     def restore(self) -> None:
         for name in self._originals:
             delattr(self.llm, name)  # back to the class's method
+
+
+def spawn_serve(model, log: IO, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m stage5_server serve MODEL --port P *args`` as a process of its own, writing to ``log``;
+    returns the process and its URL (wait for it with ``serving_or_exited``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "stage5_server", "serve", str(model), "--port", str(port), *args],
+                               cwd=REPO, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
+                               stdout=log, stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def serving_or_exited(process: subprocess.Popen, url: str) -> Callable[[], bool]:
+    """For ``wait_until``: true once ``/health`` answers 200, or once the process has exited."""
+    import httpx
+
+    def done() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return process.poll() is not None
+
+    return done

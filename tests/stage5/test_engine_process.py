@@ -29,7 +29,17 @@ from stage5_server.engine_core_proc import (
     request_to_wire,
 )
 from stage5_server.server_metrics import request_phases
-from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, sse_events, wait_until
+from tests.stage5.server_fixtures import (
+    ENGINE_KWARGS,
+    auth,
+    make_llm,
+    metric,
+    running_server,
+    serving_or_exited,
+    spawn_serve,
+    sse_events,
+    wait_until,
+)
 
 PROMPT = "Hello there, engine"
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -336,27 +346,12 @@ def test_when_the_engine_process_dies_in_flight_requests_fail_with_500_and_healt
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig):
     import re
-    import socket
     import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = (tmp_path / "serve.log").open("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "stage5_server", "serve", str(tiny_llama), "--port", str(port), "--engine-process",
-         "--max-model-len", "128", "--num-kv-blocks", "16", "--uvicorn-log-level", "warning"],
-        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return process.poll() is not None
+    process, url = spawn_serve(tiny_llama, log, "--engine-process", "--max-model-len", "128", "--num-kv-blocks", "16",
+                               "--uvicorn-log-level", "warning")
+    healthy = serving_or_exited(process, url)
 
     engine_pid, signalled = None, False
     try:

@@ -4,20 +4,16 @@ from flags or the environment, ``make-tiny-model``, the ``bench`` hook, and a re
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import httpx
 import pytest
 
 from stage5_server.cli import ENGINE_ARGS, build_engine_kwargs, main, make_parser, parse_size, resolve_api_keys
-from tests.stage5.server_fixtures import auth, wait_until
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, wait_until
 
 
 def parse(*argv: str):
@@ -143,24 +139,11 @@ def test_bench_subcommands_are_added_when_their_module_exists(monkeypatch):
 
 @pytest.mark.slow
 def test_stagedserve_serve_runs_a_secured_server_and_stops_cleanly_on_sigint(tiny_llama, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "STAGEDSERVE_API_KEY": "env-key:ops", "PYTHONPATH": str(REPO)}
     log = (tmp_path / "serve.log").open("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "stage5_server", "serve", str(tiny_llama), "--port", str(port),
-         "--max-model-len", "128", "--num-kv-blocks", "16", "--served-model-name", "tiny", "--uvicorn-log-level",
-         "warning"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return process.poll() is not None
+    process, url = spawn_serve(tiny_llama, log, "--max-model-len", "128", "--num-kv-blocks", "16",
+                               "--served-model-name", "tiny", "--uvicorn-log-level", "warning",
+                               env={"STAGEDSERVE_API_KEY": "env-key:ops"})
+    healthy = serving_or_exited(process, url)
 
     try:
         assert wait_until(healthy, timeout=90, interval=0.2) and process.poll() is None
