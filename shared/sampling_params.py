@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature a request is decoded greedily, as in vLLM (``_SAMPLING_EPS``): dividing
+# logits by a temperature of 1e-300 would overflow to inf and make the softmax NaN.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -28,8 +33,8 @@ class SamplingParams:
         def bad(name: str, why: str):
             raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            bad("temperature", "must be a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -49,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 def _is_int(x) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared import IncrementalDetokenizer, Request, RequestTimeline, SamplingParams, Tokenizer, goodput
@@ -30,6 +31,15 @@ def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
                    SamplingParams(temperature=1.0, top_p=1e-6, seed=1)):
         reqs = [_request(params, str(i)) for i in range(4)]
         assert sample(logits, reqs, torch.Generator().manual_seed(0)) == argmax
+
+
+def test_a_vanishing_temperature_decodes_greedily_and_an_infinite_one_is_refused():
+    """1e-300 would overflow logits / temperature to inf (a NaN softmax): below vLLM's 1e-5 it is greedy."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 30
+    reqs = [_request(SamplingParams(temperature=t, seed=2), str(i)) for i, t in enumerate((1e-300, 5e-324, 1e-6))]
+    assert sample(logits, reqs, torch.Generator().manual_seed(0)) == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("inf"))
 
 
 def test_sampling_follows_the_distribution():
