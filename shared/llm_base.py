@@ -6,6 +6,9 @@ loop, detokenization, stop strings) lives here once. The engine core of every st
 offers the same four methods: ``add_request``, ``step``, ``has_unfinished_requests``
 and ``finish_requests``.
 
+``model`` is a checkpoint directory, a ``.gguf`` file or a name (``shared.named_models``); no
+model means the default, SmolLM2-135M-Instruct.
+
 vLLM: ``vllm/entrypoints/llm.py`` (LLM) over ``vllm/v1/engine/llm_engine.py``.
 """
 
@@ -19,11 +22,11 @@ import torch
 
 from shared.config import ModelConfig
 from shared.metrics import SchedulerStats
+from shared.named_models import default_model, resolve_model
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
-from shared.tiny_model import default_model
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
 
@@ -67,11 +70,11 @@ class BaseLLM:
             if name not in accepted:
                 raise ValueError(f"{name}: not an engine argument of {self.stage}; accepted: {sorted(accepted)}")
         self.args = {**accepted, **kwargs}
-        self.model_path = model or default_model()
+        self.model_path = default_model() if model is None else resolve_model(model)  # a name or .gguf: a directory
         self.device = torch.device(self.args["device"] or self.default_device())
         self.dtype = self._resolve_dtype(self.args["dtype"])
         self.model, self.model_config = self._load_model()
-        self.tokenizer = Tokenizer(self.args["tokenizer"] or self.model_path)
+        self.tokenizer = Tokenizer(resolve_model(self.args["tokenizer"]) if self.args["tokenizer"] else self.model_path)
         max_len = self.args["max_model_len"] or self.model_config.max_position_embeddings
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_model_len: must be an integer >= 2, got {max_len!r}")
