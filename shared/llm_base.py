@@ -7,7 +7,9 @@ offers the same four methods: ``add_request``, ``step``, ``has_unfinished_reques
 and ``finish_requests``.
 
 ``model`` is a checkpoint directory, a ``.gguf`` file or a name (``shared.named_models``); no
-model means the default, SmolLM2-135M-Instruct.
+model means the default, SmolLM2-135M-Instruct. Without ``kv_cache_memory`` or an explicit pool
+size the KV cache sizes itself from free memory on CPU, and a ``max_model_len`` the user did not
+set comes down to what that cache holds (``set_kv_cache_capacity``) instead of failing to start.
 
 vLLM: ``vllm/entrypoints/llm.py`` (LLM) over ``vllm/v1/engine/llm_engine.py``.
 """
@@ -21,6 +23,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.config import ModelConfig
+from shared.host_memory import available_memory
 from shared.metrics import SchedulerStats
 from shared.named_models import default_model, resolve_model
 from shared.output_processor import OutputProcessor
@@ -53,9 +56,11 @@ COMMON_ARGS: dict[str, Any] = {
     "device": None,  # "cpu" unless a later stage picks CUDA
     "max_model_len": None,  # defaults to the model's max_position_embeddings
     "max_num_seqs": 16,
-    "kv_cache_memory": None,  # bytes of K/V; default DEFAULT_KV_CACHE_MEMORY
+    "kv_cache_memory": None,  # bytes of K/V; default: sized from free memory (automatic_kv_cache_tokens)
 }
-DEFAULT_KV_CACHE_MEMORY = 256 << 20
+DEFAULT_KV_CACHE_MEMORY = 256 << 20  # what the tensor-parallel engine gives each rank unless told
+CPU_KV_CACHE_MEMORY = 4 << 30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+FREE_MEMORY_FRACTION = 0.5  # the automatic KV cache takes at most this share of the available memory
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
@@ -109,12 +114,42 @@ class BaseLLM:
         return DTYPES[dtype]
 
     def kv_cache_tokens(self) -> int:
-        """How many tokens of K/V the configured memory budget holds."""
-        memory = self.args["kv_cache_memory"] or DEFAULT_KV_CACHE_MEMORY
-        if not isinstance(memory, int) or memory <= 0:
-            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
+        """How many tokens of K/V the cache holds: ``kv_cache_memory`` bytes when given, else the automatic size."""
+        memory = self.args["kv_cache_memory"]
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        if memory is None:
+            return self.automatic_kv_cache_tokens(per_token)
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
         return memory // per_token
+
+    def automatic_kv_cache_tokens(self, per_token: int) -> int:
+        """The CPU default: ``min(4 GiB, half the memory available now)``, and no more than
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens fill at once (more would only keep
+        evicted prefixes, and cost a block object each)."""
+        free = available_memory()
+        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free))
+        tokens = min(memory // per_token, self.args["max_num_seqs"] * self.max_model_len)
+        logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
+                    tokens * per_token / 2**30, free / 2**30)
+        return tokens
+
+    def set_kv_cache_capacity(self, capacity: int, pool_arg: str, error: str) -> None:
+        """Record that the KV cache holds ``capacity`` tokens, and make one ``max_model_len`` sequence
+        fit in it: when the user set neither ``max_model_len`` nor the KV size, lower ``max_model_len``
+        to the capacity with a warning; otherwise (or when not even 2 tokens fit) raise ``ValueError(error)``."""
+        self.kv_cache_capacity = capacity
+        if capacity >= self.max_model_len:
+            return
+        given = [name for name in ("max_model_len", "kv_cache_memory", pool_arg) if self.args.get(name) is not None]
+        if given or capacity < 2:
+            raise ValueError(error)
+        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        logger.warning("max_model_len: lowered from %d to %d tokens, all that the automatically sized KV cache "
+                       "(%.2f GiB) holds; set --max-model-len (max_model_len=) for another length, or "
+                       "--kv-cache-memory (kv_cache_memory=) to give the KV cache more memory",
+                       self.max_model_len, capacity, capacity * per_token / 2**30)
+        self.max_model_len = capacity
 
     # ---- the public API ---------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,

@@ -42,9 +42,9 @@ class LLM(BaseLLM):
 
     def _build_engine(self) -> PagedEngineCore:
         block_size, num_blocks = resolve_num_blocks(self)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} cannot hold one "
-                             f"max_model_len={self.max_model_len} sequence")
+        self.set_kv_cache_capacity(num_blocks * block_size, "num_kv_blocks",
+                                   f"num_kv_blocks: {num_blocks} blocks of {block_size} cannot hold one "
+                                   f"max_model_len={self.max_model_len} sequence")
         allocator = BlockAllocator(num_blocks, self.args["block_shuffle_seed"])
         return PagedEngineCore(self.model, make_paged_cache(self, block_size, num_blocks), allocator,
                                self.args["max_num_seqs"], self.max_model_len, self.device, self.args["seed"])

@@ -39,10 +39,10 @@ class LLM(BaseLLM):
 
     def _build_engine(self) -> EngineCore:
         block_size, num_blocks = resolve_num_blocks(self)
-        if num_blocks * block_size < self.max_model_len:
-            # A sequence that outgrows the whole pool could never run, only preempt itself.
-            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                             f"max_model_len={self.max_model_len} sequence; lower max_model_len or add blocks")
+        # A sequence that outgrows the whole pool could never run, only preempt itself.
+        self.set_kv_cache_capacity(num_blocks * block_size, "num_kv_blocks",
+                                   f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
+                                   f"max_model_len={self.max_model_len} sequence; lower max_model_len or add blocks")
         scheduler = self._make_scheduler(self._cache_config(block_size, num_blocks))
         if not self.args["enable_chunked_prefill"] and self.args["max_num_batched_tokens"] < self.max_model_len:
             raise ValueError("max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
