@@ -30,7 +30,7 @@ EXERCISES: dict[int, dict[str, list[str]]] = {
     4: {"stage4_prefix_cache/kv_cache_manager.py": ["KVCacheManager.get_computed_blocks"],
         "stage4_prefix_cache/block_pool.py": ["BlockPool.free_blocks", "BlockPool.touch"],
         "stage4_prefix_cache/kv_cache_utils.py": ["hash_block_tokens"]},
-    5: {"stage5_server/attention_backends.py": ["resolve_attention_backend"]},
+    5: {"stage5_server/attention/__init__.py": ["resolve_attention_backend"]},
 }
 
 

@@ -1,0 +1,204 @@
+"""``stagedserve serve [MODEL]``: build the engine, wrap it in the app, run uvicorn.
+
+    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
+
+Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
+flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
+own default, so a flag an engine does not know is an error only when it is used.
+
+API keys come from ``--api-key`` (repeatable) or, when no ``--api-key`` is given, from
+``STAGEDSERVE_API_KEY`` (comma-separated; prefer it: command lines are visible to every
+local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
+separates the group); keys in one group share prefix-cache blocks, keys in different
+groups never do, and a key without a group is a group of its own.
+
+``--engine-process`` (the default) runs the engine core (scheduler, KV cache, model) in a
+process of its own, with HTTP, tokenization and detokenization in this one (vLLM V1's
+split; ``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
+
+vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
+
+logger = logging.getLogger("stagedserve")
+
+API_KEY_ENV = "STAGEDSERVE_API_KEY"
+DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
+# The engine thread and the event loop share one GIL; a shorter switch interval than
+# Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
+SWITCH_INTERVAL_S = 0.0005
+# The engine core in its own process by default? Decided by measurement: docs/serving.md.
+DEFAULT_ENGINE_PROCESS = True
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
+# CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
+ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+               "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
+               "attention_backend", "seed", "tensor_parallel_size", "distributed_interface")
+
+
+def add_serve_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL (a Hugging Face model directory; default: the embedded "
+                                          "default model) over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model directory (default: embedded)")
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
+    net.add_argument("--api-key", action="append", metavar="KEY[:GROUP]",
+                     help=f"accept this API key (repeatable); GROUP is its trust group. Default: ${API_KEY_ENV}")
+    net.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    net.add_argument("--trust-client-cache-salt", action="store_true",
+                     help="accept a client cache_salt (it only partitions the key's own group further)")
+    net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
+                     help="seconds between stats log lines; 0 turns them off (default: 10)")
+    net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
+    net.add_argument("--uvicorn-log-level", default="info",
+                     choices=("critical", "error", "warning", "info", "debug", "trace"))
+    net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
+                     help="run the engine core in a separate process, HTTP and (de)tokenization in this one "
+                          f"(default: {'on' if DEFAULT_ENGINE_PROCESS else 'off'}; see docs/serving.md)")
+    eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
+    eng.add_argument("--max-model-len", type=positive_int, default=None)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
+    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    eng.add_argument("--block-size", type=positive_int, default=None)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=fraction, default=None)
+    eng.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes of K/V, e.g. 2GiB")
+    eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
+    eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
+    eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
+    eng.add_argument("--attention-backend", default=None, help="torch or triton")
+    eng.add_argument("--seed", type=int, default=None)
+    eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
+    eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
+                     help="network interface of the ranks' unauthenticated traffic (default: loopback); "
+                          "never one reachable from an untrusted network")
+    p.set_defaults(func=serve)
+
+
+def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
+    return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
+
+
+def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
+    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``."""
+    entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
+    if not entries:
+        return None
+    keys: dict[str, str | None] = {}
+    for entry in entries:
+        entry = entry.strip()
+        key, sep, group = entry.rpartition(":")
+        if not sep:
+            key, group = entry, None
+        if not key:
+            raise ValueError("api_key: empty key (expected KEY or KEY:GROUP)")
+        if sep and not group:
+            raise ValueError("api_key: empty group after ':' (expected KEY or KEY:GROUP)")
+        if key in keys:
+            raise ValueError("api_key: the same key is given twice")
+        keys[key] = group
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def configure_logging(level: str = "info") -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
+    logger.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
+
+
+def serve(args: argparse.Namespace) -> int:
+    configure_logging(args.uvicorn_log_level)
+    try:
+        engine_kwargs = build_engine_kwargs(args)
+        api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
+    except ValueError as exc:
+        print(f"stagedserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from stage5_server.engine import make_async_llm
+    from stage5_server.server import create_app
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+
+    engine = None
+    try:
+        engine = make_async_llm(args.model, engine_process=args.engine_process,
+                                log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
+        app = create_app(engine, api_keys=api_keys,
+                         served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME,
+                         trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
+                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    except ValueError as exc:
+        if engine is not None:
+            engine.shutdown()
+        print(f"stagedserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again once it is done;
+    # SIGTERM's default action would end this process there, before the engine is stopped.
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_after_sigterm)
+    try:
+        _log_configuration(args, app, engine, engine_kwargs, api_keys)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    except _SigtermExit:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        engine.shutdown()  # after uvicorn's graceful shutdown: the engine process never outlives the server
+    return 0
+
+
+class _SigtermExit(Exception):
+    pass
+
+
+def _exit_after_sigterm(signum, frame) -> None:
+    raise _SigtermExit
+
+
+def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
+                       api_keys: dict[str, str | None] | None) -> None:
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+    from stage5_server.server.openapi import describe_routes
+
+    serving = app.state.serving
+    logger.info("model: %s (served as %r)", engine.model_path, serving.served_model_name)
+    logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
+    logger.info("resolved engine configuration (%s): %s", engine.stage,
+                ", ".join(f"{k}={v}" for k, v in sorted(engine.engine_args.items())))
+    logger.info("engine core: %s", f"separate process (pid {engine.engine_pid})" if engine.engine_process
+                else "a thread of the server process")
+    logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
+                "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
+                args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
+    if api_keys:
+        source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source,
+                    ", ".join(app.state.api_keys.groups))
+    elif _is_loopback(args.host):
+        logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
+    else:
+        logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
+                       "set --api-key or %s", args.host, API_KEY_ENV)
+    for line in describe_routes(app):
+        logger.info("route: %s", line)
