@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXERCISES: dict[int, dict[str, list[str]]] = {
     1: {"stage1_naive/kv_cache.py": ["ContiguousKVCache.reserve", "ContiguousKVCache.release",
                                      "ContiguousKVCache.external_fragmentation"]},
-    2: {"stage2_paged/block_table.py": ["BlockTable.blocks_needed", "BlockTable.slot"],
+    2: {"stage2_paged/block_table.py": ["BlockTable.blocks_needed", "slot_mapping"],
         "stage2_paged/attention.py": ["gather_kv"]},
     3: {"stage3_continuous/scheduler.py": ["Scheduler.schedule", "Scheduler.update_from_output",
                                            "Scheduler._preempt"]},
