@@ -58,7 +58,6 @@ COMMON_ARGS: dict[str, Any] = {
     "max_num_seqs": 16,
     "kv_cache_memory": None,  # bytes of K/V; default: sized from free memory (automatic_kv_cache_tokens)
 }
-DEFAULT_KV_CACHE_MEMORY = 256 << 20  # what the tensor-parallel engine gives each rank unless told
 CPU_KV_CACHE_MEMORY = 4 << 30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
 FREE_MEMORY_FRACTION = 0.5  # the automatic KV cache takes at most this share of the available memory
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -123,12 +122,13 @@ class BaseLLM:
             raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
         return memory // per_token
 
-    def automatic_kv_cache_tokens(self, per_token: int) -> int:
-        """The CPU default: ``min(4 GiB, half the memory available now)``, and no more than
-        ``max_num_seqs`` sequences of ``max_model_len`` tokens fill at once (more would only keep
-        evicted prefixes, and cost a block object each)."""
+    def automatic_kv_cache_tokens(self, per_token: int, processes: int = 1) -> int:
+        """The CPU default: ``min(4 GiB, half the memory available now)``, shared by ``processes``
+        on this host (tensor-parallel ranks), and no more than ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens fill at once (more would only keep evicted prefixes, and cost a
+        block object each)."""
         free = available_memory()
-        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free))
+        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free)) // processes
         tokens = min(memory // per_token, self.args["max_num_seqs"] * self.max_model_len)
         logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
                     tokens * per_token / 2**30, free / 2**30)

@@ -148,9 +148,3 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
-
-def default_model() -> str:
-    """``shared.named_models.default_model``, for callers that import it from here."""
-    from shared.named_models import default_model as _default_model
-
-    return _default_model()
