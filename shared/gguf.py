@@ -256,12 +256,10 @@ def _save_config(config: dict, arch: str, out_dir: Path) -> None:
 
 def _save_tokenizer(path: Path, out_dir: Path, meta: _Metadata) -> None:
     """transformers builds the tokenizer (and chat template) from the metadata; we save it as files."""
-    from transformers import AutoTokenizer
-
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"model: {path.name} has no tokenizer (no tokenizer.ggml.tokens metadata)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = _tokenizer_from_gguf(path)
     except Exception as exc:  # a malformed vocabulary fails deep inside tokenizers
         raise ValueError(f"model: the tokenizer in {path.name} cannot be built: {exc}") from None
     tokenizer.save_pretrained(out_dir)
@@ -273,3 +271,18 @@ def _save_tokenizer(path: Path, out_dir: Path, meta: _Metadata) -> None:
     for key in ("gguf_file", "name_or_path", "is_local", "local_files_only"):
         saved.pop(key, None)
     config_file.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def _tokenizer_from_gguf(path: Path):
+    """transformers' tokenizer for the file. Its metadata reader alone when this transformers has
+    one (``AutoTokenizer.from_pretrained(gguf_file=...)`` also parses every tensor and metadata
+    value again, which is most of the conversion's time); else that public path."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
