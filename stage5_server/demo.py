@@ -23,9 +23,11 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import secrets
 import sys
 import time
+from contextlib import contextmanager
 
 SERVED_MODEL_NAME = "stagedserve-demo"
 ENGINE_KWARGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, block_size=16,
@@ -57,7 +59,7 @@ What a 135M-parameter model quantized to 4 bits gets wrong (greedy decoding, the
   - it states wrong facts and sums with confidence ("12 + 30 = 32"; the largest planet is "Neptune");
   - it often runs past the answer into filler, so replies are cut by max_tokens;
   - in longer conversations it loses track of who said what.
-  On a fixed question set it gets 15 of 28 right (docs/default-model.md, benchmarks/default_model_quality.py).
+  On a fixed question set it gets 14 of 28 right (docs/default-model.md, benchmarks/default_model_quality.py).
   The serving engine is the point here: every token is the one transformers computes for this checkpoint."""
 
 
@@ -72,6 +74,34 @@ class _StatsLines(logging.Handler):
         message = record.getMessage()
         if message.startswith("Avg prompt throughput"):
             self.lines.append(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {message}")
+
+
+@contextmanager
+def engine_log_collected():
+    """While the demo runs, the engine's log goes to a collector (its stats lines are printed after
+    the run) and only its warnings to the terminal, which stays free for the streamed answers."""
+    log = logging.getLogger("stagedserve")
+    lines, console = _StatsLines(), logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    saved = log.level, log.propagate
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(lines)
+    log.addHandler(console)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(lines)
+        log.removeHandler(console)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def idle_core_threads() -> int:
+    """One torch thread per core that is idle now (at least one): with more threads than free
+    cores, every parallel op waits for a descheduled thread (ten times slower on a busy machine)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, cores - round(os.getloadavg()[0])))
 
 
 def is_right(reply: str, words: list[str]) -> bool:
@@ -177,22 +207,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a chat model: directory, .gguf file or name "
                                                        "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per streamed answer (default: 32)")
-    parser.add_argument("--log-stats-interval", type=float, default=1.0, help="seconds between stats lines")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats lines")
     args = parser.parse_args(argv)
+    import torch
 
+    threads = torch.get_num_threads()  # the default, or what OMP_NUM_THREADS asked for
+    torch.set_num_threads(min(threads, idle_core_threads()))
+    try:
+        with engine_log_collected() as stats_lines:
+            return _run(args, stats_lines)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, stats_lines: _StatsLines) -> int:
     import httpx
+    import torch
     from openai import AsyncOpenAI
 
     from shared import default_model, resolve_model
     from stage5_server import LLM
-    from stage5_server.cli.serve import configure_logging
     from stage5_server.server import ServerThread, create_app
 
-    configure_logging()
-    for handler in logging.getLogger().handlers:  # keep the terminal for the answers; stats lines come at the end
-        handler.setLevel(logging.WARNING)
-    stats_lines = _StatsLines()
-    logging.getLogger("stagedserve").addHandler(stats_lines)
     started = time.monotonic()
     print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...",
           flush=True)
@@ -214,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ServerThread(app) as server:
         print(f"serving {llm.model_config.family} model from {model} as {SERVED_MODEL_NAME!r} on {server.url} "
-              f"(ready after {time.monotonic() - started:.1f} s; API key generated for this run)\n")
+              f"(ready after {time.monotonic() - started:.1f} s, {torch.get_num_threads()} torch thread(s); "
+              "API key generated for this run)\n")
         results, answers = asyncio.run(talk(server.url))
         headers = {"Authorization": f"Bearer {api_key}"}
         unauthenticated = httpx.get(f"{server.url}/v1/models").status_code
