@@ -22,8 +22,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -60,27 +58,15 @@ def is_gguf(path: str | Path) -> bool:
 def gguf_checkpoint_dir(path: str | Path) -> Path:
     """The converted Hugging Face directory of the GGUF file at ``path``, converting it first if no
     earlier run did (atomically, safe across processes)."""
-    from shared.tiny_model import cache_dir
+    from shared.tiny_model import build_once, cache_dir
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"model: no GGUF file at {path!s}")
     stat = path.stat()
     digest = _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    target = cache_dir() / f"gguf-{path.stem}-{digest[:16]}-{CONVERTER_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        convert_gguf(path, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(cache_dir() / f"gguf-{path.stem}-{digest[:16]}-{CONVERTER_VERSION}",
+                      lambda tmp: convert_gguf(path, tmp))
 
 
 @functools.cache

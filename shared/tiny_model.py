@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -134,12 +135,18 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
     if size_name not in SIZES:
         raise ValueError(f"size: unknown {size_name!r}; choose one of {sorted(SIZES)}")
     target = cache_dir() / f"{arch}-{size_name}-seed{seed}-v1"
+    return build_once(target, lambda tmp: make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name]))
+
+
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """``target``, a checkpoint directory that ``build(directory)`` writes, built only if no run has
+    yet: into a temporary directory beside it, then renamed (atomic, safe across processes)."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name])
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
