@@ -370,7 +370,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = benchmark_parser(__doc__, "offline_throughput", plot=True)
     ap.add_argument("--model", default=None, help="checkpoint directory, or tiny / small (random llamas) / "
-                                                  "default (the embedded trained model); default: tiny")
+                    "tiny-chat (the small trained one) / default (SmolLM2-135M-Instruct); default: tiny")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -6,6 +6,11 @@ loop, detokenization, stop strings) lives here once. The engine core of every st
 offers the same four methods: ``add_request``, ``step``, ``has_unfinished_requests``
 and ``finish_requests``.
 
+``model`` is a checkpoint directory, a ``.gguf`` file or a name (``shared.named_models``); no
+model means the default, SmolLM2-135M-Instruct. Without ``kv_cache_memory`` or an explicit pool
+size the KV cache sizes itself from free memory on CPU, and a ``max_model_len`` the user did not
+set comes down to what that cache holds (``set_kv_cache_capacity``) instead of failing to start.
+
 vLLM: ``vllm/entrypoints/llm.py`` (LLM) over ``vllm/v1/engine/llm_engine.py``.
 """
 
@@ -18,12 +23,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.config import ModelConfig
+from shared.host_memory import available_memory
 from shared.metrics import SchedulerStats
+from shared.named_models import default_model, resolve_model
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
-from shared.tiny_model import default_model
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
 
@@ -50,9 +56,10 @@ COMMON_ARGS: dict[str, Any] = {
     "device": None,  # "cpu" unless a later stage picks CUDA
     "max_model_len": None,  # defaults to the model's max_position_embeddings
     "max_num_seqs": 16,
-    "kv_cache_memory": None,  # bytes of K/V; default DEFAULT_KV_CACHE_MEMORY
+    "kv_cache_memory": None,  # bytes of K/V; default: sized from free memory (automatic_kv_cache_tokens)
 }
-DEFAULT_KV_CACHE_MEMORY = 256 << 20
+CPU_KV_CACHE_MEMORY = 4 << 30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+FREE_MEMORY_FRACTION = 0.5  # the automatic KV cache takes at most this share of the available memory
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
@@ -67,11 +74,11 @@ class BaseLLM:
             if name not in accepted:
                 raise ValueError(f"{name}: not an engine argument of {self.stage}; accepted: {sorted(accepted)}")
         self.args = {**accepted, **kwargs}
-        self.model_path = model or default_model()
+        self.model_path = default_model() if model is None else resolve_model(model)  # a name or .gguf: a directory
         self.device = torch.device(self.args["device"] or self.default_device())
         self.dtype = self._resolve_dtype(self.args["dtype"])
         self.model, self.model_config = self._load_model()
-        self.tokenizer = Tokenizer(self.args["tokenizer"] or self.model_path)
+        self.tokenizer = Tokenizer(resolve_model(self.args["tokenizer"]) if self.args["tokenizer"] else self.model_path)
         max_len = self.args["max_model_len"] or self.model_config.max_position_embeddings
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_model_len: must be an integer >= 2, got {max_len!r}")
@@ -106,12 +113,43 @@ class BaseLLM:
         return DTYPES[dtype]
 
     def kv_cache_tokens(self) -> int:
-        """How many tokens of K/V the configured memory budget holds."""
-        memory = self.args["kv_cache_memory"] or DEFAULT_KV_CACHE_MEMORY
-        if not isinstance(memory, int) or memory <= 0:
-            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
+        """How many tokens of K/V the cache holds: ``kv_cache_memory`` bytes when given, else the automatic size."""
+        memory = self.args["kv_cache_memory"]
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        if memory is None:
+            return self.automatic_kv_cache_tokens(per_token)
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
         return memory // per_token
+
+    def automatic_kv_cache_tokens(self, per_token: int, processes: int = 1) -> int:
+        """The CPU default: ``min(4 GiB, half the memory available now)``, shared by ``processes``
+        on this host (tensor-parallel ranks), and no more than ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens fill at once (more would only keep evicted prefixes, and cost a
+        block object each)."""
+        free = available_memory()
+        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free)) // processes
+        tokens = min(memory // per_token, self.args["max_num_seqs"] * self.max_model_len)
+        logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
+                    tokens * per_token / 2**30, free / 2**30)
+        return tokens
+
+    def set_kv_cache_capacity(self, capacity: int, pool_arg: str, error: str) -> None:
+        """Record that the KV cache holds ``capacity`` tokens, and make one ``max_model_len`` sequence
+        fit in it: when the user set neither ``max_model_len`` nor the KV size, lower ``max_model_len``
+        to the capacity with a warning; otherwise (or when not even 2 tokens fit) raise ``ValueError(error)``."""
+        self.kv_cache_capacity = capacity
+        if capacity >= self.max_model_len:
+            return
+        given = [name for name in ("max_model_len", "kv_cache_memory", pool_arg) if self.args.get(name) is not None]
+        if given or capacity < 2:
+            raise ValueError(error)
+        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        logger.warning("max_model_len: lowered from %d to %d tokens, all that the automatically sized KV cache "
+                       "(%.2f GiB) holds; set --max-model-len (max_model_len=) for another length, or "
+                       "--kv-cache-memory (kv_cache_memory=) to give the KV cache more memory",
+                       self.max_model_len, capacity, capacity * per_token / 2**30)
+        self.max_model_len = capacity
 
     # ---- the public API ---------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,

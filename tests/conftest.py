@@ -19,6 +19,12 @@ import pytest
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("STAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "stagedserve"))
+# Under xdist, share the cores among the workers: with more torch threads than cores, every
+# parallel op waits on a descheduled thread (a decode step of the 135M default model ran 9x slower).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @dataclass(frozen=True)

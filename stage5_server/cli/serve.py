@@ -48,9 +48,11 @@ ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block
 
 def add_serve_subcommand(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve MODEL (a Hugging Face model directory; default: the embedded "
-                                          "default model) over an OpenAI-compatible HTTP API.")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model directory (default: embedded)")
+                              description="Serve MODEL (a Hugging Face model directory, a .gguf file, or one of "
+                                          "the names default, tiny-chat, tiny, small; default: SmolLM2-135M-Instruct) "
+                                          "over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory, .gguf file or name (default: the default model, SmolLM2-135M-Instruct)")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")

@@ -17,11 +17,15 @@ PROMPTS = [
 
 @functools.cache
 def hf_greedy(model_path: Path, prompt_ids: tuple[tuple[int, ...], ...], max_new_tokens: int):
-    """Token ids from transformers' own ``generate`` (greedy, EOS ignored), one prompt at a time."""
+    """Token ids from transformers' own ``generate`` (greedy, EOS ignored), one prompt at a time.
+    ``model_path`` may be a ``.gguf`` file: transformers then loads it itself (``gguf_file=``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    path = Path(model_path)
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=torch.float32,
+                                                 **kwargs).eval()
     # Never stop on EOS and never suppress it (``min_new_tokens`` would mask its logit).
     model.generation_config.eos_token_id = None
     results = []

@@ -108,3 +108,16 @@ def test_demo_summary_reads_the_hit_rate_and_preemptions_from_metrics():
     assert summary["preemptions"] == 3
     assert summary["requests_ok"] == 1
     assert 0.1 <= summary["ttft_p50"] <= 0.25  # the one TTFT (about 0.1 s) lies in the (0.1, 0.25] bucket
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_exits_zero(capsys):
+    # tiny-chat instead of the default model, for speed: the questions are not its tasks, the path is the same.
+    from stage5_server.demo import main as demo_main
+
+    assert demo_main(["--model", "tiny-chat", "--max-tokens", "4", "--log-stats-interval", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "you: And what is the capital of Germany?" in out and "6 questions, streamed one at a time" in out
+    assert "phase 1: 8 chat requests" in out and "phase 2: 2 long + 6 short" in out
+    assert "from the prefix cache" in out and "prefix cache hit rate" in out
+    assert "/v1/models without the API key: HTTP 401" in out
