@@ -9,8 +9,9 @@ loaded, each layer is rearranged in place:
   larger, which a CPU (and a GPU) runs closer to its peak;
 - the cos/sin table of the step's positions is built once and reused by every layer.
 
-The arithmetic is unchanged (the same weights, rows concatenated), so float32 outputs stay
-token-identical to the plain model. Under tensor parallelism each rank fuses its own shards:
+The weights are the same, their rows concatenated; each output element is the same dot
+product, so float32 outputs stay token-identical to the plain model (bit-identical on the
+CPUs tested). Under tensor parallelism each rank fuses its own shards:
 its q, k and v (and gate, up) are whole heads (whole columns) of its slice, so concatenating
 them gives the rank's slice of the fused layer; o and down stay row-parallel.
 
@@ -100,12 +101,14 @@ class StepRotaryEmbedding(RotaryEmbedding):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def fuse_projections(model: DecoderModel) -> DecoderModel:
-    """Rearrange a loaded model in place (see the module docstring); returns it."""
+def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:
+    """Rearrange a loaded model in place (see the module docstring); returns it.
+
+    ``step_rope=False`` keeps the per-layer RoPE (a compiled forward fuses it into its loops)."""
     for layer in model.layers:
         if not isinstance(layer.self_attn, FusedAttention):
             layer.self_attn = FusedAttention(layer.self_attn)
             layer.mlp = FusedMLP(layer.mlp)
-    if not isinstance(model.rotary_emb, StepRotaryEmbedding):
+    if step_rope and not isinstance(model.rotary_emb, StepRotaryEmbedding):
         model.rotary_emb = StepRotaryEmbedding(model.rotary_emb)
     return model
