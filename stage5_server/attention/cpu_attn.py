@@ -15,8 +15,6 @@ work is batched:
 - **GQA without copying K/V**: the ``H / Hkv`` query heads that share a KV head are folded into
   the query-length axis (``[B, Hkv, group * q_len, D]``), so SDPA runs over the ``Hkv`` heads
   that exist; the causal mask repeats per folded head.
-- **K/V written with** ``index_copy_`` **through the slot mapping** (advanced-index assignment
-  is two orders of magnitude slower here).
 
 vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (its CPU backend; it calls C++ kernels in
 ``csrc/cpu/``) and ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
@@ -53,10 +51,9 @@ class CPUAttentionBackend:
         self._plan: list[_Group] = []
 
     def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
+        self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
         key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
+        num_kv_heads = key_cache.shape[2]
         if meta is not self._plan_for:  # the first layer of a step
             self._plan = plan_groups(meta, key_cache.shape[1], query.shape[1] // num_kv_heads, query.dtype)
             self._plan_for = meta

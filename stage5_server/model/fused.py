@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model import Attention, DecoderModel, RotaryEmbedding, _rotate
+from shared.model import Attention, DecoderModel, RotaryEmbedding
 
 
 def _merged(*linears: nn.Linear) -> nn.Linear:
@@ -98,7 +98,13 @@ class StepRotaryEmbedding(RotaryEmbedding):
             self._cos_sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
             self._positions = positions  # held, so its address cannot be reused by a new step's tensor
         cos, sin = self._cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face layout's rotation, as in ``shared/model.py``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:

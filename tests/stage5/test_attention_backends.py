@@ -12,9 +12,10 @@ from stage5_server.attention import resolve_attention_backend
 from tests.invariants.prompts import PROMPTS
 
 
-def test_auto_picks_torch_on_a_cpu():
-    assert resolve_attention_backend(None, torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_picks_the_cpu_backend_on_a_cpu():
+    assert resolve_attention_backend(None, torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
 
 
 def test_unknown_backend_is_named():
