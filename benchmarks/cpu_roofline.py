@@ -15,7 +15,7 @@ steps (decode-first continuous batching under the same ``max_num_seqs`` and toke
 an engine that spent nothing on attention, norms, sampling or Python would take that long.
 "fraction of roofline" is roofline time over the engine's wall time.
 
-Checks: every float32 engine must give the same tokens as stage5's torch reference; each
+Checks: every float32 engine must give the same tokens as the first stage5 float32 variant; each
 bfloat16 engine is checked against it the way vLLM checks its bf16 models against
 transformers (``shared/closeness.py``): the first requests run again with top-5 logprobs,
 and where tokens first differ each engine's token must be in the other's top 5.
@@ -233,7 +233,7 @@ def run_model(name: str, args) -> dict:
                 skipped[f"vllm {dtype}"] = f"{type(exc).__name__}: {exc}"[:800]
     else:
         skipped["vllm"] = "no vLLM python given (--vllm-python or STAGEDSERVE_VLLM_PYTHON)"
-    reference_name = next(n for n in results if n.startswith("stage5 torch float32"))
+    reference_name = next(n for n in results if n.startswith("stage5") and results[n]["dtype"] == "float32")
     reference = results[reference_name]
     output_tokens = sum(map(len, reference["token_ids"]))
     rows = []
@@ -332,8 +332,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["default", "small"],
                     help="checkpoint directories or names (default, tiny, small)")
-    ap.add_argument("--stage5", nargs="+", default=["torch:float32", "torch:bfloat16"],
-                    help="stage5 variants as BACKEND:DTYPE[:compile]; the first torch:float32 is the reference")
+    ap.add_argument("--stage5", nargs="+", default=["torch:float32", "cpu:float32", "torch:bfloat16",
+                                                    "cpu:bfloat16"],
+                    help="stage5 variants as BACKEND:DTYPE[:compile]; the first float32 one is the reference")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="vLLM's dtypes and the rooflines")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
