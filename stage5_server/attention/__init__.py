@@ -7,7 +7,7 @@ chooses that object from a registry instead of always taking stage 2's torch ref
 - ``triton``: ``triton_backend.TritonAttentionBackend`` over the kernels in ``kernels/``, on CUDA,
   or on a CPU under the Triton interpreter (``TRITON_INTERPRET=1``, slow, for tests);
 - ``cpu``: ``cpu_attn.CPUAttentionBackend``, one batched SDPA call per layer for the decodes and
-  one for the prefills, GQA without copying K/V (any device; written for a CPU).
+  one for the prefills, GQA without copying K/V (CPU only).
 
 By default the device decides: CUDA gets ``triton``, a CPU gets ``cpu`` (measured faster than
 ``torch`` there: the performance page), anything else ``torch``. Asking for
@@ -52,6 +52,8 @@ def resolve_attention_backend(name: str | None, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; choose auto or one of {sorted(ATTENTION_BACKENDS)}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend: cpu runs on a CPU only, not on device {device.type!r}")
     if name == "triton":
         reason = triton_unavailable_reason(device)
         if reason:
