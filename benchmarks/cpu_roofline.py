@@ -323,6 +323,7 @@ def markdown(result: dict) -> str:
         for name, why in m["skipped"].items():
             lines.append(f"\n- {name} skipped: {why.splitlines()[0] if why else ''}")
         lines.append("")
+    lines.append("![stage5 and vLLM against the roofline](assets/cpu_roofline.png)")  # relative to performance.md
     return "\n".join(lines) + "\n"
 
 
