@@ -308,7 +308,7 @@ def markdown(result: dict) -> str:
         for dtype, r in m["roofline"].items():
             g = {int(m): v for m, v in r["gemm_gflops_at_m"].items()}
             lines.append(f"- roofline {dtype}: {r['seconds']:.2f} s for the workload; GEMM at the model's shapes "
-                         f"{g[16]:.0f} GFLOP/s at M=16, {g[64]:.0f} at M=64, {g[512]:.0f} at M=512; "
+                         f"{g[16]:.3g} GFLOP/s at M=16, {g[64]:.3g} at M=64, {g[512]:.3g} at M=512; "
                          f"peak {r['peak_gemm_gflops']:.0f} GFLOP/s; copy {r['copy_bandwidth_gbs']:.1f} GB/s")
         lines += ["", "| engine | out tok/s | vs vLLM (same dtype) | of roofline | identical tokens (fp32) | "
                   "divergences: near-ties | startup s |", "|---|---:|---:|---:|---:|---:|---:|"]
