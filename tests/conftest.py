@@ -51,8 +51,10 @@ STAGES = [
     StageSpec(2, "stage2_paged", {"block_size": 4}),
     StageSpec(3, "stage3_continuous", {"block_size": 4, "max_num_batched_tokens": 16}),
     StageSpec(4, "stage4_prefix_cache", {"block_size": 4, "max_num_batched_tokens": 16}),
+    # stage5 on its CPU defaults (the cpu attention backend, the fused model), in float32: the
+    # dtype the invariants are stated in ("auto" may be bfloat16 on a CPU with bf16 units).
     StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
-                                   "attention_backend": "torch"}),
+                                   "dtype": "float32"}),
 ]
 
 
