@@ -27,6 +27,7 @@ class Reply:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]  # up to and including EOS, at most MAX_TOKENS
     min_margin: float  # the smallest top-1 minus top-2 logit over the reply's steps
+    top_logprobs: tuple[dict[int, float], ...]  # per step, the 5 most likely tokens' logprobs
 
 
 @functools.cache
@@ -50,5 +51,7 @@ def smollm2_reference() -> tuple[Reply, ...]:
         tokens = out.sequences[0, len(ids):].tolist()
         tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
         margins = [(lambda top: (top[0] - top[1]).item())(step[0].topk(2).values) for step in out.logits]
-        replies.append(Reply(tuple(ids), tuple(tokens), min(margins[:len(tokens)])))
+        top = [step[0].float().log_softmax(-1).topk(5) for step in out.logits[:len(tokens)]]
+        top_logprobs = tuple(dict(zip(t.indices.tolist(), t.values.tolist())) for t in top)
+        replies.append(Reply(tuple(ids), tuple(tokens), min(margins[:len(tokens)]), top_logprobs))
     return tuple(replies)

@@ -65,3 +65,22 @@ def test_bfloat16_greedy_output_is_logprob_close_to_float32(tiny_llama):
     divergences = first_divergences(ids16, lps16, ids32, lps32)
     assert all(d.close for d in divergences), divergences
     assert len(divergences) < len(PROMPTS)  # most prompts agree all the way
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_the_default_model_on_its_own_defaults_is_logprob_close_to_transformers():
+    """``LLM()`` with no arguments: bfloat16 on a CPU with bf16 units, and its greedy replies agree with
+    transformers' float32 ones on the .gguf file token for token, or diverge only at a near-tie."""
+    from stage5_server import LLM
+    from tests.invariants.real_model import CHATS, MAX_TOKENS, smollm2_reference
+
+    llm = LLM()
+    assert llm.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5), use_tqdm=False)
+    reference = smollm2_reference()
+    divergences = first_divergences([o.outputs[0].token_ids for o in outs],
+                                    [as_token_logprobs(o.outputs[0].logprobs) for o in outs],
+                                    [r.token_ids for r in reference], [r.top_logprobs for r in reference])
+    assert all(d.close for d in divergences), divergences
+    assert outs[0].outputs[0].text == "The capital of France is Paris."

@@ -1,7 +1,7 @@
-"""``stagedserve serve`` with no model and no engine flags starts on SmolLM2-135M-Instruct (the engine
-in its own process, the KV cache sized from free memory) and answers through the official ``openai``
-client with transformers' own tokens on the ``.gguf`` file; with no flags it also starts on every
-checkpoint the test suite builds."""
+"""``stagedserve serve`` with no model starts on SmolLM2-135M-Instruct (the engine in its own process,
+the KV cache sized from free memory) and, in float32, answers through the official ``openai`` client
+with transformers' own tokens on the ``.gguf`` file; with no flags at all it starts on the default
+model (bfloat16 where the CPU has bf16 units) and on every checkpoint the test suite builds."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ KEY = "test-key-real-model"
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
-def test_serve_with_no_flags_answers_with_transformers_tokens_on_the_default_model(tmp_path):
+def test_serve_with_no_model_answers_with_transformers_tokens_on_the_default_model(tmp_path):
     reference = smollm2_reference()
     tokenizer = Tokenizer(default_model())
     log = (tmp_path / "serve.log").open("w+")
     # As many torch threads as this test process has (under xdist the cores are shared).
     env = {"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    process, url = spawn_serve(None, log, env=env)
+    process, url = spawn_serve(None, log, "--dtype", "float32", env=env)  # the dtype parity is stated in
     try:
         assert wait_until(serving_or_exited(process, url), timeout=300, interval=0.5) and process.poll() is None
         client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -53,7 +53,7 @@ def test_serve_with_no_flags_answers_with_transformers_tokens_on_the_default_mod
             raise
     log.seek(0)
     output = log.read()
-    assert "engine arguments from the command line: (none)" in output
+    assert "engine arguments from the command line: {'dtype': 'float32'}" in output
     assert "max_model_len=8192" in output and "KV cache sized automatically" in output
 
 
@@ -67,10 +67,11 @@ def fake_uvicorn_run(monkeypatch):
 
 
 def test_serve_with_no_engine_flags_starts_on_every_test_checkpoint(checkpoints, tmp_path, fake_uvicorn_run):
-    models = {**checkpoints, "tiny-chat": tiny_chat_model(),
+    models = {**checkpoints, "default": None, "tiny-chat": tiny_chat_model(),
               "gguf": write_gguf(checkpoints["llama"], tmp_path / "tiny-llama-Q8_0.gguf", "Q8_0")}
     for name, model in models.items():
-        assert main(["serve", str(model), "--port", "0", "--no-engine-process", "--log-stats-interval", "0"]) == 0, name
+        model_arg = [] if model is None else [str(model)]
+        assert main(["serve", *model_arg, "--port", "0", "--no-engine-process", "--log-stats-interval", "0"]) == 0, name
         app = fake_uvicorn_run.pop()
         llm = app.state.engine.llm
         try:
