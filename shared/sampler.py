@@ -166,8 +166,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     """Keep each row's ``top_k`` largest logits, then the smallest set of those whose probability
     reaches ``top_p`` (at least one token). ``None`` skips a filter; a row with ``top_k == vocab`` or
     ``top_p == 1`` is left alone by it."""
-    if top_k is None and top_p is None:
-        return logits
+    if top_p is None:
+        return logits if top_k is None else apply_top_k(logits, top_k)
     ascending, order = logits.sort(dim=-1)
     if top_k is not None:
         kth_largest = ascending.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
@@ -178,6 +178,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop[:, -1] = False
         ascending.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k alone needs no sort of the whole vocabulary: the largest ``max(top_k)`` values suffice."""
+    unlimited = top_k >= logits.shape[1]
+    k = top_k.masked_fill(unlimited, 1)
+    kth_largest = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth_largest.masked_fill_(unlimited.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
