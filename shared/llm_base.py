@@ -228,6 +228,9 @@ class BaseLLM:
         if params.n == 1:
             return request_id, None, [make(request_id, params)]
         parent = ParentRequest(request_id, params)
+        taken = [cid for cid in parent.child_ids if self.output_processor.has_request(cid)]
+        if taken:
+            raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
         return request_id, parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
 
 
