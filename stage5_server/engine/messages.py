@@ -42,16 +42,19 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
         return cls(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids)
+                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids,
+                   bad_words_token_ids=request.bad_words_token_ids)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
-                       priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids)
+                       priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids,
+                       bad_words_token_ids=self.bad_words_token_ids)
 
 
 class AddRequest(msgspec.Struct, tag="add"):

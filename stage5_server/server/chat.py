@@ -66,7 +66,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     token_ids = await serving.on_engine(serving.engine.tokenizer.apply_chat_template, body.conversation())
     serving.check_lengths(len(token_ids), params.max_tokens, "messages")
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
-                              top_logprobs=body.top_logprobs or 0)
+                              body.continuous_usage, top_logprobs=body.top_logprobs or 0)
     return await serving.generate(request, token_ids, params, salt, responder, body.stream)
 
 

@@ -66,7 +66,7 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
     token_ids = prompt if isinstance(prompt, list) else await serving.on_engine(serving.engine.tokenizer.encode, prompt)
     serving.check_lengths(len(token_ids), params.max_tokens, "prompt")
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
-                                    body.include_usage)
+                                    body.include_usage, body.continuous_usage)
     return await serving.generate(request, token_ids, params, salt, responder, body.stream)
 
 

@@ -59,11 +59,13 @@ class Responder:
     object: ClassVar[str]  # the ``object`` of a whole response
     chunk_object: ClassVar[str]  # the ``object`` of a stream chunk
 
-    def __init__(self, request_id: str, model: str, http_request: Request, include_usage: bool):
+    def __init__(self, request_id: str, model: str, http_request: Request, include_usage: bool,
+                 continuous_usage: bool = False):
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage so far in every chunk
         self.with_timeline = http_request.headers.get(TIMELINE_HEADER) == "1"
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
@@ -84,7 +86,8 @@ class Responder:
         return self.body(self.object, [choice], usage=usage_of(output), **self.timeline(output))
 
     def chunk_body(self, output: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
-        return self.body(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}),
+        usage = usage_of(output) if self.continuous_usage else None
+        return self.body(self.chunk_object, [choice], **({"usage": usage} if self.include_usage else {}),
                          **(self.timeline(output) if output.finished else {}))
 
     def timeline(self, output: RequestOutput) -> dict[str, Any]:
