@@ -139,8 +139,6 @@ class AsyncEngine:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if params.n > 1:
             raise ValueError("n: this engine runs one sample per request; send n requests (seeds seed + i)")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: this engine does not return prompt logprobs")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -268,8 +266,8 @@ class AsyncEngine:
 
     def _decode_logprob_tokens(self, output: RequestOutput) -> None:
         """Fill ``Logprob.decoded_token`` (the caller holds the tokenizer's lock)."""
-        for entry in output.outputs[0].logprobs or ():
-            for token_id, logprob in entry.items():
+        for entry in [*(output.outputs[0].logprobs or ()), *(output.prompt_logprobs or ())]:
+            for token_id, logprob in (entry or {}).items():
                 if logprob.decoded_token is None:
                     logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 

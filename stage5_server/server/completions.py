@@ -43,31 +43,35 @@ class CompletionResponder(Responder):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.text_offset = 0  # characters streamed so far
+        self.text_offset: dict[int, int] = {}  # per choice: characters streamed so far
 
-    def response(self, output: RequestOutput) -> dict[str, Any]:
+    def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        choice = {"index": 0, "text": c.text, "logprobs": completion_logprobs(output, 0, len(c.token_ids), 0),
-                  "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
-        return self.whole(output, choice)
+        return {"index": index, "text": c.text, "logprobs": completion_logprobs(output, 0, len(c.token_ids), 0),
+                "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
 
-    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
-        logprobs = completion_logprobs(output, start, end, self.text_offset)
-        self.text_offset += len(text)
-        choice = {"index": 0, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason(output) if output.finished else None}
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+        offset = self.text_offset.get(index, 0)
+        logprobs = completion_logprobs(output, start, end, offset)
+        self.text_offset[index] = offset + len(text)
+        finished = output.finished
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason(output) if finished else None,
+                  "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
 
 
 async def create_completion(serving: OpenAIServing, request: Request, body: CompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    prompt = body.prompt
-    token_ids = prompt if isinstance(prompt, list) else await serving.on_engine(serving.engine.tokenizer.encode, prompt)
-    serving.check_lengths(len(token_ids), params.max_tokens, "prompt")
+    prompts = []
+    for prompt in body.prompts:
+        ids = prompt if isinstance(prompt, list) else await serving.on_engine(serving.engine.tokenizer.encode, prompt)
+        serving.check_lengths(len(ids), params.max_tokens, "prompt")
+        prompts.append(ids)
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
-                                    body.include_usage, body.continuous_usage)
-    return await serving.generate(request, token_ids, params, salt, responder, body.stream)
+                                    body.include_usage, body.continuous_usage, n=params.n)
+    return await serving.generate(request, prompts, params, salt, responder, body.stream)
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -34,8 +34,6 @@ logger = logging.getLogger("stagedserve")
 
 # OpenAI fields this server does not implement: accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple] = {
-    "n": (1,),
-    "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
@@ -126,10 +124,7 @@ class _GenerationRequest(StrictModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
-    # OpenAI features not implemented here: only their "off" values are accepted
-    n: Any = None
-
-    _check_noop = field_validator("n")(_check_noop)
+    n: int = Field(default=1, ge=1, le=128)  # samples per prompt (parallel sampling)
 
     @field_validator("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", mode="before")
     @classmethod
@@ -181,8 +176,9 @@ class _GenerationRequest(StrictModel):
         pick = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
-                temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
-                min_p=pick(self.min_p, 0.0), max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+                top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids or [], include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, seed=self.seed, logprobs=logprobs,
                 presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
@@ -202,29 +198,43 @@ class _GenerationRequest(StrictModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt (text or token ids)."""
+    """``POST /v1/completions``: a prompt (text or token ids), or a batch of them (one choice per
+    prompt and sample, prompt i's sample j at index ``i * n + j``)."""
 
     prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = None
     echo: Any = None
     suffix: Any = None
-    best_of: Any = None
 
-    _check_noop_completion = field_validator("echo", "suffix", "best_of")(_check_noop)
+    _check_noop_completion = field_validator("echo", "suffix")(_check_noop)
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]  # a batch of one
-        if isinstance(value, str):
+    def _prompt(cls, value: Any) -> str | list[int] | list[str | list[int]]:
+        def one(p: Any) -> bool:
+            return (isinstance(p, str) and p != "") or (isinstance(p, list) and bool(p)
+                                                       and all(type(t) is int for t in p))
+
+        if one(value):
             return value
-        if isinstance(value, list) and value and all(type(t) is int for t in value):
+        if isinstance(value, list) and value and all(one(p) for p in value):
             return value
-        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+        raise ValueError("prompt must be a non-empty string, a non-empty list of token ids, or a list of those")
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        # best_of > n would return the n best of best_of samples; silently returning n samples
+        # instead (what vLLM 0.32 does) would change the answer, so it is refused.
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of = n ({self.n}) is supported, got {self.best_of}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        single = isinstance(self.prompt, str) or all(type(t) is int for t in self.prompt)
+        return [self.prompt] if single else list(self.prompt)
 
 
 class TextPart(StrictModel):

@@ -101,3 +101,60 @@ def test_bad_sampling_values_are_400s_naming_the_field(served, body, param):
         assert response.json()["error"]["param"] == param
         ok = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert ok.status_code == 200
+
+
+SEEDED = {"temperature": 0.9, "seed": 5, "max_tokens": 8, "ignore_eos": True}
+BATCH = ["A scheduler", "Blocks of a few tokens"]
+
+
+@pytest.fixture(scope="module")
+def served_choices(tiny_llama):
+    """Offline references: prompt i with seed 5 + j, for j < 3."""
+    llm = make_llm(tiny_llama)
+    refs = {(p, j): llm.generate(p, SamplingParams(**{**SEEDED, "seed": 5 + j}), use_tqdm=False)[0].outputs[0]
+            for p in BATCH for j in range(3)}
+    lengths = {p: len(llm.tokenizer.encode(p)) for p in BATCH}
+    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+    with running_server(app) as server:
+        yield server.url, refs, lengths
+
+
+def test_n_and_batched_prompts_give_one_choice_per_prompt_and_sample_in_vllms_order(served_choices):
+    url, refs, lengths = served_choices
+    with OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        response = client.completions.create(model=MODEL, prompt=BATCH, n=3, temperature=0.9, seed=5, max_tokens=8,
+                                             extra_body={"ignore_eos": True})
+        assert [c.index for c in response.choices] == list(range(6))
+        for choice in response.choices:
+            prompt, sample = BATCH[choice.index // 3], choice.index % 3  # choice i * n + j, as vLLM
+            assert choice.text == refs[(prompt, sample)].text
+        assert response.usage.prompt_tokens == sum(lengths.values())  # each prompt once
+        assert response.usage.completion_tokens == 6 * 8
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                              temperature=0.9, seed=5, max_tokens=4)
+        assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+        assert client.completions.create(model=MODEL, prompt=BATCH[0], n=2, best_of=2, max_tokens=2).choices
+
+
+def test_a_streamed_n_request_streams_every_choice_with_its_index(served_choices):
+    url, refs, _ = served_choices
+    body = {"model": MODEL, "prompt": BATCH[1], "n": 3, "stream": True, **SEEDED,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = sse_events(response.iter_lines())
+    texts: dict[int, str] = {}
+    finished = set()
+    for event in events[:-2]:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"] is not None:
+                finished.add(choice["index"])
+    assert texts == {j: refs[(BATCH[1], j)].text for j in range(3)} and finished == {0, 1, 2}
+    assert events[-2]["usage"]["completion_tokens"] == 24 and events[-1] == "[DONE]"
+
+
+def test_best_of_other_than_n_is_refused_rather_than_dropped(served_choices):
+    with httpx.Client(base_url=served_choices[0], headers=auth(KEY), timeout=60) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3, "max_tokens": 2})
+        assert response.status_code == 400 and "best_of" in response.json()["error"]["message"]
