@@ -2,17 +2,18 @@
 
 Requests are parsed strictly. An unknown field is a 400 that names it ("Unrecognized
 request argument supplied: foo"), a wrong type is a 400 that names it, and an OpenAI
-feature this server does not implement (``n > 1``, ``best_of``, ``echo``, ``suffix``,
-tools, JSON mode, ...) is accepted only with the value that means "off", so nothing a
-client asks for is silently ignored. ``NOOP_VALUES`` lists them. Fields that change nothing
-a client can observe (``user``, ``metadata``, ``store``, ``service_tier``,
-``parallel_tool_calls``) are accepted with any value and logged (``IGNORED_FIELDS``).
+feature this server does not implement (``suffix``, tools, JSON mode, ...) is accepted
+only with the value that means "off", so nothing a client asks for is silently ignored.
+``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
+``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted with any
+value and logged (``IGNORED_FIELDS``).
 
 The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
 (string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
-``include_stop_str_in_output``; chat takes the ``developer`` role and a message ``name``
-(both handed to the chat template, as vLLM does), joins text parts with a newline, and
-prefers ``max_completion_tokens`` when both token limits are sent.
+``include_stop_str_in_output``, ``n`` (and ``best_of`` equal to it) and ``echo``. Chat
+takes the ``developer`` role and a message ``name`` (both handed to the chat template, as
+vLLM does), joins text parts with a newline, and prefers ``max_completion_tokens`` when
+both token limits are sent.
 
 vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
@@ -34,7 +35,6 @@ logger = logging.getLogger("stagedserve")
 
 # OpenAI fields this server does not implement: accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple] = {
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -205,10 +205,10 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
-    echo: Any = None
+    echo: bool = False  # the prompt in front of the text (and of the logprobs)
     suffix: Any = None
 
-    _check_noop_completion = field_validator("echo", "suffix")(_check_noop)
+    _check_noop_completion = field_validator("suffix")(_check_noop)
 
     @field_validator("prompt")
     @classmethod

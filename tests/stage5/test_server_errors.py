@@ -59,7 +59,8 @@ COMPLETION_CASES = [
     ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "n", None),  # n greedy copies: refused, as vLLM
     ({"prompt": "hi", "n": 0}, 400, "n", None),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of", None),
-    ({"prompt": "hi", "echo": True}, 400, "echo", None),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ({"prompt": "hi", "max_tokens": 0, "echo": False}, 400, "max_tokens", None),  # 0 only to echo a scored prompt
     ({"prompt": "hi", "suffix": "tail"}, 400, "suffix", None),
     ({"prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias", None),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", None),

@@ -158,3 +158,48 @@ def test_best_of_other_than_n_is_refused_rather_than_dropped(served_choices):
     with httpx.Client(base_url=served_choices[0], headers=auth(KEY), timeout=60) as http:
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3, "max_tokens": 2})
         assert response.status_code == 400 and "best_of" in response.json()["error"]["message"]
+
+
+SCORED = "Hello, world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def served_echo(tiny_llama):
+    llm = make_llm(tiny_llama)
+    scored = llm.generate(SCORED, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2,
+                                                 logprobs=2), use_tqdm=False)[0]
+    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+    with running_server(app) as server:
+        yield server.url, scored, llm.tokenizer
+
+
+def test_echo_with_max_tokens_0_and_logprobs_scores_the_prompt_as_lm_eval_asks(served_echo):
+    url, scored, tokenizer = served_echo
+    with OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        response = client.completions.create(model=MODEL, prompt=SCORED, echo=True, max_tokens=0, logprobs=2,
+                                             temperature=0)
+    choice = response.choices[0]
+    assert choice.text == SCORED
+    ids = scored.prompt_token_ids
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [entry[t].logprob for t, entry in zip(ids[1:], scored.prompt_logprobs[1:])]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
+
+
+def test_echo_with_generation_puts_the_prompt_in_front_streamed_or_not(served_echo):
+    url, scored, _ = served_echo
+    body = {"model": MODEL, "prompt": SCORED, "echo": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = sse_events(response.iter_lines())
+    assert whole["text"] == SCORED + scored.outputs[0].text
+    assert len(whole["logprobs"]["tokens"]) == len(scored.prompt_token_ids) + 4
+    assert whole["logprobs"]["text_offset"][len(scored.prompt_token_ids)] == len(SCORED)
+    streamed = "".join(c["text"] for e in events if e != "[DONE]" for c in e["choices"])
+    assert streamed == whole["text"]

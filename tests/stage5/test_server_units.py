@@ -90,8 +90,8 @@ def test_request_models_accept_off_values_and_name_the_field_otherwise():
                                           "response_format": {"type": "text"}, "tool_choice": "none"})
     with pytest.raises(ValueError, match="n"):
         CompletionRequest.model_validate({"prompt": "x", "n": True})  # true is not 1
-    with pytest.raises(ValueError, match="echo is not supported"):
-        CompletionRequest.model_validate({"prompt": "x", "echo": True})
+    with pytest.raises(ValueError, match="suffix is not supported"):
+        CompletionRequest.model_validate({"prompt": "x", "suffix": "y"})
     assert loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
 
 
