@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, pinned, so nothing pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,docs]'
+	$(PIP) install -q -e '.[test,docs,clients]'
 	touch $(STAMP)
 
 demo: $(STAMP)
