@@ -123,6 +123,7 @@ def requests_to_send(token_ids: list[int]) -> list[tuple[str, str, str, dict | N
     sent += [
         ("models", "GET", "/v1/models", None), ("model by id", "GET", f"/v1/models/{MODEL_NAME}", None),
         ("health", "GET", "/health", None), ("version", "GET", "/version", None),
+        ("metrics: the vllm: families", "GET", "/metrics", None),
         ("tokenize prompt", "POST", "/tokenize", {"model": MODEL_NAME, "prompt": "Hello"}),
         ("tokenize messages", "POST", "/tokenize", {"model": MODEL_NAME, "messages": chat["messages"]}),
         ("detokenize", "POST", "/detokenize", {"model": MODEL_NAME, "tokens": token_ids}),
