@@ -15,6 +15,8 @@ vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -76,6 +78,7 @@ class Responder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage so far in every chunk
         self.n = n  # samples per prompt
+        self.system_fingerprint: str | None = None  # set by ``OpenAIServing.generate``
         self.with_timeline = http_request.headers.get(TIMELINE_HEADER) == "1"
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
@@ -95,7 +98,7 @@ class Responder:
 
     def body(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.system_fingerprint, "choices": choices, **extra}
 
     def chunk_body(self, output: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
         usage = usage_of([output]) if self.continuous_usage else None
@@ -106,15 +109,25 @@ class Responder:
         return {"server_timeline": request_phases(output.timeline)} if self.with_timeline else {}
 
 
+def system_fingerprint(engine: AsyncEngine, version: str) -> str:
+    """``stagedserve-<version>-<hash8>``: the same answer for the same model and configuration (vLLM's
+    ``full`` fingerprint mode, ``vllm/entrypoints/serve/utils/fingerprint.py``)."""
+    config = {"model": str(getattr(engine, "model_path", "")), "stage": getattr(engine, "stage", ""),
+              "engine_args": getattr(engine, "engine_args", {})}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return f"stagedserve-{version}-{digest[:8]}"
+
+
 class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool):
+                 trust_client_cache_salt: bool, version: str = "0"):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
+        self.system_fingerprint = system_fingerprint(engine, version)
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
         """Check the model name; return the request's prefix-cache salt (its trust group's)."""
@@ -160,6 +173,7 @@ class OpenAIServing:
         ``n > 1`` fans out here into requests with seeds ``seed + j``, as vLLM's ``ParentRequest``
         does; with prefix caching they share the prompt's blocks.
         """
+        responder.system_fingerprint = self.system_fingerprint
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
         try:

@@ -72,6 +72,7 @@ def test_chat_takes_the_developer_role_a_name_text_parts_and_prefers_max_complet
     ref = served[1]["chat"]
     assert response.choices[0].message.content == ref.outputs[0].text
     assert response.usage.completion_tokens == 3 and response.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert response.system_fingerprint.startswith("stagedserve-")  # the same for the same model and configuration
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
