@@ -28,8 +28,9 @@ from shared.metrics import SchedulerStats
 from shared.named_models import default_model, resolve_model
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
+from shared.parallel_sampling import ParentRequest
 from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, tokenize_bad_words
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
 
@@ -154,12 +155,27 @@ class BaseLLM:
     # ---- the public API ---------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
-        if request_id is not None and request_id in self.output_processor.states:
+        if request_id is not None and self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        request = self._make_request(prompt, params or SamplingParams(), request_id, priority, cache_salt)
-        self.engine.add_request(request)  # may still refuse it; then nothing is tracked
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-        return request.request_id
+        request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
+                                                           priority, cache_salt)
+        self._add(prompt, parent, requests)
+        return request_id
+
+    def _add(self, prompt: PromptType, parent: ParentRequest | None, requests: list[Request]) -> None:
+        """Hand checked requests (one, or a parent's n children) to the engine and track their outputs."""
+        added = []
+        try:
+            for index, request in enumerate(requests):
+                self.engine.add_request(request)  # may still refuse it; then nothing of it is tracked
+                added.append(request.request_id)
+                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None,
+                                                  parent, index)
+        except BaseException:
+            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            for request_id in added:
+                self.output_processor.remove(request_id)
+            raise
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that changed."""
@@ -175,8 +191,6 @@ class BaseLLM:
             if self.output_processor.update(req):  # a stop string ended it
                 self.engine.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             output = self.output_processor.make_output(req.request_id)
-            if output.finished:
-                self.output_processor.remove(req.request_id)
             if output.finished or not finished_only:
                 outputs.append(output)
         return outputs
@@ -185,8 +199,10 @@ class BaseLLM:
         return self.engine.has_unfinished_requests()
 
     def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests by the ids ``add_request`` returned (a parallel-sampling parent aborts its children)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        engine_ids = [e for rid in ids for e in self.output_processor.engine_request_ids(rid)]
+        self.engine.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.output_processor.remove(rid)
 
@@ -198,26 +214,25 @@ class BaseLLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
+        groups = [self._make_requests(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
         results: dict[str, RequestOutput] = {}
-        bar = _progress(len(requests), use_tqdm)
+        bar = _progress(len(groups), use_tqdm)
         try:
-            for prompt, request in zip(prompts, requests):
-                self.engine.add_request(request)
-                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-            mine = {r.request_id for r in requests}  # other requests may share the engine
-            while len(results) < len(requests):
+            for prompt, (_, parent, requests) in zip(prompts, groups):
+                self._add(prompt, parent, requests)
+            mine = {request_id for request_id, _, _ in groups}  # other requests may share the engine
+            while len(results) < len(groups):
                 for out in self._step(finished_only=True):
                     if out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            pending = [r.request_id for r in requests if r.request_id not in results]
+            pending = [request_id for request_id, _, _ in groups if request_id not in results]
             self.abort(pending)  # give back their KV before the error propagates
             raise
         finally:
             bar.close()
-        return [results[r.request_id] for r in requests]
+        return [results[request_id] for request_id, _, _ in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -227,17 +242,43 @@ class BaseLLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
-    def _make_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                      priority: int = 0, cache_salt: str | None = None) -> Request:
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
+                       ) -> tuple[str, ParentRequest | None, list[Request]]:
+        """Checked engine requests for one prompt: ``(the caller's id, the parent if n > 1, requests)``.
+
+        With ``n > 1`` the request fans out into n children (``shared/parallel_sampling.py``).
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
+        check_token_ids(params, bad_words, self.model_config.vocab_size)
         if request_id is None:
             request_id = str(next(self._ids))
-            while request_id in self.output_processor.states:  # a caller took this one by hand
+            while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
-        return Request(request_id, token_ids, params, priority=priority,
-                       cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
+
+        def make(rid: str, child_params: SamplingParams) -> Request:
+            return Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
+                           eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+
+        if params.n == 1:
+            return request_id, None, [make(request_id, params)]
+        parent = ParentRequest(request_id, params)
+        taken = [cid for cid in parent.child_ids if self.output_processor.has_request(cid)]
+        if taken:
+            raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
+        return request_id, parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
+
+
+def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]], vocab_size: int) -> None:
+    """Token ids in ``params`` index the logits: each must be in ``[0, vocab_size)``."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                      ("bad_words", [t for word in bad_words_token_ids for t in word])):
+        outside = sorted({t for t in ids if not 0 <= t < vocab_size})
+        if outside:
+            raise ValueError(f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})")
 
 
 def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:

@@ -96,6 +96,12 @@ class LLM(_PrefixCachingLLM):
             self.model.set_attention_backend(backend)
         return engine
 
+    def _make_requests(self, prompt, params, *args, **kwargs):
+        if self.tensor_parallel_size > 1 and getattr(params, "prompt_logprobs", None) is not None:
+            # The ranks send back only the logits of each request's last position.
+            raise ValueError("prompt_logprobs: not available with tensor_parallel_size > 1")
+        return super()._make_requests(prompt, params, *args, **kwargs)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
         if hasattr(self.engine, "shutdown"):

