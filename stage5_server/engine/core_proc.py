@@ -111,7 +111,7 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
             pid=os.getpid(), model_path=str(llm.model_path), stage=llm.stage, max_model_len=llm.max_model_len,
             vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
             tokenizer=str(llm.args["tokenizer"] or llm.model_path),
-            engine_args={k: plain(v) for k, v in llm.args.items()})))
+            engine_args={k: plain(v) for k, v in llm.args.items()}, cache_config=llm.cache_config_info())))
         loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid)
         loop.run()
         logger.info("engine core process exiting")

@@ -13,23 +13,39 @@ process: ``frontend_in`` (HTTP parsing, tokenization, the hand-off to the core),
 the first token to its detokenized output reaching the request's stream). The core
 phases use vLLM's histogram names; the two front-end phases are this server's own.
 
-Every metric carries a ``model_name`` label, and each app has its own
-``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
-do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are.
+Sizes, as vLLM's histograms of counts: each finished request's prompt and generated tokens,
+its ``max_tokens`` (the effective limit: ``max_model_len`` minus the prompt when none was
+sent, as vLLM sets it), preemptions and prefill tokens computed (not served by the prefix
+cache); each parent request's ``n`` and longest sample (``record_parent_finished``, called
+by the server, which fans ``n`` out); the tokens of each engine step (a cumulative histogram
+in ``SchedulerStats``, so it crosses the process boundary with the other counters; this
+engine counts the prompt tokens a step computed, where vLLM counts a prompt in the step that
+samples its first token). ``vllm:cache_config_info`` is a gauge fixed at 1 whose labels are
+the resolved KV-cache configuration (the fields this engine has).
+
+Every metric carries vLLM's labels, ``model_name`` and ``engine`` (always "0": one engine
+core), and each app has its own ``CollectorRegistry`` (never prometheus-client's global one),
+so two apps in one process do not collide. Counters are exposed with the ``_total`` suffix, as
+vLLM's are. Bucket bounds are vLLM's (``vllm/v1/metrics/buckets.py``), with a few smaller
+latency bounds in front: the course's CPU models answer in milliseconds.
 
 vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.metrics import RequestTimeline, SchedulerStats
+from shared.metrics import ITERATION_TOKENS_BUCKETS, RequestTimeline, SchedulerStats
 from shared.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
+
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label: which engine core (data parallelism); here always one
 
 # vLLM's buckets, with a few smaller ones in front: the course's CPU models answer in milliseconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -38,6 +54,8 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
                          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]  # vLLM's
 
 
 def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
@@ -73,12 +91,15 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+LABELS = ["model_name", "engine"]
+
+
 class _SchedulerStatsCollector(Collector):
     """Gauges and counters read from the newest ``SchedulerStats`` at scrape time."""
 
     def __init__(self, get_stats: Callable[[], SchedulerStats], model_name: str):
         self.get_stats = get_stats
-        self.model_name = model_name
+        self.labels = [model_name, ENGINE_INDEX]
 
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
@@ -91,41 +112,54 @@ class _SchedulerStatsCollector(Collector):
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_cache_hits),
             ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens_computed),
             ("vllm:generation_tokens", "Number of generation tokens processed.", s.num_generation_tokens),
         ]
         for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.labels, value)
             yield family
         for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.labels, value)
             yield family
+        iteration = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", labels=LABELS)
+        cumulative = list(accumulate(s.iteration_tokens_counts))
+        buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
+        iteration.add_metric(self.labels, [*buckets, ("+Inf", cumulative[-1])], s.iteration_tokens_sum)
+        yield iteration
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format."""
+    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format.
 
-    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats], max_model_len: int):
+    ``cache_config``: the ``vllm:cache_config_info`` labels (none: that family is left out).
+    """
+
+    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats], max_model_len: int,
+                 cache_config: Mapping[str, str] | None = None):
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerStatsCollector(get_stats, model_name))
-        labels = ["model_name"]
+        values = [model_name, ENGINE_INDEX]
 
         def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
 
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       labels + ["finished_reason"], registry=self.registry)
+                                       LABELS + ["finished_reason"], registry=self.registry)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              TOKEN_LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (per request).", TOKEN_LATENCY_BUCKETS)
+        # vLLM 0.32's name, and the earlier one that its Grafana dashboard still reads.
+        self.tpots = [histogram(name, "Histogram of time per output token in seconds.", TOKEN_LATENCY_BUCKETS)
+                      for name in ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds")]
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
         self.phases = {
@@ -148,16 +182,41 @@ class PrometheusStatLogger:
                                        token_buckets)
         self.generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                            token_buckets)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                    token_buckets)
+        self.prefill_kv_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                             "Histogram of new KV tokens computed during prefill (excluding cached "
+                                             "tokens).", token_buckets)
+        self.num_preemptions = histogram("vllm:request_num_preemptions",
+                                         "Histogram of the number of times a request was preempted.",
+                                         REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.",
+                                               token_buckets)
+        if cache_config:
+            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                         [*cache_config, "engine"], registry=self.registry)
+            info.labels(**cache_config, engine=ENGINE_INDEX).set(1)
 
-    def record_finished(self, output: RequestOutput) -> None:
+    def record_finished(self, output: RequestOutput, params: SamplingParams | None = None) -> None:
+        """One engine request finished (a sample of a parent request when ``n`` > 1)."""
         completion = output.outputs[0]
-        self.request_success.labels(self.model_name, completion.finish_reason or "unknown").inc()
-        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_success.labels(self.model_name, ENGINE_INDEX, completion.finish_reason or "unknown").inc()
+        num_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.observe(num_prompt)
         self.generation_tokens.observe(len(completion.token_ids))
+        self.prefill_kv_computed.observe(num_prompt - min(output.num_cached_tokens, num_prompt))
+        self.num_preemptions.observe(output.num_preemptions)
+        if params is not None:
+            limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+            self.max_tokens.observe(min(limit, self.max_model_len - num_prompt))
         timeline = output.timeline
-        for value, histogram in ((timeline.ttft, self.ttft), (timeline.tpot, self.tpot), (timeline.e2e, self.e2e)):
+        for value, histograms in ((timeline.ttft, [self.ttft]), (timeline.tpot, self.tpots), (timeline.e2e,
+                                                                                               [self.e2e])):
             if value is not None:
-                histogram.observe(max(value, 0.0))
+                for histogram in histograms:
+                    histogram.observe(max(value, 0.0))
         phases = request_phases(timeline)
         for name, histogram in self.phases.items():
             if phases[name] is not None:
@@ -165,9 +224,14 @@ class PrometheusStatLogger:
         for gap in timeline.itls:
             self.itl.observe(gap)
 
+    def record_parent_finished(self, n: int, outputs: list[RequestOutput]) -> None:
+        """All ``n`` samples of one prompt finished: its ``n`` and its longest sample, as vLLM's ``ParentRequest``."""
+        self.n.observe(n)
+        self.max_generation_tokens.observe(max((len(o.outputs[0].token_ids) for o in outputs), default=0))
+
     def record_aborted(self, reason: str) -> None:
         """An aborted (client gone) or failed (engine error) request: counted, not timed."""
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, ENGINE_INDEX, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
