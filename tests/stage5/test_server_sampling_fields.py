@@ -204,3 +204,22 @@ def test_echo_with_generation_puts_the_prompt_in_front_streamed_or_not(served_ec
     assert whole["logprobs"]["text_offset"][len(scored.prompt_token_ids)] == len(SCORED)
     streamed = "".join(c["text"] for e in events if e != "[DONE]" for c in e["choices"])
     assert streamed == whole["text"]
+
+
+def test_text_offsets_index_the_returned_text_and_give_left_out_special_tokens_no_width(served_echo):
+    url, _, tokenizer = served_echo
+    special = sorted(tokenizer.special_token_ids)[1]  # "<|im_start|>": decoded text leaves it out
+    ids = tokenizer.encode("Hello, world", False)
+    prompt = ids[:2] + [special] + ids[2:]
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 0, "temperature": 0}
+    with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as http:
+        echoed = http.post("/v1/completions", json=body).json()["choices"][0]
+        # Every generated token is the special one (a bias): the text is empty, so every offset is 0.
+        generated = http.post("/v1/completions", json={**body, "echo": False, "max_tokens": 3, "ignore_eos": True,
+                                                         "logit_bias": {str(special): 100}}).json()["choices"][0]
+    text = tokenizer.decode(prompt)
+    assert echoed["text"] == text and tokenizer.decode([special], False) not in text
+    assert echoed["logprobs"]["text_offset"] == [len(tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
+    assert [text[o:o + len(t)] == t for o, t in zip(echoed["logprobs"]["text_offset"], echoed["logprobs"]["tokens"])
+            ] == [t != special for t in prompt]
+    assert generated["text"] == "" and generated["logprobs"]["text_offset"] == [0, 0, 0]
