@@ -5,8 +5,9 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve exercises soak clean
+.PHONY: demo test lint docs docs-serve serve exercises check hint peek soak clean
 
+ifeq ($(wildcard .exercises.json),)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
@@ -14,6 +15,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,docs]'
 	touch $(STAMP)
+else
+# A learner's copy (make exercises) links the project's .venv: use it, never install into it from here.
+$(STAMP):
+	@test -x $(PY) || { echo "no .venv here: run make exercises again in the project"; exit 1; }
+endif
 
 demo: $(STAMP)
 	$(PY) -m stage5_server.demo
@@ -39,9 +45,17 @@ SOAK_CLIENTS ?= 32
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_CLIENTS=$(SOAK_CLIENTS) $(PY) -m pytest -p no:xdist -q tests/reliability/test_soak.py
 
-# A learner's copy with STAGE's key functions blanked: make exercises STAGE=3
+# The learner's loop (scripts/make_exercises.py): a copy with STAGE's key functions blanked in
+# build/exercises/stageN, then check it task by task. In the copy itself STAGE may be left out.
+EXERCISES := $(PY) scripts/make_exercises.py
 exercises: $(STAMP)
-	$(PY) scripts/make_exercises.py --stage $(or $(STAGE),1)
+	$(EXERCISES) build --stage $(or $(STAGE),1)
+
+check: $(STAMP)
+	$(EXERCISES) check $(if $(STAGE),--stage $(STAGE),) $(if $(TASK),--task $(TASK),)
+
+hint peek: $(STAMP)
+	$(EXERCISES) $@ $(if $(STAGE),--stage $(STAGE),) --task $(TASK)
 
 clean:
 	rm -rf .venv site .pytest_cache
