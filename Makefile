@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve exercises check hint peek soak clean
+.PHONY: demo test lint docs docs-serve docs-check serve exercises check hint peek soak clean
 
 ifeq ($(wildcard .exercises.json),)
 $(STAMP): pyproject.toml
@@ -38,6 +38,11 @@ docs: $(STAMP)
 
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
+
+# Every page of the built site in headless Chromium, offline: no raw diagrams, nothing clipped.
+# Needs the system's chromium (apt-get install -y chromium); screenshots in build/site-screenshots.
+docs-check: docs
+	$(PY) scripts/check_site.py
 
 # The load/soak test (both engine modes) for longer than the suite's 20 s: make soak SOAK_SECONDS=600 SOAK_CLIENTS=64
 SOAK_SECONDS ?= 300
