@@ -64,7 +64,8 @@ PAGE_PROBLEMS_JS = """
                     + where(svg));
     }
   }
-  const blocks = document.querySelectorAll('.md-typeset pre > code, .md-typeset__scrollwrap, .jp-OutputArea-output pre, .jp-RenderedHTMLCommon table');
+  const blocks = document.querySelectorAll(
+    '.md-typeset pre > code, .md-typeset__scrollwrap, .jp-OutputArea-output pre, .jp-RenderedHTMLCommon table');
   for (const el of blocks) {
     if (el.scrollWidth > el.clientWidth + 2) {
       problems.push(`clipped: ${el.scrollWidth}px of content in ${el.clientWidth}px: ` + where(el));
@@ -96,7 +97,9 @@ PAGE_PROBLEMS_JS = """
       problems.push(`figure ${src} shrunk ${(img.naturalWidth / shown).toFixed(1)}x `
                     + `(${img.naturalWidth}px shown at ${Math.round(shown)}px)`);
     }
-    if (!img.complete || img.naturalWidth === 0) problems.push(`figure did not load: ${(img.getAttribute('src') || '').slice(0, 60)}`);
+    if (!img.complete || img.naturalWidth === 0) {
+      problems.push(`figure did not load: ${(img.getAttribute('src') || '').slice(0, 60)}`);
+    }
   }
   return problems;
 }
