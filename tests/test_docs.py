@@ -35,7 +35,7 @@ PLACEHOLDERS = {"KEY", "GROUP", "STAGE", "MODEL", "TASK", "DONE", "IFACE", "ABCD
 def _normal(term: str) -> str:
     term = re.sub(r"[`*_]", "", term).strip().lower()
     term = re.sub(r"\s+", " ", term)
-    term = term.rstrip(".:,;")
+    term = re.sub(r"^(the|a|an) ", "", term.rstrip(".:,;"))
     return term[:-1] if term.endswith("s") and len(term) > 3 and not term.endswith("ss") else term
 
 
