@@ -130,18 +130,20 @@ only when a block fills.
             ),
         ),
         Task(
-            name="slot",
+            name="slot_mapping",
             file="stage2_paged/block_table.py",
-            function="BlockTable.slot",
+            function="slot_mapping",
             spec="""
-The flat KV-cache slot of token ``position`` of this sequence.
+The flat KV-cache slots of positions ``start .. end - 1`` of a sequence whose blocks are ``block_ids``.
 
 Position ``p`` sits in logical block ``p // block_size`` at offset ``p % block_size``; the table
 maps the logical block to a physical block id, and the slot is
-``physical_block_id * block_size + offset``. The blocks need not be adjacent: the tests shuffle
-the free list, so physical ids come in any order.
+``block_ids[p // block_size] * block_size + p % block_size``. Return the list of slots, one per
+position, in order (empty when ``start == end``). The blocks need not be adjacent: the tests
+shuffle the free list, so physical ids come in any order. Every later stage (stage 3's
+engine, tensor parallelism) addresses K/V through this one function.
 """,
-            hints=("`self.block_ids[p // self.block_size]` is the physical block.",),
+            hints=("One list comprehension over `range(start, end)`.",),
             tests=(
                 S2 + "test_seed_example_a_to_h_occupies_two_blocks_that_need_not_be_adjacent",
                 S2 + "test_slot_mapping_follows_the_table_across_scattered_blocks",

@@ -13,6 +13,7 @@ from stage2_paged import (
     build_paged_metadata,
     gather_kv,
     paged_attention,
+    slot_mapping,
 )
 
 
@@ -59,11 +60,13 @@ def test_blocks_needed_counts_only_the_blocks_the_table_lacks():
 
 
 def test_slot_mapping_follows_the_table_across_scattered_blocks():
+    r1 = [12, 41, 90]  # the course's figure: R1's A B C D | E F X Y | Z
+    assert slot_mapping(r1, 4, 0, 9) == [48, 49, 50, 51, 164, 165, 166, 167, 360]
+    assert slot_mapping(r1, 4, 2, 6) == [50, 51, 164, 165] and slot_mapping(r1, 4, 5, 5) == []
     table = BlockTable(block_size=4)
-    table.block_ids = [12, 41, 90]  # the course's figure: R1's A B C D | E F X Y | Z
-    assert table.slot(0) == 48 and table.slot(3) == 51
-    assert table.slot(4) == 41 * 4 and table.slot(8) == 90 * 4
+    table.block_ids = list(r1)
     assert table.slot_mapping(2, 6) == [50, 51, 164, 165]
+    assert slot_mapping([3, 0], 8, 6, 10) == [30, 31, 0, 1]  # another block size
 
 
 def test_gather_kv_returns_positions_in_logical_order():
