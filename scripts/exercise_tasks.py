@@ -178,6 +178,45 @@ runs sixteen requests through a paged stage 2 ``LLM``.
     ],
     3: [
         Task(
+            name="update_from_output",
+            file="stage3_continuous/scheduler.py",
+            function="Scheduler.update_from_output",
+            spec="""
+Advance every request the step scheduled, append the tokens it sampled, finish what must stop.
+
+For each ``request_id, num_new`` in ``scheduler_output.num_scheduled_tokens``:
+
+- Skip a request that is no longer in ``self.requests`` or is already finished (it was aborted
+  while its step ran).
+- Count the prompt positions this step computed in ``self.counters.num_prompt_tokens_computed``
+  (only the part of ``num_new`` that was still prompt), then add ``num_new`` to
+  ``request.num_computed_tokens``.
+- For each token in ``sampled_token_ids.get(request_id, [])`` (empty for a request in the
+  middle of a chunked prefill): ``request.append_output_token(token, now)`` (this records the
+  token's time in the request's timeline), add one to ``self.counters.num_generation_tokens``,
+  and if ``check_stop(request, self.max_model_len)`` says it is finished, remove it from
+  ``self.running`` and ``self._free(request)`` it (its blocks return to the pool, its id is
+  reported in the next ``SchedulerOutput.finished_req_ids``), then stop reading its tokens.
+- Return the requests that were given at least one token, in order.
+
+Add one to ``self.counters.num_steps`` per call. ``now`` is one ``time.monotonic()`` for the
+whole step. The tests build each step's ``SchedulerOutput`` by hand, so this task needs no
+``schedule()``; it pins prefill chunks that sample nothing, the counters, EOS, stop tokens and
+``max_tokens``, freeing, and a request aborted while its step ran.
+""",
+            hints=(
+                "`shared.request.check_stop` sets the finished status (and `stop_reason`) itself; you only "
+                "act on its answer.",
+                "A request still in its prompt has `num_computed_tokens < num_prompt_tokens`: only "
+                "`min(num_new, num_prompt_tokens - num_computed_tokens)` of this step's tokens were prompt.",
+            ),
+            tests=(
+                S3 + "test_update_from_output_advances_a_prefill_chunk_and_appends_only_sampled_tokens",
+                S3 + "test_update_from_output_finishes_a_stopped_request_and_frees_it",
+                S3 + "test_update_from_output_skips_a_request_aborted_while_its_step_ran",
+            ),
+        ),
+        Task(
             name="schedule",
             file="stage3_continuous/scheduler.py",
             function="Scheduler.schedule",
@@ -379,6 +418,196 @@ only 4; a 9-token prompt whose first 8 are cached reuses 8. Count the lookup in
                 S4_CORE + "test_a_hit_block_is_never_the_one_evicted_for_the_same_requests_new_blocks",
                 S4_SCHED + "test_seed_r1_enters_with_five_tokens_and_finishes_prefill_in_step_zero",
                 S4_SCHED + "test_same_salt_shares_prefix_blocks_and_different_salts_share_nothing",
+            ),
+        ),
+    ],
+    5: [
+        Task(
+            name="reshape_and_cache",
+            file="stage5_server/attention/kernels/reshape_and_cache.py",
+            function="_reshape_and_cache_kernel",
+            spec="""
+The Triton kernel that writes this step's new K and V rows into their cache slots.
+
+One program per token: ``token = tl.program_id(0)``. Load its flat slot from
+``slot_mapping_ptr + token`` (as int64); a negative slot is a padding token: return without
+writing. Otherwise the slot splits into ``block_id = slot // BLOCK_SIZE`` and
+``offset = slot % BLOCK_SIZE``. Load the token's key, all KV heads by all dims at once: a
+``[BLOCK_H, BLOCK_D]`` tile from ``key_ptr + token * stride_kt + heads * stride_kh + dims *
+stride_kd`` with ``heads = tl.arange(0, BLOCK_H)``, ``dims = tl.arange(0, BLOCK_D)`` and a mask
+``heads < num_kv_heads`` and ``dims < HEAD_DIM`` (the tile is padded to powers of two). Store it
+at ``key_cache[block_id, offset]`` through the cache's four strides, cast to the cache's element
+type, under the same mask; the same for the value. Inputs may be non-contiguous views: use the
+strides, never assume them. The test runs under ``TRITON_INTERPRET=1`` (the test suite sets it
+without a GPU) and compares every slot exactly, for block sizes 8 and 16, fp32 and fp16.
+""",
+            hints=(
+                "`tl.load(ptrs, mask=mask)` and `tl.store(ptrs, values, mask=mask)` take a tile of pointers: "
+                "build it with broadcasting, `heads[:, None] * stride + dims[None, :] * stride`.",
+                "`key_cache_ptr.dtype.element_ty` is the cache's element type, for `.to(...)`.",
+            ),
+            tests=("tests/stage5/test_triton_kernels.py::"
+                   "test_reshape_and_cache_writes_each_token_to_its_slot_and_skips_negative_slots",),
+        ),
+        Task(
+            name="engine_step",
+            file="stage5_server/engine/core_loop.py",
+            function="EngineCoreLoop.step",
+            spec="""
+One iteration of the engine core's busy loop: step the core and publish what changed.
+
+- ``updated = self.core.step()``; if it raises, hand the exception to ``self.fail_step(exc)``
+  (which fails the requests of that step and keeps the loop serving) and return.
+- For each updated request still tracked in ``self.num_sent`` (one aborted meanwhile is not),
+  build ``EngineCoreOutput.from_request(request, num_sent)``: only the tokens not published yet.
+  A finished request is forgotten (``del self.requests[id], self.num_sent[id]``); otherwise
+  remember how many of its output tokens are now published.
+- Publish with ``self.send(outputs)`` when there are outputs, or when ``self.core.stats()``
+  differs from ``self._published_stats`` (so ``/metrics`` stays current).
+- If nothing was updated and nothing is running (the KV cache is full of waiting prompts),
+  wait briefly for new inputs instead of spinning:
+  ``self.handle(self.receive(NOTHING_SCHEDULABLE_WAIT_S))``.
+
+The tests drive ``AsyncLLM`` (this loop on a thread): streamed outputs are cumulative and end
+like offline ``generate``; an abort ends the stream and frees the KV blocks; a failed step
+fails every request in flight and the next request is still served.
+""",
+            hints=(
+                "`EngineCoreOutput.from_request(request, num_sent)` takes the tokens after index `num_sent`.",
+                "Read `fail_step` and `send` just below: they do the rest.",
+            ),
+            tests=(
+                "tests/stage5/test_server_async_llm.py::"
+                "test_generate_streams_cumulative_outputs_that_end_like_offline_generate",
+                "tests/stage5/test_server_async_llm.py::test_abort_ends_the_stream_and_frees_the_kv_blocks",
+                "tests/stage5/test_server_async_llm.py::"
+                "test_a_failed_step_fails_every_request_in_flight_and_the_loop_keeps_serving",
+            ),
+        ),
+        Task(
+            name="authenticate",
+            file="stage5_server/server/auth.py",
+            function="APIKeys.authenticate",
+            spec="""
+The trust group of the API key ``token``, or None if it is no configured key (or is None).
+
+Compare in constant time: hash the token with SHA-256 and compare the digest with *every*
+configured key's digest (``self._digests``, pairs of digest and group) using
+``hmac.compare_digest``, without stopping at the first match, so the time taken says nothing
+about which key (or how much of one) matched. Keys in one group give that group; a key
+configured without a group has a group of its own (``key#3``); a near miss (``"k1 "``) is None.
+""",
+            hints=(
+                "Remember the matching group in a variable and return it after the loop.",
+            ),
+            tests=("tests/reliability/test_security.py::test_api_keys_compare_every_key_and_reject_bad_configurations",),
+        ),
+        Task(
+            name="auth_middleware",
+            file="stage5_server/server/auth.py",
+            function="APIKeyMiddleware.__call__",
+            spec="""
+The ASGI middleware around the whole app: no valid key, no entry (``public_paths`` excepted).
+
+- Scopes other than ``"http"`` and ``"websocket"`` (the lifespan) pass straight to ``self.app``.
+- Record ``scope[RECEIVED_SCOPE_KEY] = time.monotonic()``: the request's timeline starts here.
+- The group: ``PUBLIC_GROUP`` when the server has no keys (``self.keys is None``), else
+  ``self.keys.authenticate(_bearer_token(scope))``.
+- No group and the route path (``_route_path(scope)``) not in ``self.public_paths``: refuse. A
+  websocket gets ``{"type": "websocket.close", "code": 1008}``; HTTP gets ``send_json(send, 401,
+  error_body("Missing or invalid API key: send it as 'Authorization: Bearer <key>'.",
+  "invalid_request_error", None, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])``.
+- Otherwise set ``scope[TRUST_GROUP_SCOPE_KEY] = group`` and call ``self.app``.
+
+Because it runs before routing, every route is covered, including ones added after
+``create_app`` and paths that do not exist (401 without a key, 404 with one). The tests try
+every route with no key, a wrong key and a Basic header; ``/health`` stays open, ``/metrics``
+only when the server makes it public.
+""",
+            hints=(
+                "Everything you need is already in `auth.py`: `_bearer_token`, `_route_path`, and `send_json` "
+                "and `error_body` from `server/errors.py`.",
+                "An ASGI middleware is `async def __call__(self, scope, receive, send)` that either answers "
+                "itself (through `send`) or awaits `self.app(scope, receive, send)`.",
+                "\"uvicorn did not start\" means the lifespan scope did not reach the app: only http and "
+                "websocket scopes are checked.",
+            ),
+            tests=(
+                "tests/reliability/test_security.py::"
+                "test_the_key_middleware_answers_401_itself_and_passes_a_valid_key_on_with_its_group",
+                "tests/reliability/test_security.py::test_every_route_but_health_refuses_a_missing_or_wrong_key",
+                "tests/reliability/test_security.py::test_unknown_paths_answer_401_without_a_key_and_404_with_one",
+                "tests/reliability/test_security.py::test_a_route_added_after_create_app_is_protected_too",
+                "tests/reliability/test_security.py::test_metrics_can_be_made_public_health_always_is",
+            ),
+        ),
+        Task(
+            name="trust_group_salt",
+            file="stage5_server/server/auth.py",
+            function="CacheSalter.salt",
+            spec="""
+The prefix-cache salt of a trust group (and, when the server trusts clients with one, of a
+client's own salt within it): an HMAC that nobody without the server's secret can compute.
+
+Return ``hmac.new(self._secret, message, hashlib.sha256).hexdigest()``, where ``message`` is the
+bytes ``stagedserve-cache-salt``, a zero byte, the group (UTF-8), a zero byte, and, when a client
+salt is given, a byte of value 1 and the client salt (UTF-8). The separators keep ``("ab", None)`` and
+``("a", "b")`` apart. So: keys of one group share a salt (and so share cached blocks), groups
+differ, the salt is 64 hex digits and stable for the server's life, and two servers (two
+secrets) give different salts for the same group. The tests check the salts the engine
+receives and that only keys of one group get prefix-cache hits on each other's prompts.
+""",
+            hints=(
+                "`hmac.new(key, msg, hashlib.sha256).hexdigest()` is a 64-character hex string.",
+            ),
+            tests=(
+                "tests/reliability/test_security.py::test_cache_salts_depend_on_the_server_secret",
+                "tests/reliability/test_security.py::test_keys_in_one_trust_group_share_a_salt_and_groups_differ",
+                "tests/reliability/test_security.py::test_only_keys_in_one_trust_group_share_prefix_cache_blocks",
+            ),
+        ),
+        Task(
+            name="sse",
+            file="stage5_server/server/sse.py",
+            function="sse",
+            spec="""
+One server-sent event: ``data: `` then ``data`` as JSON, then a blank line (two newlines).
+
+``json.dumps(data, ensure_ascii=False)``: non-ASCII text goes out as itself, in UTF-8. A
+streamed response is a sequence of these, ended by ``SSE_DONE`` (``data: [DONE]``). The tests
+check one event exactly; the next task's tests then stream whole completions through it (every
+block starts with ``data: ``, a usage chunk comes last, then ``[DONE]``).
+""",
+            hints=("One f-string.",),
+            tests=("tests/stage5/test_server_units.py::test_an_sse_event_is_one_data_line_of_json_then_a_blank_line",),
+        ),
+        Task(
+            name="stream_deltas",
+            file="stage5_server/server/sse.py",
+            function="DeltaTracker.advance",
+            spec="""
+The part of a cumulative output not streamed yet: ``(new text, first new token index, end
+token index)``, or None when there is nothing to send yet.
+
+The text to send ends at ``len(text)`` once the request is finished; before that, the last
+``self.hold`` characters are held back (they could still turn out to be the start of a stop
+string, which must never reach the client), and never before what was already sent
+(``max(self.sent_chars, len(text) - self.hold)``). An empty delta of an unfinished output is
+None. Otherwise advance ``self.sent_chars`` (never backwards: the final, stop-trimmed text can
+be shorter than what was held) and ``self.sent_tokens`` (to the output's token count) and return
+the delta with the token range it covers. The tests stream ``ab``, ``abcdef``, ``abcdefST`` then
+the final ``abcdef`` under the stop string ``STOP``: nothing, ``abc``, ``de``, ``f``; then whole
+streamed completions through the server: the SSE framing (every block a ``data:`` line, the
+text reassembled, the finish reason on the last text chunk, usage, ``[DONE]``) and a stop string
+that ends the text before it, streamed or not.
+""",
+            hints=(
+                "The text is `output.outputs[0].text`, the tokens `output.outputs[0].token_ids`.",
+            ),
+            tests=(
+                "tests/stage5/test_server_units.py::test_stop_strings_are_held_back_while_streaming",
+                "tests/stage5/test_server_openai.py::test_sse_framing_is_data_lines_then_done",
+                "tests/stage5/test_server_openai.py::test_stop_string_ends_the_text_before_it_streaming_or_not",
             ),
         ),
     ],
