@@ -16,6 +16,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import textwrap
 import time
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def profile_largest(model: str, batch_size: int, steps: int) -> str:
                       r"tokenizer|sampler|attention|model)\.py", 25)
     # pstats echoes the filter in two long lines; say it once, short enough for the page.
     kept = [line for line in out.getvalue().splitlines(keepends=True) if not line.lstrip().startswith("List reduced")]
-    return "   Only the engine's own files (engine, scheduler, KV, model, ...), top 25.\n" + "".join(kept)
+    text = "   Only the engine's own files (engine, scheduler, KV, model, ...), top 25.\n" + "".join(kept)
+    return textwrap.dedent(text)  # pstats indents every line by three spaces
 
 
 def to_markdown(result: dict) -> str:

@@ -1,7 +1,7 @@
 """The learner's loop: a copy of the repository with a stage's key functions blanked, checked task by task.
 
     make exercises STAGE=3             # write build/exercises/stage3, every task of stage 3 blank
-    make check STAGE=3                 # run each task's own tests: "task 1/2 schedule: passing" ...
+    make check STAGE=3                 # each task's own tests: "task 1/3 update_from_output  passing" ...
     make check STAGE=3 TASK=schedule   # one task only
     make hint STAGE=3 TASK=schedule    # the spec and the hints again
     make peek STAGE=3 TASK=schedule    # the reference solution
@@ -304,7 +304,7 @@ def markdown(stage: int) -> str:
            "```bash",
            f"make exercises STAGE={stage}                 # writes build/exercises/stage{stage}",
            f"cd build/exercises/stage{stage}",
-           f"make check                  # every task: \"task 1/{len(tasks)} {tasks[0].name}: FAILING ...\"",
+           f"make check                  # every task: \"task 1/{len(tasks)} {tasks[0].name}  FAILING ...\"",
            f"make check TASK={tasks[0].name}",
            f"make hint TASK={tasks[0].name}     # the spec and hints again; make peek TASK=... shows the answer",
            "```",

@@ -7,7 +7,7 @@ vLLM-internals lab through the official ``openai`` client (``AsyncOpenAI``):
 - phase 1: a burst of short chat requests that share one long system prompt, so the
   prefix cache serves the shared blocks after the first request has computed them;
 - phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
-  long prefills with decodes, and a small KV pool may force preemptions.
+  long prefills with decodes.
 
 It prints the questions with the model's answers next to the right ones (the embedded
 default model was trained on exactly these kinds of question), the periodic stats lines,

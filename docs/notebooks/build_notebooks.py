@@ -297,7 +297,7 @@ def pool_map(tables, num_blocks=NUM_BLOCKS):
 
 shown = [0, 2, 5, 12, len(snapshots) - 1]
 cmap = plt.get_cmap("tab10").copy(); cmap.set_under("white")
-fig, axes = plt.subplots(1, len(shown), figsize=(8, 2.2))
+fig, axes = plt.subplots(1, len(shown), figsize=(8, 1.7))
 for ax, step in zip(axes, shown):
     grid = pool_map(snapshots[step])
     ax.imshow(grid, cmap=cmap, vmin=0, vmax=9)
@@ -746,11 +746,175 @@ skips the shared prefix's prefill once its blocks are cached (fewer prefill toke
 """),
     ]
 
+
+# ---------------------------------------------------------------------------------------------
+def stage5_server():
+    return [
+        md("""
+# Stage 5: the server
+
+Stage 4's engine behind the secured OpenAI-compatible server, started here in this process
+(`create_app` over an `LLM`, uvicorn on a thread: `ServerThread`). `stagedserve serve` runs the
+same app with the engine core in a process of its own; in a notebook the engine steps on a
+thread, which keeps the example small and behaves the same over HTTP.
+
+Three API keys: two in trust group `tenant-a`, one in `tenant-b`.
+"""),
+        code(SETUP),
+        code("""
+import json
+import time
+
+import httpx
+from stage5_server import LLM, ServerThread, create_app
+
+KEYS = {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
+llm = LLM(model=MODEL, block_size=4, max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=64,
+          device="cpu", attention_backend="torch")
+app = create_app(llm, api_keys=KEYS, served_model_name="stagedserve", log_stats_interval=None)
+server = ServerThread(app).start()
+auth = lambda key: {"Authorization": f"Bearer {key}"}
+print("serving on", server.url)
+print("no key:", httpx.get(f"{server.url}/v1/models").status_code,
+      " key-b:", httpx.get(f"{server.url}/v1/models", headers=auth("key-b")).json()["data"][0]["id"])
+"""),
+        md("""
+## R0 and R1 over HTTP, on two keys
+
+R0 (`A B C D E F G H`) is sent with `key-a1`. Then R1 (`A B C D E F X Y Z`) twice: with
+`key-b`, another trust group, and with `key-a2`, R0's group. The server salts every block
+hash with its trust group's salt, so only the second may reuse R0's block `A B C D`. The
+response's `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens came from
+the cache.
+"""),
+        code("""
+def complete(key, prompt, max_tokens=4):
+    body = {"model": "stagedserve", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(key), timeout=60)
+    response.raise_for_status()
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+print("R0 with key-a1 (tenant-a): cached tokens", complete("key-a1", R0_PROMPT))
+print("R1 with key-b  (tenant-b): cached tokens", complete("key-b", R1_PROMPT), " <- another trust group: shares nothing")
+print("R1 with key-a2 (tenant-a): cached tokens", complete("key-a2", R1_PROMPT), " <- R0's group: its A B C D block")
+"""),
+        md("""
+## Server-sent events, as they arrive
+
+A streamed chat completion: each `data:` line is one chunk of new text, timestamped by the
+client as it arrives; a usage chunk and `data: [DONE]` end the stream.
+"""),
+        code("""
+body = {"model": "stagedserve", "messages": [{"role": "user", "content": "Reverse: red fox ship"}],
+        "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+start = time.perf_counter()
+with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=auth("key-a1"), timeout=60) as r:
+    for line in r.iter_lines():
+        if not line:
+            continue
+        stamp = f"{(time.perf_counter() - start) * 1e3:7.1f} ms"
+        if line == "data: [DONE]":
+            print(stamp, line)
+            continue
+        chunk = json.loads(line[len("data: "):])
+        if chunk["choices"]:
+            delta = chunk["choices"][0]["delta"]
+            print(stamp, "text", repr(delta.get("content", "")), "finish", chunk["choices"][0]["finish_reason"])
+        else:
+            print(stamp, "usage", chunk["usage"]["prompt_tokens"], "prompt +", chunk["usage"]["completion_tokens"],
+                  "completion tokens")
+"""),
+        md("""
+## /metrics
+
+Prometheus text under vLLM's metric names; the prefix-cache counters include R1's hit above.
+"""),
+        code("""
+metrics = httpx.get(f"{server.url}/metrics", headers=auth("key-a1"), timeout=10).text
+wanted = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
+          "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+          "vllm:time_to_first_token_seconds_count", "vllm:request_success_total")
+for line in metrics.splitlines():
+    if line.startswith(wanted):
+        print(line)
+"""),
+        md("""
+## A short load test: request timelines by phase and latency CDFs
+
+`stagedserve bench serve`'s load generator, in this process: 48 requests at 30 per second
+(Poisson arrivals), random token prompts, streamed. Each request also asks for the server's
+own timeline (`X-Stagedserve-Timeline: 1`): time in the front end, waiting in the queue,
+prefill (to the first token) and decode. The generator runs its own event loop, so it runs on
+a worker thread here.
+"""),
+        code("""
+from concurrent.futures import ThreadPoolExecutor
+
+from stage5_server.bench.datasets import DatasetConfig
+from stage5_server.bench.goodput import SLO
+from stage5_server.bench.report import summarize_run
+from stage5_server.bench.serve import ServeConfig, run_serve
+
+config = ServeConfig(base_url=server.url, api_key="key-a1", request_rate=30.0, seed=0, slo=SLO(ttft_ms=250, itl_p99_ms=50),
+                     dataset=DatasetConfig(name="random", num_prompts=48, prompt_len=48, output_len=24, max_prompt_len=96,
+                                           max_output_len=48, vocab_size=400))
+with ThreadPoolExecutor(1) as pool:
+    run = pool.submit(run_serve, config).result()
+result = summarize_run(run)
+print(f"completed {result['counts']['completed']} of {result['counts']['offered']}; "
+      f"goodput {result['goodput_req_s']:.1f} req/s under {result['slo_text']}")
+for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+    print(f"{name:8s} p50 {result[name]['p50']:7.1f}  p99 {result[name]['p99']:7.1f}")
+"""),
+        code("""
+records = sorted((r for r in run.records if r.ok and r.server_timeline), key=lambda r: r.send_time)[:24]
+phases = [("frontend_in", "#bbbbbb"), ("queue", "#e76f51"), ("prefill", "#f4a261"), ("decode", "#2a9d8f")]
+fig, ax = plt.subplots(figsize=(8, 4))
+for row, rec in enumerate(records):
+    t = rec.send_time
+    for name, color in phases:
+        seconds = rec.server_timeline.get(name) or 0.0
+        ax.barh(row, seconds * 1e3, left=t * 1e3, color=color, label=name if row == 0 else None)
+        t += seconds
+    ax.plot([rec.token_times[0] * 1e3], [row], "k|", ms=6)  # the first token, as the client saw it
+ax.invert_yaxis(); ax.set_xlabel("ms since the run started"); ax.set_ylabel("request")
+ax.set_title("server-side phases per request (tick: first token at the client)", fontsize=10)
+ax.legend(fontsize=8, loc="lower right")
+plt.show()
+"""),
+        code("""
+done = [q for q in result["requests"] if q["in_window"] and q["ok"]]
+series = {"TTFT": [q["ttft_s"] * 1e3 for q in done],
+          "ITL": [(b - a) * 1e3 for q in done for a, b in zip(q["token_times"], q["token_times"][1:])],
+          "end to end": [q["e2e_s"] * 1e3 for q in done]}
+fig, axes = plt.subplots(1, 3, figsize=(8, 2.8))
+for ax, (name, values) in zip(axes, series.items()):
+    xs = sorted(values)
+    ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
+    ax.set_xlabel(f"{name} (ms)"); ax.grid(alpha=0.3)
+axes[0].set_ylabel("fraction of requests")
+fig.suptitle("latency CDFs, 48 requests at 30 req/s", fontsize=10)
+plt.tight_layout(); plt.show()
+"""),
+        md("""
+Read the phases top to bottom: while requests arrive faster than the engine finishes them, the
+queue bars (red) grow from one request to the next, and TTFT with them, while prefill and
+decode stay about the same; the numbers depend on the machine, the picture does not. Goodput
+counts only requests that met both SLOs inside the window; `stagedserve bench sweep` repeats
+this over rates and token budgets ([Performance](../performance.md)).
+"""),
+        code("""
+server.stop()  # the app's lifespan shuts the engine down with it
+print("server stopped")
+"""),
+    ]
+
 NOTEBOOKS = {
     "stage1_slab.ipynb": stage1_slab,
     "stage2_block_tables.ipynb": stage2_block_tables,
     "stage3_scheduler.ipynb": stage3_scheduler,
     "stage4_prefix_cache.ipynb": stage4_prefix_cache,
+    "stage5_server.ipynb": stage5_server,
     "all_stages.ipynb": all_stages,
 }
 
