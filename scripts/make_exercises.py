@@ -211,20 +211,85 @@ def _node_matches(node_id: str, classname: str, name: str) -> bool:
     return name == test or ("[" not in test and name.startswith(test + "["))
 
 
-def run_task_tests(where: Path, tasks: list[Task], verbose: bool = False) -> dict[str, list[tuple[str, str | None]]]:
-    """Run the tests of ``tasks`` once in ``where``; per task, [(test name, failure message or None)]."""
-    node_ids = sorted({node for t in tasks for node in t.tests})
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+               # The property-test and API-fuzz plugins only slow the start (no task's tests need them).
+               "-p", "no:hypothesispytest", "-p", "no:schemathesis", "-o", "junit_family=xunit1"]
+
+# A pytest that stays up and runs one batch of tests per line of JSON it reads, forgetting the
+# project's modules in between, so a batch sees the copy's files as they are now. It pays for
+# importing torch and transformers once instead of once a batch (tests/test_exercises.py walks
+# a copy through many states).
+_RUNNER = """
+import json, sys
+import pytest
+OWN = ("shared", "stage1_naive", "stage2_paged", "stage3_continuous", "stage4_prefix_cache", "stage5_server",
+       "tests", "benchmarks", "conftest")
+for line in sys.stdin:
+    job = json.loads(line)
+    for name in [n for n in sys.modules if n.split(".")[0] in OWN]:
+        del sys.modules[name]
+    code = pytest.main(job["args"])
+    print("\\n@@done " + str(int(code)), flush=True)
+"""
+
+
+def _test_env(where: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(where), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("STAGEDSERVE_CACHE", str(project_root(where) / ".cache" / "stagedserve"))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a learner's edits are read again, never from a stale .pyc
+    return env
+
+
+class PytestRunner:
+    """One long-lived pytest process in ``where``: ``run(node_ids, report)`` runs a batch there."""
+
+    def __init__(self, where: Path):
+        self.where = where
+        self.process = subprocess.Popen([sys.executable, "-c", _RUNNER], cwd=where, env=_test_env(where),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+
+    def run(self, node_ids: list[str], report: Path) -> tuple[int, str]:
+        job = {"args": [*PYTEST_ARGS, f"--junitxml={report}", *node_ids]}
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        output = []
+        for line in self.process.stdout:
+            if line.startswith("@@done "):
+                return int(line.split()[1]), "".join(output)
+            output.append(line)
+        raise RuntimeError("the test runner exited:\n" + "".join(output[-50:]))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+    def __enter__(self) -> PytestRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_task_tests(where: Path, tasks: list[Task], verbose: bool = False,
+                   runner: PytestRunner | None = None) -> dict[str, list[tuple[str, str | None]]]:
+    """Run the tests of ``tasks`` once in ``where``; per task, [(test name, failure message or None)].
+
+    Each call is a fresh pytest process, unless a ``runner`` (a ``PytestRunner`` in ``where``) is given.
+    """
+    node_ids = sorted({node for t in tasks for node in t.tests})
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        # The property-test and API-fuzz plugins only slow the start (no task's tests need them).
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-               "-p", "no:hypothesispytest", "-p", "no:schemathesis",
-               f"--junitxml={report}", "-o", "junit_family=xunit1", *node_ids]
-        done = subprocess.run(cmd, cwd=where, env=env, text=True,
-                              stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+        if runner is not None:
+            returncode, stdout = runner.run(node_ids, report)
+            if verbose:
+                sys.stdout.write(stdout)
+        else:
+            done = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, f"--junitxml={report}", *node_ids],
+                                  cwd=where, env=_test_env(where), text=True,
+                                  stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+            returncode, stdout = done.returncode, done.stdout
         cases = ET.parse(report).getroot().iter("testcase") if report.is_file() else iter(())
         outcomes = {}
         for case in cases:
@@ -232,9 +297,9 @@ def run_task_tests(where: Path, tasks: list[Task], verbose: bool = False) -> dic
             if problem is None:
                 problem = case.find("error")
             outcomes[_case_key(case)] = None if problem is None else (problem.get("message") or problem.tag)
-    if done.returncode not in (0, 1) or not outcomes:  # collection failed, or pytest itself did
-        sys.stdout.write(done.stdout or "")
-        raise SystemExit(f"pytest could not run the tests (exit {done.returncode}): {' '.join(cmd[2:6])} ...")
+    if returncode not in (0, 1) or not outcomes:  # collection failed, or pytest itself did
+        sys.stdout.write(stdout or "")
+        raise SystemExit(f"pytest could not run the tests (exit {returncode}) in {where}")
     results = {}
     for t in tasks:
         rows = [(name, msg) for (classname, name), msg in outcomes.items()

@@ -20,6 +20,7 @@ from exercise_tasks import TASKS  # noqa: E402
 from make_exercises import (  # noqa: E402
     EXERCISES,
     MARKER,
+    PytestRunner,
     blank_functions,
     make_copy,
     markdown,
@@ -91,19 +92,20 @@ def test_a_blank_copy_goes_green_one_task_at_a_time(stage_number, tmp_path):
     tasks = TASKS[stage_number]
     # Step k: tasks before k are solved, k and later are blank. Task k-1 must pass (its tests do
     # not lean on later tasks) and every test of task k must fail, on its own function's stub.
-    for k in range(len(tasks) + 1):
-        previous, current = tasks[k - 1] if k else None, tasks[k] if k < len(tasks) else None
-        results = run_task_tests(copy, [t for t in (previous, current) if t])
-        if previous:
-            rows = results[previous.name]
-            assert rows and all(msg is None for _, msg in rows), (
-                f"{previous.name} should pass once solved, with the tasks after it still blank: {rows}")
-        if current:
-            rows = results[current.name]
-            assert rows and all(msg is not None for _, msg in rows), (
-                f"every test of {current.name} should fail while it is blank: {rows}")
-            assert any(f"exercise: implement {current.function}" in msg for _, msg in rows), rows
-            restore_function(copy, current)  # the learner writes it (what `solve` does)
+    with PytestRunner(copy) as runner:  # one pytest process for every step
+        for k in range(len(tasks) + 1):
+            previous, current = tasks[k - 1] if k else None, tasks[k] if k < len(tasks) else None
+            results = run_task_tests(copy, [t for t in (previous, current) if t], runner=runner)
+            if previous:
+                rows = results[previous.name]
+                assert rows and all(msg is None for _, msg in rows), (
+                    f"{previous.name} should pass once solved, with the tasks after it still blank: {rows}")
+            if current:
+                rows = results[current.name]
+                assert rows and all(msg is not None for _, msg in rows), (
+                    f"every test of {current.name} should fail while it is blank: {rows}")
+                assert any(f"exercise: implement {current.function}" in msg for _, msg in rows), rows
+                restore_function(copy, current)  # the learner writes it (what `solve` does)
     for rel in EXERCISES[stage_number]:
         assert (copy / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: solving every task restores the reference"
     assert (ROOT / "stage1_naive/kv_cache.py").read_text().count("NotImplementedError") == 0
