@@ -378,8 +378,8 @@ def markdown(stage: int) -> str:
            ""]
     for number, t in enumerate(tasks, 1):
         spec = textwrap.dedent(t.spec).strip()
-        out += [f"#### Task {number}: `{t.function}`", "",
-                f"In `{t.file}`. Check: `make check STAGE={stage} TASK={t.name}` "
+        out += [f"#### Task {number}: {t.name}", "",
+                f"Write `{t.function}` in `{t.file}`. Check: `make check STAGE={stage} TASK={t.name}` "
                 f"({len(t.tests)} test{'s' if len(t.tests) > 1 else ''}).", "",
                 spec, ""]
         for i, hint in enumerate(t.hints, 1):
