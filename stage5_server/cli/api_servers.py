@@ -54,7 +54,8 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology, set_process_name
+from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
+from stage5_server.engine.proctitle import set_process_name
 
 logger = logging.getLogger("stagedserve")
 
@@ -235,8 +236,8 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         logger.info("shutting down: draining the API servers for up to %g s", args.shutdown_timeout)
         return 0
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else handler)  # a second Ctrl-C waits
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second signal does not cut the drain short
         if sock is not None:
             sock.close()  # with every API server's copy closed too, new connections are refused
         if api_servers is not None:

@@ -73,7 +73,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
-    from stage5_server.engine.launcher import set_process_name
+    from stage5_server.engine.proctitle import set_process_name
 
     set_process_name("ss-coordinator")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -236,9 +236,11 @@ def _configure_process(log_prefix: str, log_level: int) -> None:
 def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
     """``(LLM, EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
+        from stage5_server.engine.plugins import load_engine_plugins
         from stage5_server.llm import LLM
 
         llm = LLM(model=model_path, **engine_args)
+        load_engine_plugins(llm)
     except BaseException as exc:
         return None, EngineCoreStartupError(type(exc).__name__, str(exc), traceback.format_exc(), engine_index)
     return llm, EngineCoreReady(
@@ -255,6 +257,9 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     ``engine_args`` go to stage5's ``LLM(...)`` untouched, so every engine argument the
     in-process server accepts works here too.
     """
+    from stage5_server.engine.proctitle import set_process_name
+
+    set_process_name("ss-engine-0")
     _configure_process("engine-core", log_level)
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
@@ -288,7 +293,7 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
                        num_threads: int | None = None, log_level: int = logging.INFO) -> None:
     """One rank's entry point (``launcher.CoreEngineProcManager``): bind, build the engine, report to the
     launcher, then serve every API server that connects. ``num_threads``: this rank's share of the CPU."""
-    from stage5_server.engine.launcher import set_process_name
+    from stage5_server.engine.proctitle import set_process_name
 
     set_process_name(f"ss-engine-{engine_index}")
     _configure_process(f"engine-core rank {engine_index}", log_level)

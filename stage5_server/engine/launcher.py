@@ -26,7 +26,6 @@ vLLM: ``CoreEngineProcManager`` and ``launch_core_engines`` in ``vllm/v1/engine/
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -56,14 +55,6 @@ logger = logging.getLogger("stagedserve")
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")
-
-
-def set_process_name(name: str) -> None:
-    """Name this process in ``ps`` / ``top`` / psutil (``comm``, 15 characters; Linux only)."""
-    try:
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,16 @@ from stage5_server.engine.dp_client import DPAsyncLLM, combine_stats
 from stage5_server.engine.launcher import plan_devices
 from stage5_server.engine.routing import LEAST_LOADED, PREFIX_AFFINITY, Router, rank_load
 from stage5_server.server import create_app
+from tests.reliability.engine_faults import EngineFaults
 from tests.stage5.server_fixtures import (
     ENGINE_KWARGS,
     auth,
+    counts_of,
     make_llm,
     metric,
     running_server,
     serving_or_exited,
+    serving_processes,
     spawn_serve,
     sse_events,
     wait_until,
@@ -295,31 +298,6 @@ def test_a_killed_rank_fails_only_its_requests_and_the_other_serves_on(dp, offli
 KEY = "dp-key"
 
 
-def serving_processes(root: psutil.Process) -> dict[str, list[psutil.Process]]:
-    """The process tree of ``stagedserve serve`` by role, from the names each process gives itself
-    (multiprocessing's resource tracker is no serving process and is left out)."""
-    roles: dict[str, list[psutil.Process]] = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            name, cmdline = proc.name(), " ".join(proc.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "resource_tracker" in cmdline:
-            continue
-        role = {"ss-supervisor": "supervisor", "ss-coordinator": "coordinator"}.get(name)
-        role = role or ("api_servers" if name.startswith("ss-api") else "engine_cores" if name.startswith(
-            "ss-engine") else "workers" if name.startswith("ss-tp") else "api_servers")  # A = 1: the serve process
-        roles.setdefault(role, []).append(proc)
-    return roles
-
-
-def counts_of(roles: dict[str, list[psutil.Process]]) -> dict[str, int]:
-    counts = {role: len(roles.get(role, [])) for role in
-              ("api_servers", "engine_cores", "workers", "coordinator", "supervisor")}
-    counts["total"] = sum(counts.values())
-    return counts
-
-
 def start(tiny_llama, tmp_path, *flags: str, env: dict | None = None):
     log = (tmp_path / "serve.log").open("w+")
     process, url = spawn_serve(tiny_llama, log, "--max-model-len", "512", "--num-kv-blocks", "96",
@@ -330,7 +308,8 @@ def start(tiny_llama, tmp_path, *flags: str, env: dict | None = None):
 
 
 def stop_and_check_nothing_is_left(process: subprocess.Popen, pids: list[int], sig=signal.SIGTERM) -> int:
-    if process.poll() is None:
+    """Signal the server (``sig=None``: it was signalled already), wait for it, and check every pid is gone."""
+    if sig is not None and process.poll() is None:
         process.send_signal(sig)
     try:
         code = process.wait(timeout=60)
@@ -371,13 +350,15 @@ def served_by(log, before: int) -> dict[int, int]:
 
 
 LONG_PROMPT = "Tell me a long story about the scheduler"
-LONG_TOKENS = 400  # seconds of decoding on CPU: still in flight when the fault strikes
+LONG_TOKENS = 150
+STEP_DELAY_S = 0.02  # every step of the served engine cores: a long request is still in flight when a fault strikes
 
 
 @pytest.fixture(scope="module")
-def long_text(offline) -> str:
+def long_text(tiny_llama) -> str:
     params = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
-    return offline.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    llm = make_llm(tiny_llama, max_model_len=512)  # as served below
+    return llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].text
 
 
 def long_body(stream: bool) -> dict:
@@ -459,8 +440,10 @@ async def sigterm_while_streaming(url: str, process: subprocess.Popen) -> dict:
 @pytest.mark.slow
 def test_two_api_servers_over_two_engine_cores_serve_survive_faults_and_drain(tiny_llama, tmp_path, offline,
                                                                              long_text):
+    faults = EngineFaults(tmp_path / "faults")
+    faults.slow_steps(STEP_DELAY_S)
     process, url, log = start(tiny_llama, tmp_path, "--data-parallel-size", "2", "--api-server-count", "2",
-                              "--shutdown-timeout", "30", "--uvicorn-log-level", "info")
+                              "--shutdown-timeout", "30", "--uvicorn-log-level", "info", env=faults.env)
     root = psutil.Process(process.pid)
     try:
         roles = serving_processes(root)
@@ -489,7 +472,8 @@ def test_two_api_servers_over_two_engine_cores_serve_survive_faults_and_drain(ti
         assert held[api["ss-api-1"]] == [(long_text, None)] * 2
         assert wait_until(lambda: idle(url), timeout=30)
         log.seek(0)
-        assert re.search(rf"API server api0-{api['ss-api-0']} is gone .*aborting its 2 request", log.read())
+        aborted = re.findall(rf"API server api0-{api['ss-api-0']} is gone .*aborting its (\d+) request", log.read())
+        assert sum(map(int, aborted)) == 2, aborted  # by the engine cores that held them
         assert wait_until(lambda: len(serving_processes(root).get("api_servers", [])) == 2, timeout=120)
         assert metric(httpx.get(f"{url}/metrics", headers=auth(KEY), timeout=10).text,
                       "vllm:request_success_total", finished_reason="length") >= len(PROMPTS) * 2  # none lost
@@ -509,7 +493,7 @@ def test_two_api_servers_over_two_engine_cores_serve_survive_faults_and_drain(ti
         pids = [p.pid for ps in serving_processes(root).values() for p in ps]
         drained = asyncio.run(sigterm_while_streaming(url, process))
         assert drained["refused"] and drained["streams"] == [(long_text, None)] * 2
-        assert stop_and_check_nothing_is_left(process, pids) == 0
+        assert stop_and_check_nothing_is_left(process, pids, sig=None) == 0
     finally:
         if process.poll() is None:
             process.kill()
