@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m stage5_server.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
