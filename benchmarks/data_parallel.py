@@ -145,7 +145,7 @@ def to_markdown(result: dict) -> str:
         tree = (f"{procs['total']}: {procs['api_servers']} API + {procs['engine_cores']} engine"
                 f"{' + 1 coordinator' if procs['coordinator'] else ''}"
                 f"{' + 1 supervisor' if procs['supervisor'] else ''} "
-                f"({'matches' if procs == s['formula'] else 'DIFFERS from'} A + DP + N + C)")
+                f"({'=' if procs == s['formula'] else 'NOT'} the formula's)")
         lines.append(f"| {name} | {s['output_tok_s']:.0f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} | "
                      f"{s['prefix_cache_hit_rate']:.2f} | {share} | {s['identical_to_dp1']:.2f} | "
                      f"{s['cpu_ms_per_token']:.2f} | {tree} |")

@@ -202,6 +202,14 @@ def _raise_stop(signum, frame) -> None:
 
 def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
                          api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int) -> int:
+    from stage5_server.cli.serve import log_api_keys
+    from stage5_server.server.auth import APIKeys
+
+    try:  # refuse bad keys here, before any process starts
+        groups = APIKeys(api_keys).groups if api_keys is not None else []
+    except ValueError as exc:
+        print(f"stagedserve serve: error: {exc}", flush=True)
+        return 2
     set_process_name("ss-supervisor")
     metrics_dir = tempfile.mkdtemp(prefix="stagedserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
@@ -215,6 +223,12 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         except ValueError as exc:
             print(f"stagedserve serve: error: {exc}", flush=True)
             return 2
+        ready = manager.topology.ready[0]
+        logger.info("model: %s (served as %r)", ready.model_path, served_model_name)
+        logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
+        logger.info("resolved engine configuration (%s): %s", ready.stage,
+                    ", ".join(f"{k}={v}" for k, v in sorted(ready.engine_args.items())))
+        log_api_keys(args, api_keys, groups)
         config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
                                  args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
                                  args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout)

@@ -259,14 +259,17 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
                 "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
                 args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
+    log_api_keys(args, api_keys, app.state.api_keys.groups if api_keys else [])
+    for line in describe_routes(app):
+        logger.info("route: %s", line)
+
+
+def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:
     if api_keys:
         source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
-        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source,
-                    ", ".join(app.state.api_keys.groups))
+        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source, ", ".join(groups))
     elif _is_loopback(args.host):
         logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
     else:
         logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
                        "set --api-key or %s", args.host, API_KEY_ENV)
-    for line in describe_routes(app):
-        logger.info("route: %s", line)

@@ -160,6 +160,10 @@ def test_each_cuda_rank_gets_its_own_gpus_and_too_few_are_refused(monkeypatch):
 # ---- two engine cores behind this process -----------------------------------------------------------------
 
 
+# The tests over the module's two engine cores run on one xdist worker (make test's --dist loadgroup): one start-up.
+ONE_ENGINE = pytest.mark.xdist_group("data-parallel-engine")
+
+
 @pytest.fixture(scope="module")
 def dp(tiny_llama):
     engine = DPAsyncLLM.launch(str(tiny_llama), data_parallel_size=2, log_stats_interval=None, startup_timeout_s=300,
@@ -173,6 +177,7 @@ def offline(tiny_llama):
     return make_llm(tiny_llama)
 
 
+@ONE_ENGINE
 def test_two_engine_cores_give_the_tokens_of_one_and_both_do_work(dp, offline):
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=12, seed=3)
     cases = [(p, GREEDY) for p in PROMPTS] + [(p, seeded) for p in PROMPTS[:2]]
@@ -189,6 +194,7 @@ def test_two_engine_cores_give_the_tokens_of_one_and_both_do_work(dp, offline):
     assert dp.in_flight_by_engine == {0: 0, 1: 0}
 
 
+@ONE_ENGINE
 def test_an_abort_reaches_the_rank_that_holds_the_request(dp):
     async def scenario():
         streams = [await dp.add_request(f"abort me {i}", LONG, f"abort-{i}") for i in range(2)]
@@ -205,6 +211,7 @@ def test_an_abort_reaches_the_rank_that_holds_the_request(dp):
     assert wait_until(lambda: all(s.num_running == 0 and s.kv_cache_usage == 0 for s in dp.stats_by_engine.values()))
 
 
+@ONE_ENGINE
 def test_prefix_affinity_keeps_a_prefix_on_one_rank_where_least_loaded_spreads_it(dp):
     affinity = DPAsyncLLM(dataclasses.replace(dp.topology, routing=PREFIX_AFFINITY), client_index=1,
                           log_stats_interval=None)
@@ -233,6 +240,7 @@ def test_prefix_affinity_keeps_a_prefix_on_one_rank_where_least_loaded_spreads_i
 KEYS = {"key-a1": "group-a", "key-a2": "group-a", "key-b": "group-b"}
 
 
+@ONE_ENGINE
 def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(dp):
     """Two front ends (two API servers) over the same two engine cores, with one salt secret."""
     secret = os.urandom(32)
@@ -262,6 +270,24 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
         second.shutdown()
 
 
+def test_one_engine_core_behind_two_api_servers_tells_both_its_stats_without_a_coordinator(tiny_llama, offline):
+    one = DPAsyncLLM.launch(str(tiny_llama), data_parallel_size=1, log_stats_interval=None, startup_timeout_s=300,
+                            **ENGINE_KWARGS)
+    assert one.topology.stats_address is None  # DP = 1: nothing to balance, no coordinator
+    other = DPAsyncLLM(dataclasses.replace(one.topology, api_server_count=2), client_index=1,
+                       log_stats_interval=None)
+    try:
+        out = run(final(one, PROMPTS[0], GREEDY))
+        expected = offline.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.outputs[0].token_ids == expected.token_ids
+        # The other API server sent nothing, yet its /metrics numbers follow the engine core.
+        assert wait_until(lambda: other.stats_by_engine[0].num_generation_tokens == GREEDY.max_tokens, timeout=10)
+    finally:
+        other.shutdown()
+        one.shutdown()
+
+
+@ONE_ENGINE
 def test_a_killed_rank_fails_only_its_requests_and_the_other_serves_on(dp, offline):
     """Kills both ranks of the module's engine: keep this test last."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
