@@ -112,6 +112,11 @@ class AsyncEngine:
         return self._stats
 
     @property
+    def stats_by_engine(self) -> dict[int, SchedulerStats]:
+        """Each engine core's stats, by data-parallel rank (here the one core, rank 0)."""
+        return {0: self._stats}
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping and self._core_alive()
 
@@ -188,7 +193,7 @@ class AsyncEngine:
             failed = message.failed
             self._fail(failed.request_ids, (EngineDeadError if failed.engine_dead else EngineError)(failed.error),
                        "error")
-        self._stats = message.scheduler_stats
+        self._update_stats(message)
         deliveries: list[tuple[RequestStream, RequestOutput]] = []
         stopped: list[str] = []
         broken: list[tuple[str, BaseException]] = []
@@ -228,9 +233,12 @@ class AsyncEngine:
         self._decode_logprob_tokens(output)
         return output
 
+    def _update_stats(self, message: EngineCoreOutputs) -> None:
+        self._stats = message.scheduler_stats
+
     def log_stats_if_due(self) -> None:
         if self._stats_log is not None:
-            self._stats_log.maybe_log(self._stats)
+            self._stats_log.maybe_log(self.stats)
 
     def _engine_died(self, why: str) -> None:
         logger.error("%s; failing %d in-flight request(s)", why, len(self._requests))

@@ -17,14 +17,25 @@ Every metric carries a ``model_name`` label, and each app has its own
 ``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
 do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are.
 
-vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``).
+Several engine cores and several API servers (data parallelism): the engine numbers carry
+an ``engine`` label (the data-parallel rank, vLLM's label name), one series per rank, taken
+from the newest stats this API server holds of every rank (the coordinator's publication),
+so a scrape of any API server shows every rank once. The per-request numbers are each API
+server's own; with ``PROMETHEUS_MULTIPROC_DIR`` set (the supervisor of several API servers
+sets it for them) they are kept in prometheus-client's multiprocess files and a scrape sums
+every API server's, including one that has died since (its files stay), so nothing is lost or
+counted twice.
+
+vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``) and
+``vllm/v1/metrics/prometheus.py`` (``setup_multiprocess_prometheus``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -73,52 +84,62 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-class _SchedulerStatsCollector(Collector):
-    """Gauges and counters read from the newest ``SchedulerStats`` at scrape time."""
+StatsSource = Callable[[], "SchedulerStats | Mapping[int, SchedulerStats]"]
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats], model_name: str):
-        self.get_stats = get_stats
+GAUGES = [
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+]
+COUNTERS = [
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens_computed"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+]
+
+
+class _SchedulerStatsCollector(Collector):
+    """Gauges and counters read from the newest ``SchedulerStats`` of each engine core at scrape time."""
+
+    def __init__(self, get_stats: StatsSource, model_name: str):
+        self.get_stats = get_stats  # one engine's stats, or {rank: stats}
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self.get_stats()
-        gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-        ]
-        counters = [
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens_computed),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", s.num_generation_tokens),
-        ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+        by_engine = self.get_stats()
+        if isinstance(by_engine, SchedulerStats):
+            by_engine = {0: by_engine}
+        for kind, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, doc, field in table:
+                family = kind(name, doc, labels=["model_name", "engine"])
+                for rank, stats in sorted(by_engine.items()):
+                    family.add_metric([self.model_name, str(rank)], getattr(stats, field))
+                yield family
 
 
 class PrometheusStatLogger:
     """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats], max_model_len: int):
+    def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerStatsCollector(get_stats, model_name))
+        # Multiprocess mode: the per-request metrics live in the shared files (and in no registry);
+        # a scrape reads them all back, summed over the API servers.
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        own = None if self.multiprocess else self.registry
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(self.registry)
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=own).labels(model_name)
 
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       labels + ["finished_reason"], registry=self.registry)
+                                       labels + ["finished_reason"], registry=own)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)

@@ -59,15 +59,15 @@ def test_prometheus_logger_uses_its_own_registry_and_vllm_names():
     metrics.record_finished(_output())
     metrics.record_aborted("abort")
     text = metrics.render().decode()
-    assert 'vllm:num_requests_running{model_name="m"} 2.0' in text
-    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.5' in text
-    assert 'vllm:prefix_cache_hits_total{model_name="m"} 4.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 2.0' in text
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 4.0' in text
     assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
     assert 'vllm:request_success_total{finished_reason="abort",model_name="m"} 1.0' in text
     assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
     assert 'vllm:request_queue_time_seconds_count{model_name="m"} 1.0' in text
     assert 'finished_reason="length"' not in other.render().decode()  # nothing recorded there
-    assert REGISTRY.get_sample_value("vllm:num_requests_running", {"model_name": "m"}) is None
+    assert REGISTRY.get_sample_value("vllm:num_requests_running", {"model_name": "m", "engine": "0"}) is None
 
 
 def test_an_sse_event_is_one_data_line_of_json_then_a_blank_line():
