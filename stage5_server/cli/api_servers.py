@@ -55,7 +55,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
-from stage5_server.engine.proctitle import set_process_name
+from stage5_server.engine.processes import set_process_name
 
 logger = logging.getLogger("stagedserve")
 

@@ -29,6 +29,7 @@ import weakref
 import zmq
 
 from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, stats_decoder
+from stage5_server.engine.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
 
@@ -48,7 +49,7 @@ class DPCoordinator:
             target=run_coordinator, name="stagedserve-dp-coordinator",
             args=(num_engines, stats_address, publish_address, os.getpid(), log_level), daemon=True)
         self.process.start()
-        self._finalizer = weakref.finalize(self, _stop, self.process)
+        self._finalizer = weakref.finalize(self, stop_process, self.process)
 
     @property
     def pid(self) -> int:
@@ -58,22 +59,13 @@ class DPCoordinator:
         self._finalizer()
 
 
-def _stop(process: multiprocessing.Process, timeout: float = 5.0) -> None:
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout)
-
-
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)
 
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
-    from stage5_server.engine.proctitle import set_process_name
+    from stage5_server.engine.processes import set_process_name
 
     set_process_name("ss-coordinator")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

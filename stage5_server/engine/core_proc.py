@@ -70,6 +70,16 @@ SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: th
 STATS_BROADCAST_INTERVAL_S = 0.1
 
 
+def drain_inputs(socket: zmq.Socket) -> list[EngineCoreInput]:
+    """Every input message already queued on ``socket``, without waiting for more."""
+    messages = []
+    while True:
+        try:
+            messages.append(input_decoder.decode(socket.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return messages
+
+
 class ZmqCoreLoop(EngineCoreLoop):
     """The core loop over two connected sockets, watching that its parent is still there."""
 
@@ -80,14 +90,7 @@ class ZmqCoreLoop(EngineCoreLoop):
         self.parent_pid = parent_pid
 
     def receive(self, timeout_s: float) -> list[EngineCoreInput]:
-        messages = []
-        if self.input.poll(int(timeout_s * 1000)):
-            while True:
-                try:
-                    messages.append(input_decoder.decode(self.input.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-        return messages
+        return drain_inputs(self.input) if self.input.poll(int(timeout_s * 1000)) else []
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
         try:
@@ -134,11 +137,7 @@ class MultiClientCoreLoop(EngineCoreLoop):
                     break
                 self.welcome(identity.decode(), hello_decoder.decode(payload))
         if self.input in events:
-            while True:
-                try:
-                    messages.append(input_decoder.decode(self.input.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
+            messages.extend(drain_inputs(self.input))
         return messages
 
     def welcome(self, client_id: str, hello: ClientHello) -> None:
@@ -257,7 +256,7 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     ``engine_args`` go to stage5's ``LLM(...)`` untouched, so every engine argument the
     in-process server accepts works here too.
     """
-    from stage5_server.engine.proctitle import set_process_name
+    from stage5_server.engine.processes import set_process_name
 
     set_process_name("ss-engine-0")
     _configure_process("engine-core", log_level)
@@ -293,7 +292,7 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
                        num_threads: int | None = None, log_level: int = logging.INFO) -> None:
     """One rank's entry point (``launcher.CoreEngineProcManager``): bind, build the engine, report to the
     launcher, then serve every API server that connects. ``num_threads``: this rank's share of the CPU."""
-    from stage5_server.engine.proctitle import set_process_name
+    from stage5_server.engine.processes import set_process_name
 
     set_process_name(f"ss-engine-{engine_index}")
     _configure_process(f"engine-core rank {engine_index}", log_level)

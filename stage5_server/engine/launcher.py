@@ -50,10 +50,10 @@ from stage5_server.engine.messages import (
     encoder,
     output_decoder,
 )
+from stage5_server.engine.process_client import DEFAULT_STARTUP_TIMEOUT_S  # the same wait for every core
 
 logger = logging.getLogger("stagedserve")
 
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")
 
 

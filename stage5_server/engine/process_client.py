@@ -48,6 +48,7 @@ from stage5_server.engine.messages import (
     encoder,
     output_decoder,
 )
+from stage5_server.engine.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
 
@@ -188,14 +189,7 @@ class MPAsyncLLM(AsyncEngine):
 
 
 def _stop_process(process: multiprocessing.Process, ipc_dir: str, timeout: float = 5.0) -> None:
-    """Make sure the child is gone: wait for a clean exit, then SIGTERM, then SIGKILL."""
-    if process.is_alive():
-        process.join(timeout)
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout)
+    """Make sure the child is gone (a clean exit first), then remove its socket directory."""
+    stop_process(process, timeout, grace=timeout)
     shutil.rmtree(ipc_dir, ignore_errors=True)
 

@@ -25,7 +25,7 @@ from stage2_paged.attention import build_paged_metadata
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
-from stage5_server.engine.proctitle import set_process_name
+from stage5_server.engine.processes import set_process_name
 from stage5_server.model import fuse_projections
 from stage5_server.parallel.parallel_state import init_tensor_parallel, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import load_sharded_model
