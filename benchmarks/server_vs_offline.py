@@ -7,7 +7,7 @@ holds the whole server's CPU time), driven by ``stagedserve bench serve``'s load
 generator from this process (streaming completions, ``max_concurrency = C``, all requests
 sent at once). Output tokens per
 second of each, and the ratio: what HTTP, JSON, SSE and the async engine thread cost.
-A stage5 goal is that the server keeps at least 80% of the offline throughput.
+The ratio is the share of the offline throughput the server keeps.
 
     python -m benchmarks.server_vs_offline [--models tiny small --num-prompts 64 --concurrency 16]
 """
@@ -82,8 +82,12 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 @contextmanager
-def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120.0, extra_args: tuple[str, ...] = ()):
-    """``stagedserve serve`` on a free loopback port, with a fresh key; stopped with SIGINT."""
+def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120.0, extra_args: tuple[str, ...] = (),
+                         prefix_caching: bool = False, omp_threads: int | None | str = "this process"):
+    """``stagedserve serve`` on a free loopback port, with a fresh key; stopped with SIGINT.
+
+    ``omp_threads``: the servers' ``OMP_NUM_THREADS`` (default: this process's torch threads; None: unset, so
+    the server splits the cores itself)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -91,11 +95,15 @@ def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120
     flags = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens", "device": "--device", "seed": "--seed"}
     cmd = [sys.executable, "-m", "stage5_server", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "bench", "--no-enable-prefix-caching", "--log-stats-interval", "0"]
+           "--served-model-name", "bench", "--log-stats-interval", "0",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     for name, flag in flags.items():
         cmd += [flag, str(engine_kwargs[name])]
     cmd += list(extra_args)
-    env = {**os.environ, "STAGEDSERVE_API_KEY": api_key, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {**os.environ, "STAGEDSERVE_API_KEY": api_key}
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(torch.get_num_threads() if omp_threads == "this process" else omp_threads)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -140,7 +148,7 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| `{r['config']['model']}` | {r['offline']['output_tok_s']:.1f} | "
                      f"{r['server']['output_tok_s']:.1f} | {100 * r['server_over_offline']:.0f}% | "
                      f"{ms(r['offline']['cpu_ms_per_token'])} | {ms(r['server']['cpu_ms_per_token'])} |")
-    lines += ["", "Goal: the server keeps at least 80% of the offline throughput.", ""]
+    lines += [""]
     return "\n".join(lines)
 
 

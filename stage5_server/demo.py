@@ -6,10 +6,10 @@ through the official ``openai`` client (``AsyncOpenAI``):
 
 - questions: a few facts, a short instruction and a multi-turn follow-up, each reply streamed
   to the terminal as its tokens arrive, marked right or wrong against the expected word;
-- phase 1: a burst of chat requests that share one long system prompt, so the prefix cache
-  serves the shared blocks after the first request has computed them;
-- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the long
-  prefills with decodes, and a small KV pool may force preemptions.
+- phase 1: a burst of short chat requests that share one long system prompt, so the
+  prefix cache serves the shared blocks after the first request has computed them;
+- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
+  long prefills with decodes.
 
 Then it prints the stats lines logged during the run, key numbers scraped from ``/metrics``,
 and what a 135M-parameter 4-bit model gets wrong; it shuts down and exits 0.

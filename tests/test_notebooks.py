@@ -47,7 +47,7 @@ def _load_nav() -> list[str]:
 def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
     assert {"stage1_slab.ipynb", "stage2_block_tables.ipynb", "stage3_scheduler.ipynb",
-            "stage4_prefix_cache.ipynb", "all_stages.ipynb"} <= names
+            "stage4_prefix_cache.ipynb", "stage5_server.ipynb", "all_stages.ipynb"} <= names
 
 
 @pytest.mark.slow

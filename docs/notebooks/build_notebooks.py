@@ -46,7 +46,12 @@ import matplotlib.pyplot as plt
 from shared import SamplingParams, default_model
 
 MODEL = default_model()  # the embedded default model, committed with the code
-print("model:", Path(MODEL).name)"""
+print("model:", Path(MODEL).name)
+
+# The course's pair. Letters stand for token ids; block size 4 wherever there are blocks.
+R0_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]        # A B C D E F G H: already decoding
+R1_PROMPT = [1, 2, 3, 4, 5, 6, 9, 10, 11]   # A B C D E F X Y Z: arrives while R0 decodes
+LETTERS = dict(zip([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "ABCDEFGHXYZ"))"""
 
 
 def md(text: str):
@@ -64,19 +69,74 @@ def stage1_slab():
 # Stage 1: one contiguous slab, static batching
 
 Every request reserves `max_model_len` slots up front, and a batch runs until its slowest
-member ends. Here we run the real stage1 `LLM` on a tiny model, step by step, and record the
-slab's accounting after every step: slots *reserved* by live requests, slots *used* (holding
-a token's K/V), and the difference, *internal fragmentation*.
+member ends. We run the real stage1 `LLM` on the default model, step by step, and record the
+slab's accounting: slots *reserved* by live requests, slots *used* (holding a token's K/V),
+and the difference, *internal fragmentation*.
+
+## R0 and R1
+
+R0 (`A B C D E F G H`) is decoding when R1 (`A B C D E F X Y Z`) arrives. The slab holds two
+reservations of `max_model_len = 24`, so there is room for R1, but R0's batch is running:
+R1 waits until it drains.
 """),
         code(SETUP),
         code("""
+import numpy as np
 from stage1_naive import LLM
 
+MAX_LEN = 24
+llm = LLM(model=MODEL, max_model_len=MAX_LEN, num_kv_slots=2 * MAX_LEN, max_num_seqs=2, seed=0)
+slab = llm.engine.kv_cache
+p = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+llm.add_request(R0_PROMPT, p(6), request_id="R0")
+frames, events = [], []
+
+def record():
+    row = np.zeros(slab.num_slots)  # 0 free, 1 reserved, 2 written; R0 in the first half
+    for rid, extent in slab.reservations.items():
+        row[extent.start:extent.start + extent.length] = 1
+        row[extent.start:extent.start + slab.written[rid]] = 2
+    frames.append(row)
+    events.append(f"batch {[r.request_id for r in llm.engine.batch]}, waiting {[r.request_id for r in llm.engine.waiting]}")
+
+for step in range(8):
+    if step == 2:
+        llm.add_request(R1_PROMPT, p(4), request_id="R1")   # R1 arrives while R0 decodes
+    llm.step(); record()
+while llm.has_unfinished_requests():
+    llm.step(); record()
+for i, e in enumerate(events):
+    print(f"step {i:2d}: {e}; reserved {int((frames[i] > 0).sum())}, written {int((frames[i] == 2).sum())}")
+"""),
+        code("""
+fig, ax = plt.subplots(figsize=(8, 3.6))
+ax.imshow(np.array(frames), cmap=plt.matplotlib.colors.ListedColormap(["white", "#f4a261", "#2a9d8f"]),
+          aspect="auto", vmin=0, vmax=2, interpolation="nearest")
+ax.axvline(MAX_LEN - 0.5, color="k", lw=0.8)
+ax.set_xlabel("slab slot (48: room for two reservations of 24)"); ax.set_ylabel("engine step")
+ax.set_title("orange: reserved, empty; green: holds K/V; white: free")
+plt.show()
+"""),
+        md("""
+R0's reservation is all 24 slots from its first step, although it never writes more than 13
+(its 8 prompt tokens and 5 of its 6 outputs: the last one is never fed back). R1 waits in the
+queue with half the slab free, because static batching admits only into an empty batch; once
+R0's batch ends, R1 gets a whole reservation of its own (the slab is empty again, so it starts
+at slot 0) and writes at most 12 of it.
+
+## Six requests, four reservations
+
+Six requests, prompt 8 tokens, very different answer lengths. The batch of four admits R0-R3;
+R0 finishes after 4 tokens but its reservation stays held until R1 (40 tokens) is done. Only
+then can R4 and R5 start. The plot shows used slots against reserved ones: the gap is memory
+that no one can use.
+"""),
+        code("""
 MAX_LEN = 64
 llm = LLM(model=MODEL, max_model_len=MAX_LEN, num_kv_slots=4 * MAX_LEN, max_num_seqs=4, seed=0)
 slab = llm.engine.kv_cache
 
-# Six requests, prompt 8 tokens, wildly different answer lengths; ignore_eos pins the lengths.
 lengths = [4, 40, 8, 12, 24, 6]
 for i, n in enumerate(lengths):
     llm.add_request([10 + i] * 8, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=f"R{i}")
@@ -91,11 +151,6 @@ print(f"{len(rows)} steps; slab of {slab.num_slots} slots = {slab.num_slots // M
 for step in (0, 3, 10, 30, len(rows) - 1):
     print(f"step {step:3d}:", rows[step])
 """),
-        md("""
-The batch of four admits R0-R3; R0 finishes after 4 tokens but its reservation stays held
-until R1 (40 tokens) is done. Only then can R4 and R5 start. The plot shows used slots
-against reserved ones: the gap is memory that no one can use.
-"""),
         code("""
 steps = range(len(rows))
 fig, ax = plt.subplots(figsize=(8, 3.2))
@@ -107,27 +162,53 @@ ax.set_title("stage1 slab occupancy per step")
 plt.show()
 frag = [r["internal"] / r["reserved"] for r in rows if r["reserved"]]
 print(f"mean internal fragmentation over the run: {sum(frag) / len(frag):.1%} of reserved slots")
+print("external fragmentation, every step:", sorted({r["external"] for r in rows}))
 """),
         md("""
+External fragmentation is 0 at every step, and must be: every batch is admitted into an
+empty slab, every reservation is `max_model_len` long, and first fit packs them from slot 0,
+so no hole ever forms.
+
 ## External fragmentation, without a model
 
-`ContiguousKVCache` works without tensors too. Reserve extents of different sizes, release
-two that are not adjacent, and a reservation that fits in the total free space still fails:
-the free space is split into holes.
+Holes need reservations of different sizes that end at different times, as in a server that
+sizes each reservation by `prompt + max_tokens` and frees it as soon as the request finishes.
+`ContiguousKVCache` works without tensors: R0 (8 + 4 slots), two other requests, then R0 and
+the third finish. R1 asks for 9 + 16 = 25 slots: 30 are free, in holes of 12 and 18.
 """),
         code("""
 from stage1_naive import ContiguousKVCache
 
-cache = ContiguousKVCache(num_slots=100)
-for rid, size in [("a", 20), ("b", 30), ("c", 20), ("d", 30)]:
+cache = ContiguousKVCache(num_slots=40)
+for rid, size in [("R0", 8 + 4), ("Q", 10), ("S", 12)]:
     cache.reserve(rid, size)
-cache.release("a"); cache.release("c")
-print("free slots:", cache.free_slots, "largest hole:", cache.largest_free_extent())
-print("reserve 30 ->", cache.reserve("e", 30), "(None: no hole is large enough)")
-print("external fragmentation for a 30-slot request:", cache.external_fragmentation(30))
+before = {rid: (e.start, e.length) for rid, e in cache.reservations.items()}
+cache.release("R0"); cache.release("S")
+need = len(R1_PROMPT) + 16
+print("reservations before:", before)
+print("free extents after R0 and S finish:", [(e.start, e.length) for e in cache.free_extents])
+print(f"R1 needs {need}: free slots {cache.free_slots}, largest hole {cache.largest_free_extent()}")
+print("reserve ->", cache.reserve("R1", need), "(None: no hole is large enough)")
+print(f"external fragmentation for R1: {cache.external_fragmentation(need)} slots")
+
+fig, ax = plt.subplots(figsize=(8, 1.3))
+for rid, (start, length) in before.items():
+    ax.barh(1, length, left=start, color="#bbbbbb" if rid in ("R0", "S") else "#264653", edgecolor="k")
+    ax.text(start + length / 2, 1, rid + (" (finished)" if rid in ("R0", "S") else ""), ha="center", va="center",
+            color="k" if rid in ("R0", "S") else "w", fontsize=8)
+for e in cache.free_extents:
+    ax.barh(0, e.length, left=e.start, color="white", edgecolor="#e76f51", hatch="//")
+    ax.text(e.start + e.length / 2, 0, f"hole {e.length}", ha="center", va="center", fontsize=8)
+ax.set_yticks([0, 1], ["after", "before"]); ax.set_xlim(0, cache.num_slots); ax.set_xlabel("slot")
+ax.set_title(f"R1 needs {need} contiguous slots; {cache.free_slots} are free, the largest hole is "
+             f"{cache.largest_free_extent()}", fontsize=9)
+plt.show()
+"""),
+        md("""
+`benchmarks/kv_fragmentation.py` runs that server over a whole trace: the next request waits in
+most steps although enough slots are free. Blocks (stage 2) make any free block usable.
 """),
     ]
-
 
 # ---------------------------------------------------------------------------------------------
 def stage2_block_tables():
@@ -137,12 +218,60 @@ def stage2_block_tables():
 
 Same static-batching loop as stage1; the KV cache is now a pool of fixed-size blocks, and
 each request's block table maps its logical blocks to any free physical blocks. Blocks are
-taken as a sequence grows and returned the moment it ends. Below: a map of the pool after
-selected steps, one colour per request.
+taken as a sequence grows and returned the moment it ends.
+
+## R0 and R1
+
+With blocks of 4, R0 (`A B C D E F G H`) fills two blocks and R1 (`A B C D E F X Y Z`) needs
+three, the last holding only `Z`. The allocator's free list is shuffled (physical order must
+never matter), and another request grows in between, so the blocks are scattered.
 """),
         code(SETUP),
         code("""
 import numpy as np
+from stage2_paged import BlockAllocator, BlockTable, slot_mapping
+
+BLOCK, NUM_BLOCKS = 4, 16
+alloc = BlockAllocator(NUM_BLOCKS, shuffle_seed=3)
+tables = {"R0": BlockTable(BLOCK), "R1": BlockTable(BLOCK), "other": BlockTable(BLOCK)}
+tables["R0"].grow(4, alloc)              # A B C D
+tables["other"].grow(6, alloc)           # someone else takes two blocks in between
+tables["R0"].grow(len(R0_PROMPT), alloc) # E F G H: any free block will do
+tables["R1"].grow(len(R1_PROMPT), alloc) # A B C D | E F X Y | Z
+for rid, t in tables.items():
+    print(f"{rid:5s} table {t.block_ids}")
+print("R1's slots, position by position:", slot_mapping(tables["R1"].block_ids, BLOCK, 0, len(R1_PROMPT)))
+"""),
+        code("""
+tokens = {"R0": R0_PROMPT, "R1": R1_PROMPT, "other": [0] * 6}
+colors = {"R0": "#2a9d8f", "R1": "#e9c46a", "other": "#bbbbbb"}
+fig, ax = plt.subplots(figsize=(8, 2.4))
+for rid, t in tables.items():
+    for logical, block in enumerate(t.block_ids):
+        x, y = block % 8, block // 8
+        ax.add_patch(plt.Rectangle((x, -y), 0.95, 0.9, color=colors[rid]))
+        part = tokens[rid][logical * BLOCK:(logical + 1) * BLOCK]
+        label = " ".join(LETTERS.get(tok, "?") for tok in part) if rid != "other" else ""
+        ax.text(x + 0.47, -y + 0.55, f"{rid} #{logical}", ha="center", fontsize=7)
+        ax.text(x + 0.47, -y + 0.2, label, ha="center", fontsize=7)
+for block in range(NUM_BLOCKS):
+    ax.text(block % 8 + 0.03, -(block // 8) + 0.78, str(block), fontsize=6, color="#555555")
+ax.set_xlim(0, 8); ax.set_ylim(-1.1, 1); ax.axis("off")
+ax.set_title("the pool: 16 physical blocks of 4 (grey: another request; white: free)", fontsize=9)
+plt.show()
+"""),
+        md("""
+A block table is only a list of physical ids; the slot of position `p` is
+`table[p // block_size] * block_size + p % block_size`, computed by `slot_mapping`. R1's
+last block holds one token and three empty slots: that partial block is all the waste a
+request can have.
+
+## A run on the model
+
+Four requests through the real stage 2 `LLM`, and a map of the pool after selected steps, one
+colour per request: tables grow into scattered blocks, and blocks return when a request ends.
+"""),
+        code("""
 from stage2_paged import LLM
 
 BLOCK, NUM_BLOCKS = 4, 32
@@ -166,25 +295,22 @@ def pool_map(tables, num_blocks=NUM_BLOCKS):
         grid[ids] = int(rid[1:])
     return grid.reshape(4, num_blocks // 4)
 
-shown = [0, 2, 5, 8, 12, len(snapshots) - 1]
+shown = [0, 2, 5, 12, len(snapshots) - 1]
 cmap = plt.get_cmap("tab10").copy(); cmap.set_under("white")
-fig, axes = plt.subplots(1, len(shown), figsize=(2.2 * len(shown), 2.4))
+fig, axes = plt.subplots(1, len(shown), figsize=(8, 1.7))
 for ax, step in zip(axes, shown):
     grid = pool_map(snapshots[step])
     ax.imshow(grid, cmap=cmap, vmin=0, vmax=9)
     for (y, x), v in np.ndenumerate(grid):
-        ax.text(x, y, "" if v < 0 else f"R{v}", ha="center", va="center", fontsize=7)
-    ax.set_title(f"after step {step}", fontsize=9); ax.set_xticks([]); ax.set_yticks([])
-fig.suptitle(f"KV pool: {NUM_BLOCKS} blocks of {BLOCK} tokens (white = free)")
+        ax.text(x, y, "" if v < 0 else f"R{v}", ha="center", va="center", fontsize=6)
+    ax.set_title(f"after step {step}", fontsize=8); ax.set_xticks([]); ax.set_yticks([])
+fig.suptitle(f"KV pool: {NUM_BLOCKS} blocks of {BLOCK} tokens (white = free)", fontsize=9)
 plt.tight_layout(); plt.show()
 """),
         md("""
-A block table is only a list of physical ids; the slot of position `p` is
-`table[p // block_size] * block_size + p % block_size`. The `BlockTable` class computes it:
+`BlockTable.grow` takes a new block only when the sequence fills the last one:
 """),
         code("""
-from stage2_paged import BlockAllocator, BlockTable
-
 alloc = BlockAllocator(8)
 table = BlockTable(block_size=4)
 table.grow(6, alloc)        # 6 tokens -> 2 blocks
@@ -194,7 +320,6 @@ print("blocks:", table.block_ids, "free left:", alloc.num_free)
 """),
     ]
 
-
 # ---------------------------------------------------------------------------------------------
 def stage3_scheduler():
     return [
@@ -202,8 +327,13 @@ def stage3_scheduler():
 # Stage 3: one token budget per step
 
 The scheduler spends `max_num_batched_tokens` per step: running requests first (a decode
-costs one token), then chunks of waiting prompts. First the budget-6 trace of R0 and R1,
-through the real `Scheduler` with token ids only (no model).
+costs one token), then chunks of waiting prompts.
+
+## R0 and R1: the budget-6 trace
+
+R0 (`A B C D E F G H`) is decoding when R1 (`A B C D E F X Y Z`) arrives; the budget is 6.
+The real `Scheduler` runs with token ids only (no model): `dry_run_step` hands a made-up token
+to each request that completes its known tokens in a step, and nothing to one mid-prefill.
 """),
         code(SETUP),
         code("""
@@ -214,20 +344,51 @@ BUDGET = 6
 sched = Scheduler(SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4), CacheConfig(block_size=4, num_blocks=16))
 params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
+trace = []  # (label, {request id: (tokens, "prefill" | "decode")}, used)
 def step(label):  # a made-up token (99) for each request that finishes its prompt; mid-prefill: none
-    print(f"{label}: {describe_step(dry_run_step(sched, token=99), BUDGET)}")
+    out = dry_run_step(sched, token=99)
+    kinds = {}
+    for req in out.scheduled_reqs:
+        n = out.num_scheduled_tokens[req.request_id]
+        kinds[req.request_id] = (n, "prefill" if req.num_computed_tokens - n < req.num_prompt_tokens else "decode")
+    trace.append((label, kinds, out.total_num_scheduled_tokens))
+    print(f"{label}: {describe_step(out, BUDGET)}")
 
-sched.add_request(Request("R0", [1, 2, 3, 4, 5, 6, 7, 8], params))       # A..H
+sched.add_request(Request("R0", R0_PROMPT, params))
 while sched.requests["R0"].num_output_tokens < 2:
-    step("  R0 alone")
-sched.add_request(Request("R1", [1, 2, 3, 4, 5, 6, 9, 10, 11], params))  # A B C D E F X Y Z
+    step("R0 alone")
+sched.add_request(Request("R1", R1_PROMPT, params))
 for i in range(3):
     step(f"step {i}")
 """),
+        code("""
+colors = {("R0", "prefill"): "#8ecae6", ("R0", "decode"): "#219ebc",
+          ("R1", "prefill"): "#ffb703", ("R1", "decode"): "#fb8500"}
+fig, ax = plt.subplots(figsize=(8, 3))
+for x, (label, kinds, used) in enumerate(trace):
+    bottom = 0
+    for rid in ("R0", "R1"):
+        if rid in kinds:
+            n, kind = kinds[rid]
+            ax.bar(x, n, bottom=bottom, color=colors[rid, kind], edgecolor="k", linewidth=0.4,
+                   hatch="//" if kind == "prefill" else None)
+            ax.text(x, bottom + n / 2, f"{rid} {kind} {n}", ha="center", va="center", fontsize=7)
+            bottom += n
+ax.axhline(BUDGET, color="k", ls="--", lw=0.8); ax.text(len(trace) - 0.5, BUDGET + 0.1, "budget 6", ha="right", fontsize=8)
+ax.set_xticks(range(len(trace)), [t[0] for t in trace], fontsize=8)
+ax.set_ylabel("input positions computed"); ax.set_ylim(0, BUDGET + 1.2)
+ax.set_title("the budget-6 trace: R0's decode first, R1's nine prompt tokens as 5 + 4", fontsize=10)
+plt.show()
+"""),
         md("""
-R0 gets its decode token first in every step; R1's nine prompt tokens go in as 5 + 4; in
-step 2 both decode. Now the same engine with a model: a per-step timeline of tokens per
-request, prefill (hatched) against decode.
+R0 gets its decode token first in every step; R1's nine prompt tokens go in as 5 + 4; in step
+2 both decode. Step 1 completes R1's prompt, and its last position's logits give R1's first
+output token: R1 decodes in step 2 although step 1 scheduled no decode for it. (Before R1
+arrives the same budget chunked R0's own prompt as 6 + 2.)
+
+## With a model: a per-step timeline
+
+The same engine with a model: tokens per request per step, prefill chunks hatched.
 """),
         code("""
 from stage3_continuous import LLM
@@ -248,7 +409,7 @@ def run_traced(llm, prompts_and_lengths):
     return kinds, usage, preempt
 
 def plot_timeline(kinds, title, budget):
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig, ax = plt.subplots(figsize=(8, 3))
     ids = sorted({rid for k in kinds for rid in k}, key=lambda r: int(r[1:]))
     colors = {rid: plt.get_cmap("tab10")(i) for i, rid in enumerate(ids)}
     for s, k in enumerate(kinds):
@@ -260,12 +421,12 @@ def plot_timeline(kinds, title, budget):
                        edgecolor="k", linewidth=0.3, label=rid if s == min(i for i, kk in enumerate(kinds) if rid in kk) else None)
                 bottom += n
     ax.axhline(budget, color="k", ls="--", lw=0.8)
-    ax.set_xlabel("step"); ax.set_ylabel("tokens scheduled"); ax.set_title(title)
+    ax.set_xlabel("step"); ax.set_ylabel("tokens scheduled"); ax.set_title(title, fontsize=10)
     ax.legend(ncol=len(ids), fontsize=7, loc="upper right")
     plt.show()
 
 llm = LLM(model=MODEL, max_model_len=128, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8)
-kinds, usage, preempt = run_traced(llm, [([30] * 5, 12), ([31] * 40, 6), ([32] * 9, 10), ([33] * 20, 4)])
+kinds, usage, preempt = run_traced(llm, [(R0_PROMPT, 12), ([31] * 40, 6), (R1_PROMPT, 10), ([33] * 20, 4)])
 plot_timeline(kinds, "stage3: budget 16, hatched = prefill chunk", 16)
 print("steps:", len(kinds), "preemptions:", preempt[-1])
 """),
@@ -281,11 +442,12 @@ work = [([40 + i] * 6, 24) for i in range(4)]
 small = LLM(model=MODEL, max_model_len=48, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=8)
 kinds, usage, preempt = run_traced(small, work)
 plot_timeline(kinds, "stage3, 12-block pool: preempted requests re-prefill (hatched) later", 16)
-fig, ax = plt.subplots(figsize=(9, 2.4))
+fig, ax = plt.subplots(figsize=(8, 2.4))
 ax.plot(usage, label="KV usage"); ax2 = ax.twinx(); ax2.step(range(len(preempt)), preempt, color="C3", label="preemptions")
 ax.set_xlabel("step"); ax.set_ylabel("KV usage"); ax2.set_ylabel("preemptions (cumulative)")
 fig.legend(loc="lower right", fontsize=8); plt.show()
-print("preemptions:", preempt[-1], "steps:", len(kinds))
+first = next(i for i, n in enumerate(preempt) if n)
+print("preemptions:", preempt[-1], "steps:", len(kinds), "; first at step", first)
 
 big = LLM(model=MODEL, max_model_len=48, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8)
 p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -295,7 +457,6 @@ print("tokens identical to a run with a large pool:", same)
 """),
     ]
 
-
 # ---------------------------------------------------------------------------------------------
 def stage4_prefix_cache():
     return [
@@ -304,33 +465,119 @@ def stage4_prefix_cache():
 
 A full block is named by a chained hash: H(parent hash, its tokens, extra keys). Equal tokens
 after different prefixes, or under different cache salts, get different names.
+
+## R0 and R1: what R1 may reuse
+
+R0 (`A B C D E F G H`) has computed its two blocks; R1 (`A B C D E F X Y Z`) shares six tokens
+with it, but only one full block.
 """),
         code(SETUP),
         code("""
 from stage4_prefix_cache import hash_request_tokens
 
-A_H = [1, 2, 3, 4, 5, 6, 7, 8]            # R0: A B C D E F G H
-R1 = [1, 2, 3, 4, 5, 6, 9, 10, 11]         # R1: A B C D E F X Y Z
 short = lambda hs: [h.hex()[:8] for h in hs]
-print("R0         ", short(hash_request_tokens(4, A_H)))
-print("R1         ", short(hash_request_tokens(4, R1)), "(partial Z block: no hash)")
-print("R0 salt=t1 ", short(hash_request_tokens(4, A_H, (("salt", "t1"),))))
-print("E F G H as first block:", short(hash_request_tokens(4, [5, 6, 7, 8])), "(no parent: a different hash)")
-"""),
-        md("""
-## Hits are rounded down to whole blocks
-
-The real `KVCacheManager` (block size 4): an earlier request leaves its blocks cached, then
-the lookup for a new prompt says how many tokens it may skip. The last prompt position is
-always computed (its logits give the first output token), so a fully cached 8-token prompt
-still recomputes its last block.
+print("R0         ", short(hash_request_tokens(4, R0_PROMPT)))
+print("R1         ", short(hash_request_tokens(4, R1_PROMPT)), "(partial Z block: no hash)")
+print("R0 salt=t1 ", short(hash_request_tokens(4, R0_PROMPT, (("salt", "t1"),))))
+print("E F G H as first block:", short(hash_request_tokens(4, R0_PROMPT[4:])), "(no parent: a different hash)")
 """),
         code("""
 from shared import Request
 from stage4_prefix_cache import KVCacheManager
 
 P = SamplingParams(max_tokens=4)
+kv = KVCacheManager(block_size=4, num_blocks=8)
+r0 = Request("R0", R0_PROMPT, P)
+kv.allocate_slots(r0, len(R0_PROMPT))                      # R0's prompt: two full blocks, now cached
+r1 = Request("R1", R1_PROMPT, P)
+hit_blocks, hit_tokens = kv.get_computed_blocks(r1)
+kv.allocate_slots(r1, r1.num_tokens - hit_tokens, hit_tokens, hit_blocks)
+print("R0 table", kv.get_block_ids("R0"), " R1 table", kv.get_block_ids("R1"), f" R1 hit: {hit_tokens} tokens")
 
+status = []  # per R1 token: reused, shared-but-recomputed, computed
+for pos, tok in enumerate(R1_PROMPT):
+    if pos < hit_tokens:
+        status.append("reused")
+    elif pos < len(R0_PROMPT) and R0_PROMPT[pos] == tok:
+        status.append("miss")
+    else:
+        status.append("computed")
+colors = {"reused": "#2a9d8f", "miss": "#e76f51", "computed": "#dddddd"}
+fig, ax = plt.subplots(figsize=(8, 1.9))
+for pos, (tok, st) in enumerate(zip(R1_PROMPT, status)):
+    ax.add_patch(plt.Rectangle((pos, 0), 0.95, 0.9, color=colors[st]))
+    ax.text(pos + 0.47, 0.45, LETTERS[tok], ha="center", va="center", fontsize=11)
+for b in range(3):
+    ax.add_patch(plt.Rectangle((4 * b - 0.04, -0.05), 4, 1.0, fill=False, lw=1.5))
+    ax.text(4 * b + 1.95, -0.3, f"block {b} -> physical {kv.get_block_ids('R1')[b]}", ha="center", fontsize=8)
+ax.text(4.95, 1.15, "E F: same tokens as R0, but block E F X Y != E F G H: a miss", fontsize=8, color="#e76f51")
+ax.text(0, 1.15, "A B C D: R0's block", fontsize=8, color="#2a9d8f")
+ax.set_xlim(-0.2, 12.2); ax.set_ylim(-0.5, 1.45); ax.axis("off")
+ax.set_title(f"R1's prompt: {hit_tokens} tokens reused, {len(R1_PROMPT) - hit_tokens} computed", fontsize=10)
+plt.show()
+"""),
+        md("""
+R1 reuses `A B C D` (R0's block, whose reference count is now 2) and computes five tokens:
+`E F` matches R0 token for token, but its block `E F X Y` is not R0's `E F G H`, so it has a
+different hash and misses. Only full, identical blocks are shared.
+
+## The free queue, step by step
+
+A pool of four blocks. R0 holds two; R1 shares R0's first block and adds two. Then: a fifth
+block is refused, R0 is released, R2 takes the freed block (evicting its hash), R1 is released.
+Freed blocks enter the queue one at a time in reverse table order; cached ones go to the tail,
+uncached ones to the head; allocation pops the head.
+"""),
+        code("""
+kv = KVCacheManager(block_size=4, num_blocks=4)
+pool = kv.block_pool
+queue = lambda: [(b.block_id, b.block_hash is not None, names.get(b.block_id, "")) for b in pool.free_block_queue]
+names = {}  # block id -> the tokens it holds, for the drawing
+
+r0, r1, r2 = Request("R0", R0_PROMPT, P), Request("R1", R1_PROMPT, P), Request("R2", [7, 7, 7, 7], P)
+kv.allocate_slots(r0, 8)
+hits, n = kv.get_computed_blocks(r1); kv.allocate_slots(r1, r1.num_tokens - n, n, hits)
+for rid, tokens in (("R0", R0_PROMPT), ("R1", R1_PROMPT)):
+    for i, block in enumerate(kv.get_block_ids(rid)):
+        names[block] = " ".join(LETTERS[t] for t in tokens[4 * i:4 * i + 4])
+states = [("R0 and R1 admitted", queue())]
+refused = kv.allocate_slots(r2, 4)
+states.append((f"R2 asks for a block: {refused}", queue()))
+kv.free(r0); states.append(("R0 released", queue()))
+kv.allocate_slots(r2, 4); names[kv.get_block_ids("R2")[0]] = "R2's"
+states.append((f"R2 takes block {kv.get_block_ids('R2')[0]}", queue()))
+kv.free(r1); states.append(("R1 released", queue()))
+for what, q in states:
+    print(f"{what:26s} free queue (head first): {[block for block, _, _ in q]}")
+
+fig, ax = plt.subplots(figsize=(8, 2.6))
+for row, (what, q) in enumerate(states):
+    y = -row
+    ax.text(-0.1, y + 0.35, what, ha="right", va="center", fontsize=8)
+    for i, (block, cached, held) in enumerate(q):
+        ax.add_patch(plt.Rectangle((i * 2.1, y), 2, 0.7, color="#8ecae6" if cached else "#ffb703"))
+        ax.text(i * 2.1 + 1, y + 0.35, f"{block}: {held}", ha="center", va="center", fontsize=7)
+    if not q:
+        ax.text(0, y + 0.35, "(empty: every block is in use)", va="center", fontsize=7, color="#555555")
+ax.set_xlim(-4.2, 8.5); ax.set_ylim(-len(states) + 0.6, 0.9); ax.axis("off")
+ax.set_title("free queue after each event, head (evicted first) on the left; blue: cached, yellow: uncached",
+             fontsize=9)
+plt.show()
+"""),
+        md("""
+Releasing R0 frees only block 1 (`E F G H`): block 0 is still R1's. R2 takes block 1, whose
+hash is dropped before it is overwritten. Releasing R1 frees its table in reverse: block 3
+(`Z`, partial, never hashed) to the head, then `E F X Y` and `A B C D` to the tail, so the
+shared prefix is the last block to be evicted.
+
+## Hits are rounded down to whole blocks
+
+The real `KVCacheManager`: an earlier request leaves its blocks cached, then the lookup for a
+new prompt says how many tokens it may skip. The last prompt position is always computed (its
+logits give the first output token), so a fully cached 8-token prompt still recomputes its
+last block.
+"""),
+        code("""
 def reusable(shared, prompt_len):
     kv = KVCacheManager(block_size=4, num_blocks=16)
     common = list(range(1, shared + 1))
@@ -345,27 +592,7 @@ for shared, length in [(6, 9), (7, 9), (8, 9), (8, 8), (1, 1)]:
     print(f"{shared:6d}  {length:6d}  {hit:7d}  {length - hit:8d}")
 """),
         md("""
-## Free-queue order after releases
-
-A pool of four blocks. R0 (A..H) holds two; R1 shares R0's first block and adds two. Then:
-allocation fails, R0 is released, R2 takes the freed block (evicting its hash), R1 is
-released. Freed blocks enter the queue in reverse table order; cached ones go to the tail,
-uncached ones to the head; allocation pops the head.
-"""),
-        code("""
-kv = KVCacheManager(block_size=4, num_blocks=4)
-queue = lambda: [b.block_id for b in kv.block_pool.free_block_queue]
-r0 = Request("R0", A_H, P); kv.allocate_slots(r0, 8)
-r1 = Request("R1", R1, P); hits, n = kv.get_computed_blocks(r1); kv.allocate_slots(r1, r1.num_tokens - n, n, hits)
-print("tables:", kv.get_block_ids("R0"), kv.get_block_ids("R1"), "ref counts:", [b.ref_cnt for b in kv.block_pool.blocks])
-r2 = Request("R2", [7, 7, 7, 7], P)
-print("R2 allocate ->", kv.allocate_slots(r2, 4))
-kv.free(r0); print("after releasing R0, free queue:", queue())
-kv.allocate_slots(r2, 4); print("R2 table:", kv.get_block_ids("R2"))
-kv.free(r1); print("after releasing R1, free queue (head first):", queue())
-"""),
-        md("""
-## A hit map
+## A hit map on the model
 
 Six requests share a 24-token system prefix and differ after it; each prompt is 32 tokens,
 block size 4. The first request computes everything; later ones reuse the prefix blocks.
@@ -384,15 +611,14 @@ for p in prompts:  # one at a time, so each request can see the blocks of the on
 hits = [o.num_cached_tokens for o in outs]
 print("cached prompt tokens per request:", hits)
 grid = np.array([[1 if (b + 1) * BLOCK <= h else 0 for b in range(32 // BLOCK)] for h in hits])
-fig, ax = plt.subplots(figsize=(5, 2.6))
-ax.imshow(grid, cmap="Greens", vmin=0, vmax=1.4)
-ax.set_xlabel("prompt block"); ax.set_ylabel("request"); ax.set_title("prefix-cache hits (green = reused block)")
+fig, ax = plt.subplots(figsize=(6, 2.6))
+ax.imshow(grid, cmap=plt.matplotlib.colors.ListedColormap(["#dddddd", "#2a9d8f"]), vmin=0, vmax=1)
+ax.set_xlabel("prompt block"); ax.set_ylabel("request"); ax.set_title("prefix-cache hits (green: reused block)", fontsize=10)
 plt.show()
 stats = llm.engine.stats()
 print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} queried tokens hit")
 """),
     ]
-
 
 # ---------------------------------------------------------------------------------------------
 def all_stages():
@@ -401,23 +627,62 @@ def all_stages():
 # The same prompts through stages 1-4
 
 Greedy decoding is deterministic, so every stage must produce the same tokens; what changes
-is how many steps it takes and how much KV it holds. Same KV budget everywhere: 256 token
-slots (stage1: one slab; stages 2-4: 64 blocks of 4).
+is when each request runs and how much KV it holds. Same KV budget everywhere: stage 1 one
+slab, stages 2-4 blocks of 4.
+
+## R0 and R1
+
+R0 is decoding when R1 arrives (after two steps). The stages give the same tokens, but R1's
+first token comes at different steps, and stage 4 skips R1's first block.
 """),
         code(SETUP),
-        md("""
-First, real questions. The embedded default model was trained on a few checkable tasks
-(sums, squares, counting and reversing words, repeating after a long system prompt), so
-each stage should give the right answers, and all four the same ones.
-"""),
         code("""
 import importlib
 
+common = dict(model=MODEL, max_model_len=32, max_num_seqs=4, seed=0)
+per_stage = {
+    "stage1_naive": dict(num_kv_slots=64),
+    "stage2_paged": dict(block_size=4, num_kv_blocks=16),
+    "stage3_continuous": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32),
+    "stage4_prefix_cache": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32),
+}
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+pair = {}
+for name, kwargs in per_stage.items():
+    llm = importlib.import_module(name).LLM(**common, **kwargs)
+    llm.add_request(R0_PROMPT, params, request_id="R0")
+    tokens, first_token_step, cached, peak, step = {}, {}, {}, 0, 0
+    while llm.has_unfinished_requests():
+        if step == 2:
+            llm.add_request(R1_PROMPT, params, request_id="R1")
+        for out in llm.step():
+            first_token_step.setdefault(out.request_id, step)
+            if out.finished:
+                tokens[out.request_id], cached[out.request_id] = out.outputs[0].token_ids, out.num_cached_tokens
+        peak, step = max(peak, llm.engine.kv_cache_usage()), step + 1
+    pair[name] = dict(tokens=tokens, r1_first=first_token_step["R1"], r1_cached=cached["R1"], steps=step, peak=peak)
+ref = pair["stage1_naive"]["tokens"]
+print(f"{'stage':22s} {'same tokens':>11s} {'R1 first token at step':>23s} {'R1 cached':>9s} {'steps':>5s} {'peak KV':>7s}")
+for name, r in pair.items():
+    print(f"{name:22s} {str(r['tokens'] == ref):>11s} {r['r1_first']:>23d} {r['r1_cached']:>9d} "
+          f"{r['steps']:>5d} {r['peak']:>7.0%}")
+"""),
+        md("""
+Stages 1 and 2 make R1 wait until R0's batch is done; stage 3 admits it the step it arrives,
+beside R0's decode; stage 4 also serves `A B C D` from R0's block (4 cached tokens).
+
+## Real questions
+
+The embedded default model was trained on a few checkable tasks (sums, squares, counting and
+reversing words, repeating after a long system prompt), so each stage should give the right
+answers, and all four the same ones.
+"""),
+        code("""
 questions = ["Add 4 and 5.", "Add 38 and 47.", "What is 7 squared?", "Count the words: cat dog sun owl",
              "Reverse: red fox ship"]
 chats = [[{"role": "user", "content": q}] for q in questions]
 answers = {}
-for name in ["stage1_naive", "stage2_paged", "stage3_continuous", "stage4_prefix_cache"]:
+for name in per_stage:
     llm = importlib.import_module(name).LLM(model=MODEL, max_model_len=64, max_num_seqs=8, seed=0)
     outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     answers[name] = [o.outputs[0].text for o in outs]
@@ -426,7 +691,9 @@ for q, a in zip(questions, answers["stage1_naive"]):
 print("all stages agree:", all(a == answers["stage1_naive"] for a in answers.values()))
 """),
         md("""
-Now the same token-id prompts through each stage, step by step, recording KV usage.
+## A larger mix
+
+The same token-id prompts through each stage, step by step, recording KV usage.
 """),
         code("""
 import time
@@ -464,11 +731,11 @@ for name, r in results.items():
           f"{r['prompt_tokens']:15d}")
 """),
         code("""
-fig, ax = plt.subplots(figsize=(9, 3))
+fig, ax = plt.subplots(figsize=(8, 3))
 for name, r in results.items():
     ax.plot(r["usage"], label=name)
 ax.set_xlabel("engine step"); ax.set_ylabel("KV in use (fraction)"); ax.set_ylim(0, 1.05)
-ax.set_title("KV usage per step, same prompts, same KV budget"); ax.legend(fontsize=8)
+ax.set_title("KV usage per step, same prompts, same KV budget", fontsize=10); ax.legend(fontsize=8)
 plt.show()
 """),
         md("""
@@ -480,11 +747,174 @@ skips the shared prefix's prefill once its blocks are cached (fewer prefill toke
     ]
 
 
+# ---------------------------------------------------------------------------------------------
+def stage5_server():
+    return [
+        md("""
+# Stage 5: the server
+
+Stage 4's engine behind the secured OpenAI-compatible server, started here in this process
+(`create_app` over an `LLM`, uvicorn on a thread: `ServerThread`). `stagedserve serve` runs the
+same app with the engine core in a process of its own; in a notebook the engine steps on a
+thread, which keeps the example small and behaves the same over HTTP.
+
+Three API keys: two in trust group `tenant-a`, one in `tenant-b`.
+"""),
+        code(SETUP),
+        code("""
+import json
+import time
+
+import httpx
+from stage5_server import LLM, ServerThread, create_app
+
+KEYS = {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
+llm = LLM(model=MODEL, block_size=4, max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=64,
+          device="cpu", attention_backend="torch")
+app = create_app(llm, api_keys=KEYS, served_model_name="stagedserve", log_stats_interval=None)
+server = ServerThread(app).start()
+auth = lambda key: {"Authorization": f"Bearer {key}"}
+print("serving on", server.url)
+print("no key:", httpx.get(f"{server.url}/v1/models").status_code,
+      " key-b:", httpx.get(f"{server.url}/v1/models", headers=auth("key-b")).json()["data"][0]["id"])
+"""),
+        md("""
+## R0 and R1 over HTTP, on two keys
+
+R0 (`A B C D E F G H`) is sent with `key-a1`. Then R1 (`A B C D E F X Y Z`) twice: with
+`key-b`, another trust group, and with `key-a2`, R0's group. The server salts every block
+hash with its trust group's salt, so only the second may reuse R0's block `A B C D`. The
+response's `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens came from
+the cache.
+"""),
+        code("""
+def complete(key, prompt, max_tokens=4):
+    body = {"model": "stagedserve", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(key), timeout=60)
+    response.raise_for_status()
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+print("R0 with key-a1 (tenant-a): cached tokens", complete("key-a1", R0_PROMPT))
+print("R1 with key-b  (tenant-b): cached tokens", complete("key-b", R1_PROMPT), " <- another trust group: shares nothing")
+print("R1 with key-a2 (tenant-a): cached tokens", complete("key-a2", R1_PROMPT), " <- R0's group: its A B C D block")
+"""),
+        md("""
+## Server-sent events, as they arrive
+
+A streamed chat completion: each `data:` line is one chunk of new text, timestamped by the
+client as it arrives; a usage chunk and `data: [DONE]` end the stream.
+"""),
+        code("""
+body = {"model": "stagedserve", "messages": [{"role": "user", "content": "Reverse: red fox ship"}],
+        "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+start = time.perf_counter()
+with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=auth("key-a1"), timeout=60) as r:
+    for line in r.iter_lines():
+        if not line:
+            continue
+        stamp = f"{(time.perf_counter() - start) * 1e3:7.1f} ms"
+        if line == "data: [DONE]":
+            print(stamp, line)
+            continue
+        chunk = json.loads(line[len("data: "):])
+        if chunk["choices"]:
+            delta = chunk["choices"][0]["delta"]
+            print(stamp, "text", repr(delta.get("content", "")), "finish", chunk["choices"][0]["finish_reason"])
+        else:
+            print(stamp, "usage", chunk["usage"]["prompt_tokens"], "prompt +", chunk["usage"]["completion_tokens"],
+                  "completion tokens")
+"""),
+        md("""
+## /metrics
+
+Prometheus text under vLLM's metric names; the prefix-cache counters include R1's hit above.
+"""),
+        code("""
+metrics = httpx.get(f"{server.url}/metrics", headers=auth("key-a1"), timeout=10).text
+wanted = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
+          "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+          "vllm:time_to_first_token_seconds_count", "vllm:request_success_total")
+for line in metrics.splitlines():
+    if line.startswith(wanted):
+        print(line)
+"""),
+        md("""
+## A short load test: request timelines by phase and latency CDFs
+
+`stagedserve bench serve`'s load generator, in this process: 48 requests at 30 per second
+(Poisson arrivals), random token prompts, streamed. Each request also asks for the server's
+own timeline (`X-Stagedserve-Timeline: 1`): time in the front end, waiting in the queue,
+prefill (to the first token) and decode. The generator runs its own event loop, so it runs on
+a worker thread here.
+"""),
+        code("""
+from concurrent.futures import ThreadPoolExecutor
+
+from stage5_server.bench.datasets import DatasetConfig
+from stage5_server.bench.goodput import SLO
+from stage5_server.bench.report import summarize_run
+from stage5_server.bench.serve import ServeConfig, run_serve
+
+config = ServeConfig(base_url=server.url, api_key="key-a1", request_rate=30.0, seed=0, slo=SLO(ttft_ms=250, itl_p99_ms=50),
+                     dataset=DatasetConfig(name="random", num_prompts=48, prompt_len=48, output_len=24, max_prompt_len=96,
+                                           max_output_len=48, vocab_size=400))
+with ThreadPoolExecutor(1) as pool:
+    run = pool.submit(run_serve, config).result()
+result = summarize_run(run)
+print(f"completed {result['counts']['completed']} of {result['counts']['offered']}; "
+      f"goodput {result['goodput_req_s']:.1f} req/s under {result['slo_text']}")
+for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+    print(f"{name:8s} p50 {result[name]['p50']:7.1f}  p99 {result[name]['p99']:7.1f}")
+"""),
+        code("""
+records = sorted((r for r in run.records if r.ok and r.server_timeline), key=lambda r: r.send_time)[:24]
+phases = [("frontend_in", "#bbbbbb"), ("queue", "#e76f51"), ("prefill", "#f4a261"), ("decode", "#2a9d8f")]
+fig, ax = plt.subplots(figsize=(8, 4))
+for row, rec in enumerate(records):
+    t = rec.send_time
+    for name, color in phases:
+        seconds = rec.server_timeline.get(name) or 0.0
+        ax.barh(row, seconds * 1e3, left=t * 1e3, color=color, label=name if row == 0 else None)
+        t += seconds
+    ax.plot([rec.token_times[0] * 1e3], [row], "k|", ms=6)  # the first token, as the client saw it
+ax.invert_yaxis(); ax.set_xlabel("ms since the run started"); ax.set_ylabel("request")
+ax.set_title("server-side phases per request (tick: first token at the client)", fontsize=10)
+ax.legend(fontsize=8, loc="lower right")
+plt.show()
+"""),
+        code("""
+done = [q for q in result["requests"] if q["in_window"] and q["ok"]]
+series = {"TTFT": [q["ttft_s"] * 1e3 for q in done],
+          "ITL": [(b - a) * 1e3 for q in done for a, b in zip(q["token_times"], q["token_times"][1:])],
+          "end to end": [q["e2e_s"] * 1e3 for q in done]}
+fig, axes = plt.subplots(1, 3, figsize=(8, 2.8))
+for ax, (name, values) in zip(axes, series.items()):
+    xs = sorted(values)
+    ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
+    ax.set_xlabel(f"{name} (ms)"); ax.grid(alpha=0.3)
+axes[0].set_ylabel("fraction of requests")
+fig.suptitle("latency CDFs, 48 requests at 30 req/s", fontsize=10)
+plt.tight_layout(); plt.show()
+"""),
+        md("""
+Read the phases top to bottom: while requests arrive faster than the engine finishes them, the
+queue bars (red) grow from one request to the next, and TTFT with them, while prefill and
+decode stay about the same; the numbers depend on the machine, the picture does not. Goodput
+counts only requests that met both SLOs inside the window; `stagedserve bench sweep` repeats
+this over rates and token budgets ([Performance](../performance.md)).
+"""),
+        code("""
+server.stop()  # the app's lifespan shuts the engine down with it
+print("server stopped")
+"""),
+    ]
+
 NOTEBOOKS = {
     "stage1_slab.ipynb": stage1_slab,
     "stage2_block_tables.ipynb": stage2_block_tables,
     "stage3_scheduler.ipynb": stage3_scheduler,
     "stage4_prefix_cache.ipynb": stage4_prefix_cache,
+    "stage5_server.ipynb": stage5_server,
     "all_stages.ipynb": all_stages,
 }
 

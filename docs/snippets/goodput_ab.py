@@ -15,6 +15,6 @@ WINDOW = 100
 for name, (offered, completed, passed) in {"A": (1000, 600, 550), "B": (800, 780, 752)}.items():
     right = goodput(passed, WINDOW)
     wrong = (offered / WINDOW) * (passed / completed)  # pass fraction over completions only
-    print(f"{name}: offered {offered}, completed {completed}, passed {passed} -> "
-          f"goodput {passed}/{WINDOW} s = {right:.2f}/s; "
+    print(f"{name}: offered {offered}, completed {completed}, passed {passed}")
+    print(f"   goodput {passed}/{WINDOW} s = {right:.2f}/s; "
           f"wrong: {offered / WINDOW:.0f}/s x {passed}/{completed} = {wrong:.2f}/s")

@@ -22,20 +22,21 @@ PROMPT = "A serving engine turns prompts into tokens, schedules them, and stream
 MODEL = cached_tiny_model("llama")
 
 
-def run(params: SamplingParams, enable_prefix_caching: bool) -> None:
+def run(case: str, params: SamplingParams, enable_prefix_caching: bool) -> None:
     llm = LLM(model=str(MODEL), block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
               max_model_len=128, enable_prefix_caching=enable_prefix_caching)
     [out] = llm.generate(PROMPT, params, use_tqdm=False)
     stats = llm.engine.stats()
-    scored = "" if out.prompt_logprobs is None else f", {len(out.prompt_logprobs)} prompt logprobs"
-    print(f"  caching {'on ' if enable_prefix_caching else 'off'}: {len(out.outputs)} completions{scored}; "
-          f"prompt tokens computed {stats.num_prompt_tokens_computed}, "
-          f"cache hits {stats.prefix_cache_hits} of {stats.prefix_cache_queries} looked up")
+    scored = "-" if out.prompt_logprobs is None else str(len(out.prompt_logprobs))
+    hits = f"{stats.prefix_cache_hits}/{stats.prefix_cache_queries}"
+    print(f"{case:<16}{'on' if enable_prefix_caching else 'off':>7}{len(out.outputs):>6}{scored:>12}"
+          f"{stats.num_prompt_tokens_computed:>10}{hits:>14}")
 
 
 print(f"prompt: {len(Tokenizer(MODEL).encode(PROMPT))} tokens, block size 4, n = 8")
-for params in (SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0),
-               SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0, prompt_logprobs=1)):
-    print("with prompt logprobs:" if params.prompt_logprobs is not None else "sampling only:")
+print(f"{'case':<16}{'caching':>7}{'outs':>6}{'prompt lps':>12}{'computed':>10}{'hits/lookups':>14}")
+for case, params in (("sampling only", SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0)),
+                     ("prompt logprobs", SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0,
+                                                        prompt_logprobs=1))):
     for caching in (False, True):
-        run(params, caching)
+        run(case, params, caching)

@@ -59,7 +59,9 @@ print(f"release R0 -> free queue {queue()}, ref counts {[b.ref_cnt for b in kv.b
 old_hash = kv.block_pool.blocks[1].block_hash
 kv.allocate_slots(r2, 4)
 new_hash = kv.block_pool.blocks[kv.get_block_ids("R2")[0]].block_hash
-print(f"R2 allocates -> table {kv.get_block_ids('R2')}; E F G H hash evicted: "
-      f"{kv.block_pool.get_cached_block(old_hash) is None}, block now cached as R2's: {new_hash != old_hash}")
+print(f"R2 allocates -> table {kv.get_block_ids('R2')}")
+print(f"   E F G H hash evicted: {kv.block_pool.get_cached_block(old_hash) is None}, "
+      f"block now cached as R2's: {new_hash != old_hash}")
 kv.free(r1)
-print(f"release R1 -> free queue {queue()}  (head first: uncached partial block, then cached tail, then prefix)")
+print(f"release R1 -> free queue {queue()}")
+print("   head first: the uncached partial block, then the cached tail, then the prefix")

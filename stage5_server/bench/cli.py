@@ -87,6 +87,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--max-output-len", type=positive_int, default=1024)
     data.add_argument("--prefix-len", type=positive_int, default=384,
                       help="shared-prefix / two-phase: shared system prompt tokens")
+    data.add_argument("--num-prefixes", type=positive_int, default=1,
+                      help="shared-prefix: distinct shared prefixes, the requests spread over them (default: 1)")
     data.add_argument("--long-prompt-len", type=positive_int, default=1024, help="two-phase: long prompt tokens")
     data.add_argument("--phase-gap-seconds", type=non_negative_float, default=1.0,
                       help="two-phase: pause between phase 1 draining and phase 2")
@@ -144,7 +146,7 @@ def _serve_config(args: argparse.Namespace, base_url: str, api_key: str | None, 
         name=args.dataset, num_prompts=args.num_prompts, seed=args.seed, vocab_size=args.vocab_size,
         max_tokens=args.max_tokens, prompt_len=args.prompt_len, output_len=args.output_len, len_sigma=args.len_sigma,
         max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, prefix_len=args.prefix_len,
-        long_prompt_len=args.long_prompt_len, path=args.dataset_path)
+        num_prefixes=args.num_prefixes, long_prompt_len=args.long_prompt_len, path=args.dataset_path)
     return ServeConfig(
         base_url=base_url, api_key=api_key, model=model, endpoint=args.endpoint, request_rate=rate,
         max_concurrency=args.max_concurrency, warmup_requests=args.warmup_requests,

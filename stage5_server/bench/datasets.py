@@ -5,7 +5,8 @@
   ``len_sigma``, clipped to ``[4, max_prompt_len]`` / ``[4, max_output_len]``), filled with
   seeded uniform random token ids in ``[3, vocab_size)``.
 - ``shared-prefix``: one shared random prefix of ``prefix_len`` tokens + distinct 8-32 token
-  suffixes (``shared.workloads.shared_prefix_prompts``).
+  suffixes (``shared.workloads.shared_prefix_prompts``); with ``num_prefixes`` > 1, that many
+  distinct prefixes (say, system prompts), the requests of each group in a seeded shuffled order.
 - ``two-phase``: the internals chapter's lab load (``shared.workloads.two_phase_load``):
   phase 1 a burst of short requests behind one long system prompt; phase 2, after phase 1
   has drained and a pause, two very long prompts among more short ones. ``num_prompts``
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class DatasetConfig:
     max_prompt_len: int = 1024
     max_output_len: int = 1024
     prefix_len: int = 384  # shared-prefix / two-phase: shared system prompt tokens
+    num_prefixes: int = 1  # shared-prefix: distinct shared prefixes
     long_prompt_len: int = 1024  # two-phase: the long prompts
     path: str | None = None  # json
 
@@ -79,8 +82,18 @@ def build_dataset(cfg: DatasetConfig, *, seed: int | None = None) -> list[BenchR
         reqs = [BenchRequest(p, o) for p, (_, o) in zip(prompts, pairs)]
     elif cfg.name == "shared-prefix":
         n = 100 if n is None else n
-        prompts = shared_prefix_prompts(n, cfg.prefix_len, cfg.vocab_size, seed)
-        reqs = [BenchRequest(p, 32, meta={"shared_prefix_len": cfg.prefix_len}) for p in prompts]
+        if cfg.num_prefixes < 1:
+            raise ValueError(f"num_prefixes: must be >= 1, got {cfg.num_prefixes}")
+        if cfg.num_prefixes == 1:
+            groups = [shared_prefix_prompts(n, cfg.prefix_len, cfg.vocab_size, seed)]
+        else:
+            groups = [shared_prefix_prompts(len(range(g, n, cfg.num_prefixes)), cfg.prefix_len, cfg.vocab_size,
+                                            seed * 1000 + g) for g in range(cfg.num_prefixes)]
+        tagged = [(g, p) for g, prompts in enumerate(groups) for p in prompts]
+        if cfg.num_prefixes > 1:
+            random.Random(seed).shuffle(tagged)
+        reqs = [BenchRequest(p, 32, meta={"shared_prefix_len": cfg.prefix_len, "prefix_group": g})
+                for g, p in tagged]
     elif cfg.name == "two-phase":
         n = 22 if n is None else n
         if n < 3:

@@ -154,17 +154,21 @@ def format_result(res: dict[str, Any]) -> str:
 
 def format_sweep_table(rows: list[dict[str, Any]]) -> str:
     """The goodput curve: one row per (scheduler setting, request rate)."""
-    head = (f"{'setting':<26}{'rate':>7}{'offered':>9}{'passed':>8}{'failed':>8}{'outst':>7}"
-            f"{'goodput/s':>11}{'p99 TTFT':>10}{'p99 ITL':>9}{'out tok/s':>11}")
+    # Narrow enough for a page (under 84 columns): the setting as budget/seqs, e.g. "1024/16".
+    head = (f"{'tokens/seqs':<12}{'rate':>6}{'offered':>8}{'passed':>7}{'failed':>7}{'outst':>6}"
+            f"{'goodput/s':>10}{'p99 TTFT':>9}{'p99 ITL':>8}{'tok/s':>8}")
     out = [head, "-" * len(head)]
     for row in rows:
         res = row["result"]
         c = res["counts"]
         rate = res["config"]["request_rate"]
-        out.append(f"{row.get('setting', '-'):<26}{'inf' if math.isinf(rate) else _fmt(rate, 'g'):>7}"
-                   f"{c['offered']:>9}{c['passed']:>8}{c['failed']:>8}{c['outstanding']:>7}"
-                   f"{_fmt(res['goodput_req_s']):>11}{_fmt(res['ttft_ms']['p99'], '.1f'):>10}"
-                   f"{_fmt(res['itl_ms']['p99'], '.1f'):>9}{_fmt(res['output_token_throughput_tok_s'], '.1f'):>11}")
+        setting = res.get("setting") or {}
+        label = (f"{setting['max_num_batched_tokens']}/{setting['max_num_seqs']}" if setting
+                 else row.get("setting", "-"))
+        out.append(f"{label:<12}{'inf' if math.isinf(rate) else _fmt(rate, 'g'):>6}"
+                   f"{c['offered']:>8}{c['passed']:>7}{c['failed']:>7}{c['outstanding']:>6}"
+                   f"{_fmt(res['goodput_req_s']):>10}{_fmt(res['ttft_ms']['p99'], '.1f'):>9}"
+                   f"{_fmt(res['itl_ms']['p99'], '.1f'):>8}{_fmt(res['output_token_throughput_tok_s'], '.0f'):>8}")
     return "\n".join(out)
 
 
@@ -202,7 +206,12 @@ def plot_results(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
 
     rates = {r["result"]["config"]["request_rate"] for r in rows}
     ncols = 4 if len(rates) > 1 else 3
-    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.6))
+    # Readable at a page's width (about 700 px): four panels as 2 x 2, three in a row.
+    if ncols == 4:
+        fig, grid = plt.subplots(2, 2, figsize=(9, 7))
+        axes = list(grid.flat)
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
     for row in rows:
         res = row["result"]
         rate = res["config"]["request_rate"]
@@ -226,7 +235,7 @@ def plot_results(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
         for setting, pts in by_setting.items():
             pts = sorted((inf_x if math.isinf(x) else x, y) for x, y in pts)
             axes[3].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=setting)
-        axes[3].set_xlabel("request rate (req/s; burst plotted at 2x the highest)")
+        axes[3].set_xlabel("request rate (req/s; a burst at 2x the highest)")
         axes[3].set_ylabel("goodput (passing req/s)")
         axes[3].grid(alpha=0.3)
         axes[3].legend(fontsize=7)
@@ -234,7 +243,7 @@ def plot_results(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     if title:  # a figure names the command that made it
         import textwrap
 
-        fig.suptitle(textwrap.fill(title, 40 * ncols), fontsize=8)
+        fig.suptitle(textwrap.fill(title, 120), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

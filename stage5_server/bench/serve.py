@@ -98,6 +98,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int = 0
     server_timeline: dict[str, float | None] | None = None  # the server's phases, when it reports them
+    text: str = ""  # the output, chunk by chunk (to compare two servers' outputs)
 
     def timeline(self) -> RequestTimeline:
         return RequestTimeline(arrival=self.send_time, token_times=list(self.token_times), finished=self.end_time)
@@ -185,6 +186,7 @@ async def _stream_one(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if text:
                         rec.token_times.append(now)
+                        rec.text += text
                     if choice.get("finish_reason"):
                         rec.finish_reason = choice["finish_reason"]
                         finish_time = now

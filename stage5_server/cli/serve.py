@@ -16,6 +16,13 @@ groups never do, and a key without a group is a group of its own.
 process of its own, with HTTP, tokenization and detokenization in this one (vLLM V1's
 split; ``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
 
+The serving topology (the seeds' "A + DP + N, plus one coordinator when DP > 1"):
+``--data-parallel-size N`` runs N engine cores, each a whole replica, behind a coordinator
+(``engine/launcher.py``, ``engine/dp_client.py``); ``--api-server-count A`` (default N) runs A
+API-server processes on one port under a supervisor (``cli/api_servers.py``). With A = 1 this
+process is the API server and the engine cores are its children. ``--shutdown-timeout``
+bounds how long SIGTERM / Ctrl-C waits for requests in flight before stopping.
+
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
 
@@ -30,6 +37,8 @@ from typing import Any
 
 from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
 
+ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # engine/routing.py
+
 logger = logging.getLogger("stagedserve")
 
 API_KEY_ENV = "STAGEDSERVE_API_KEY"
@@ -39,6 +48,7 @@ DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 SWITCH_INTERVAL_S = 0.0005
 # The engine core in its own process by default? Decided by measurement: docs/serving.md.
 DEFAULT_ENGINE_PROCESS = True
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
@@ -92,6 +102,18 @@ def add_serve_subcommand(subparsers) -> None:
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
                      help="network interface of the ranks' unauthenticated traffic (default: loopback); "
                           "never one reachable from an untrusted network")
+    top = p.add_argument_group("serving topology")
+    top.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                     help="N engine cores, each a whole model replica with its own scheduler and KV cache; on "
+                          "CUDA rank d uses GPUs d*TP .. d*TP+TP-1, on CPU each gets cores/N threads (default: 1)")
+    top.add_argument("--api-server-count", type=positive_int, default=None, metavar="A",
+                     help="A API-server processes sharing the port (default: N)")
+    top.add_argument("--dp-routing", choices=ROUTING_POLICIES, default="least-loaded",
+                     help="how an API server picks the engine core of a request: the least loaded one, or the one "
+                          "that was sent the same prompt prefix unless it is much busier (default: least-loaded)")
+    top.add_argument("--shutdown-timeout", type=non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                     metavar="SECONDS", help="on SIGTERM or Ctrl-C, stop accepting and let requests in flight "
+                                             f"finish for up to this long (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.set_defaults(func=serve)
 
 
@@ -121,6 +143,29 @@ def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[
     return keys
 
 
+def resolve_topology(args: argparse.Namespace) -> None:
+    """Fill in ``--api-server-count`` (N when DP > 1, else 1) and refuse what cannot run."""
+    if args.api_server_count is None:
+        args.api_server_count = args.data_parallel_size
+    if not args.engine_process and (args.data_parallel_size > 1 or args.api_server_count > 1):
+        raise ValueError("engine_process: --data-parallel-size and --api-server-count above 1 need the engine "
+                         "core in its own process; drop --no-engine-process")
+
+
+def serving_process_count(api_server_count: int, data_parallel_size: int, tensor_parallel_size: int) -> dict:
+    """The seeds' A + DP + N (+1 coordinator when DP > 1), as stagedserve runs it.
+
+    N, the worker processes, is DP x TP when TP > 1 and 0 when TP = 1: one rank's model then runs
+    inside its engine-core process (vLLM's single-process executor does the same). With A > 1
+    a supervisor process holds the socket and watches the others; it serves no request.
+    """
+    workers = data_parallel_size * tensor_parallel_size if tensor_parallel_size > 1 else 0
+    counts = {"api_servers": api_server_count, "engine_cores": data_parallel_size, "workers": workers,
+              "coordinator": 1 if data_parallel_size > 1 else 0, "supervisor": 1 if api_server_count > 1 else 0}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -137,24 +182,35 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine_kwargs = build_engine_kwargs(args)
         api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
+        resolve_topology(args)
     except ValueError as exc:
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
         return 2
+    _log_topology(args, engine_kwargs)
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+
+    served_model_name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
+    if args.api_server_count > 1:
+        from shared.named_models import default_model, resolve_model
+        from stage5_server.cli.api_servers import run_multi_api_server
+
+        model = resolve_model(args.model) if args.model else default_model()
+        return run_multi_api_server(args, model, engine_kwargs, api_keys, served_model_name,
+                                    args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     import uvicorn
 
     from stage5_server.engine import make_async_llm
     from stage5_server.engine.cpu_threads import configure_frontend_threads
     from stage5_server.server import create_app
-    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
 
     if args.engine_process:
         configure_frontend_threads()  # the model runs in the engine process: its threads get the cores
     engine = None
     try:
         engine = make_async_llm(args.model, engine_process=args.engine_process,
+                                data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
-        app = create_app(engine, api_keys=api_keys,
-                         served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME,
+        app = create_app(engine, api_keys=api_keys, served_model_name=served_model_name,
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:
@@ -169,7 +225,7 @@ def serve(args: argparse.Namespace) -> int:
         _log_configuration(args, app, engine, engine_kwargs, api_keys)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     except _SigtermExit:
         pass
     finally:
@@ -186,6 +242,15 @@ def _exit_after_sigterm(signum, frame) -> None:
     raise _SigtermExit
 
 
+def _log_topology(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+    tp = engine_kwargs.get("tensor_parallel_size", 1)
+    counts = serving_process_count(args.api_server_count, args.data_parallel_size, tp)
+    logger.info("serving processes: %d API server(s) + %d engine core(s) + %d tensor-parallel worker(s) + %d "
+                "coordinator%s = %d (A=%d, DP=%d, TP=%d; routing %s)", counts["api_servers"], counts["engine_cores"],
+                counts["workers"], counts["coordinator"], " + 1 supervisor" if counts["supervisor"] else "",
+                counts["total"], args.api_server_count, args.data_parallel_size, tp, args.dp_routing)
+
+
 def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
                        api_keys: dict[str, str | None] | None) -> None:
     from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -196,19 +261,26 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
     logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
     logger.info("resolved engine configuration (%s): %s", engine.stage,
                 ", ".join(f"{k}={v}" for k, v in sorted(engine.engine_args.items())))
-    logger.info("engine core: %s", f"separate process (pid {engine.engine_pid})" if engine.engine_process
-                else "a thread of the server process")
+    if hasattr(engine, "engine_pids"):
+        logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
+                    ", ".join(map(str, engine.engine_pids)))
+    else:
+        logger.info("engine core: %s", f"separate process (pid {engine.engine_pid})" if engine.engine_process
+                    else "a thread of the server process")
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
                 "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
                 args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
+    log_api_keys(args, api_keys, app.state.api_keys.groups if api_keys else [])
+    for line in describe_routes(app):
+        logger.info("route: %s", line)
+
+
+def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:
     if api_keys:
         source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
-        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source,
-                    ", ".join(app.state.api_keys.groups))
+        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source, ", ".join(groups))
     elif _is_loopback(args.host):
         logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
     else:
         logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
                        "set --api-key or %s", args.host, API_KEY_ENV)
-    for line in describe_routes(app):
-        logger.info("route: %s", line)

@@ -8,10 +8,13 @@ stepping. Here that is two halves that talk only in typed messages (``messages.p
 - the engine core (stage 4's scheduler, KV cache manager and model runner), driven by one
   busy loop (``core_loop.py``), on a thread of this process (``AsyncLLM``) or in a process
   of its own over ZeroMQ (``MPAsyncLLM``, ``core_proc.py``): the same loop, the same
-  messages, so both modes give the same tokens.
+  messages, so both modes give the same tokens;
+- data parallelism: N engine-core processes started by ``launcher.py`` and balanced through a
+  coordinator process (``coordinator.py``), with one front end per API server routing each
+  request to a rank (``dp_client.DPAsyncLLM``, ``routing.py``).
 
 vLLM: ``vllm/v1/engine/`` (``async_llm.py``, ``core_client.py``, ``core.py``,
-``output_processor.py``, ``exceptions.py``).
+``output_processor.py``, ``exceptions.py``, ``coordinator.py``, ``utils.py``).
 """
 
 from __future__ import annotations
@@ -23,15 +26,21 @@ from typing import Any
 # load the front end, msgspec or pyzmq.
 _EXPORTS = {
     "AsyncEngine": "frontend", "StatLogger": "frontend", "RequestStream": "stream", "AsyncLLM": "thread_client",
-    "MPAsyncLLM": "process_client", "EngineError": "errors", "EngineDeadError": "errors",
-    "RequestAborted": "errors",
+    "MPAsyncLLM": "process_client", "DPAsyncLLM": "dp_client", "EngineError": "errors",
+    "EngineDeadError": "errors", "RequestAborted": "errors",
 }
 
 
-def make_async_llm(model: str | None = None, *, engine_process: bool = False,
-                   log_stats_interval: float | None = 10.0, **engine_args: Any):
-    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process=True``)
-    or on a thread of this process (the default; notebooks and tests)."""
+def make_async_llm(model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
+                   dp_routing: str = "least-loaded", log_stats_interval: float | None = 10.0, **engine_args: Any):
+    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process=True``),
+    ``data_parallel_size`` cores in child processes behind a coordinator (``DPAsyncLLM``), or on a
+    thread of this process (the default; notebooks and tests)."""
+    if data_parallel_size != 1:
+        from stage5_server.engine.dp_client import DPAsyncLLM
+
+        return DPAsyncLLM.launch(model, data_parallel_size=data_parallel_size, routing=dp_routing,
+                                 log_stats_interval=log_stats_interval, **engine_args)
     if engine_process:
         from stage5_server.engine.process_client import MPAsyncLLM
 

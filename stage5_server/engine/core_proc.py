@@ -12,8 +12,22 @@ exits on ``Shutdown``, on SIGTERM, or when its parent is gone (an orphan would o
 hold the model's memory forever); SIGINT is ignored, because a Ctrl-C in a terminal
 reaches the whole process group and the parent decides how to shut down.
 
+One data-parallel rank among several, or one core behind several API servers
+(``run_dp_engine_core``, started by ``launcher.CoreEngineProcManager``), binds its sockets
+instead, and every API server connects to it:
+
+    input  (PULL, bound)   <- AddRequest (naming its API server) | AbortRequests | ClientGone | Shutdown
+    output (ROUTER, bound) <- ClientHello;  -> ClientWelcome, then each API server's own EngineCoreOutputs
+    stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
+
+A ROUTER addresses each message to one connected API server by its identity, so a request's
+outputs go back to the API server that sent it. An API server that is gone (the send finds no
+such peer, or its supervisor says ``ClientGone``) has its requests aborted, their KV freed;
+the other API servers notice nothing.
+
 vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (vLLM also moves socket reads and
-writes, with their serialization, onto two threads so they overlap a GPU step).
+writes, with their serialization, onto two threads so they overlap a GPU step; with several
+API servers it keeps one output socket per client and routes by ``client_index``).
 """
 
 from __future__ import annotations
@@ -21,7 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
+from collections import defaultdict
 from typing import Any
 
 import zmq
@@ -29,11 +45,19 @@ import zmq
 from shared.llm_base import EngineCore
 from stage5_server.engine.core_loop import EngineCoreLoop
 from stage5_server.engine.messages import (
+    AddRequest,
+    ClientGone,
+    ClientHello,
+    ClientWelcome,
     EngineCoreInput,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreStartupError,
+    EngineStats,
+    FailedRequests,
     encoder,
+    hello_decoder,
     input_decoder,
     plain,
 )
@@ -41,6 +65,19 @@ from stage5_server.engine.messages import (
 logger = logging.getLogger("stagedserve")
 
 SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: then give up
+# Without a coordinator (one rank behind several API servers) the core itself tells the API servers
+# that sent nothing this step its newest stats, at most this often (vLLM's coordinator rate).
+STATS_BROADCAST_INTERVAL_S = 0.1
+
+
+def drain_inputs(socket: zmq.Socket) -> list[EngineCoreInput]:
+    """Every input message already queued on ``socket``, without waiting for more."""
+    messages = []
+    while True:
+        try:
+            messages.append(input_decoder.decode(socket.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return messages
 
 
 class ZmqCoreLoop(EngineCoreLoop):
@@ -53,14 +90,7 @@ class ZmqCoreLoop(EngineCoreLoop):
         self.parent_pid = parent_pid
 
     def receive(self, timeout_s: float) -> list[EngineCoreInput]:
-        messages = []
-        if self.input.poll(int(timeout_s * 1000)):
-            while True:
-                try:
-                    messages.append(input_decoder.decode(self.input.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-        return messages
+        return drain_inputs(self.input) if self.input.poll(int(timeout_s * 1000)) else []
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
         try:
@@ -73,8 +103,151 @@ class ZmqCoreLoop(EngineCoreLoop):
         return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
 
 
+class MultiClientCoreLoop(EngineCoreLoop):
+    """The core loop of one rank, serving every API server that said hello (see the module docstring)."""
+
+    def __init__(self, core: EngineCore, engine_index: int, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 stats_socket: zmq.Socket | None, parent_pid: int):
+        super().__init__(core)
+        self.engine_index = engine_index
+        self.input = input_socket
+        self.output = output_socket
+        self.stats_socket = stats_socket  # to the coordinator; None: broadcast to the API servers instead
+        self.parent_pid = parent_pid
+        self.clients: set[str] = set()  # API servers that said hello and are not known to be gone
+        self.client_of: dict[str, str] = {}  # request id -> the API server that sent it
+        self.stats_seq = 0
+        self._stats_owed = False  # some API server has not seen the newest stats (no coordinator)
+        self._last_broadcast = 0.0
+        self._poller = zmq.Poller()
+        self._poller.register(self.input, zmq.POLLIN)
+        self._poller.register(self.output, zmq.POLLIN)
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def receive(self, timeout_s: float) -> list[EngineCoreInput]:
+        if self._stats_owed:  # wake up in time to broadcast them
+            timeout_s = min(timeout_s, max(0.0, self._last_broadcast + STATS_BROADCAST_INTERVAL_S - time.monotonic()))
+        messages: list[EngineCoreInput] = []
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self.output in events:
+            while True:
+                try:
+                    identity, payload = self.output.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.welcome(identity.decode(), hello_decoder.decode(payload))
+        if self.input in events:
+            messages.extend(drain_inputs(self.input))
+        return messages
+
+    def welcome(self, client_id: str, hello: ClientHello) -> None:
+        assert hello.client_id == client_id, (hello.client_id, client_id)
+        self.clients.add(client_id)
+        logger.info("API server %s connected", client_id)
+        self.send_to(client_id, ClientWelcome(self.engine_index, self.core.stats(), self.stats_seq))
+
+    def handle(self, messages: list[EngineCoreInput]) -> None:
+        for message in messages:
+            if isinstance(message, AddRequest) and message.client_id is not None:
+                self.client_of[message.request.request_id] = message.client_id
+            elif isinstance(message, ClientGone):
+                self.drop_client(message.client_id, "its supervisor saw it exit")
+        super().handle(messages)
+
+    def abort(self, request_ids: list[str]) -> None:
+        super().abort(request_ids)
+        for rid in request_ids:
+            self.client_of.pop(rid, None)
+
+    def drop_client(self, client_id: str, why: str) -> None:
+        """An API server is gone: abort its requests (their KV returns to the pool)."""
+        orphans = [rid for rid, owner in self.client_of.items() if owner == client_id]
+        if client_id in self.clients or orphans:
+            logger.warning("API server %s is gone (%s); aborting its %d request(s)", client_id, why, len(orphans))
+        self.clients.discard(client_id)
+        self.abort(orphans)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def publish(self, outputs: EngineCoreOutputs) -> None:
+        """Each API server gets the outputs of its own requests, with this rank's stats."""
+        self.stats_seq += 1
+        stats = outputs.scheduler_stats
+        by_client: dict[str, list[EngineCoreOutput]] = defaultdict(list)
+        for output in outputs.outputs:
+            owner = self.client_of.pop(output.request_id, None) if output.finish_reason is not None \
+                else self.client_of.get(output.request_id)
+            if owner is not None:
+                by_client[owner].append(output)
+        failed_by_client: dict[str, list[str]] = defaultdict(list)
+        if outputs.failed is not None:
+            for rid in outputs.failed.request_ids:
+                owner = self.client_of.pop(rid, None)
+                if owner is not None:
+                    failed_by_client[owner].append(rid)
+        for client_id in set(by_client) | set(failed_by_client):
+            failed = outputs.failed
+            mine = None if client_id not in failed_by_client else \
+                FailedRequests(failed_by_client[client_id], failed.error, failed.engine_dead)
+            self.send_to(client_id, EngineCoreOutputs(by_client.get(client_id, []), stats, mine, self.engine_index,
+                                                      self.stats_seq))
+        if self.stats_socket is not None:
+            try:
+                self.stats_socket.send(encoder.encode(EngineStats(self.engine_index, self.stats_seq, stats)),
+                                       zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the coordinator is gone or behind: routing falls back on the API servers' own counts
+        else:
+            self._stats_owed = True
+            self.broadcast_stats_if_due()
+
+    def broadcast_stats_if_due(self) -> None:
+        if not self._stats_owed or time.monotonic() < self._last_broadcast + STATS_BROADCAST_INTERVAL_S:
+            return
+        self._stats_owed = False
+        self._last_broadcast = time.monotonic()
+        message = EngineCoreOutputs([], self.core.stats(), None, self.engine_index, self.stats_seq)
+        for client_id in list(self.clients):
+            self.send_to(client_id, message)
+
+    def send_to(self, client_id: str, message) -> None:
+        try:
+            self.output.send_multipart([client_id.encode(), encoder.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: no such peer connected any more
+            self.drop_client(client_id, f"sending to it failed: {exc}")
+
+    def keep_running(self) -> bool:
+        self.broadcast_stats_if_due()
+        return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)  # unwinds the loop: the sockets close, the parent sees the process end
+
+
+def _configure_process(log_prefix: str, log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(format=f"%(levelname)s %(asctime)s [{log_prefix} pid %(process)d] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    logger.setLevel(log_level)
+
+
+def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
+    """``(LLM, EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
+    try:
+        from stage5_server.engine.plugins import load_engine_plugins
+        from stage5_server.llm import LLM
+
+        llm = LLM(model=model_path, **engine_args)
+        load_engine_plugins(llm)
+    except BaseException as exc:
+        return None, EngineCoreStartupError(type(exc).__name__, str(exc), traceback.format_exc(), engine_index)
+    return llm, EngineCoreReady(
+        pid=os.getpid(), model_path=str(llm.model_path), stage=llm.stage, max_model_len=llm.max_model_len,
+        vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
+        tokenizer=str(llm.args["tokenizer"] or llm.model_path),
+        engine_args={k: plain(v) for k, v in llm.args.items()}, cache_config=llm.cache_config_info(),
+        engine_index=engine_index)
 
 
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
@@ -84,11 +257,10 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     ``engine_args`` go to stage5's ``LLM(...)`` untouched, so every engine argument the
     in-process server accepts works here too.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(format="%(levelname)s %(asctime)s [engine-core pid %(process)d] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
-    logger.setLevel(log_level)
+    from stage5_server.engine.processes import set_process_name
+
+    set_process_name("ss-engine-0")
+    _configure_process("engine-core", log_level)
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 2000)
@@ -99,19 +271,10 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     input_socket.setsockopt(zmq.LINGER, 0)
     input_socket.connect(input_address)
     try:
-        try:
-            from stage5_server.llm import LLM
-
-            llm = LLM(model=model_path, **engine_args)
-        except BaseException as exc:
-            output_socket.send(encoder.encode(EngineCoreStartupError(type(exc).__name__, str(exc),
-                                                                     traceback.format_exc())))
+        llm, handshake = _build_llm(model_path, engine_args, 0)
+        output_socket.send(encoder.encode(handshake))
+        if llm is None:
             return
-        output_socket.send(encoder.encode(EngineCoreReady(
-            pid=os.getpid(), model_path=str(llm.model_path), stage=llm.stage, max_model_len=llm.max_model_len,
-            vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
-            tokenizer=str(llm.args["tokenizer"] or llm.model_path),
-            engine_args={k: plain(v) for k, v in llm.args.items()}, cache_config=llm.cache_config_info())))
         loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid)
         loop.run()
         logger.info("engine core process exiting")
@@ -122,4 +285,56 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     finally:
         input_socket.close()
         output_socket.close()
+        context.term()
+
+
+def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
+                       output_address: str, handshake_address: str, stats_address: str | None, parent_pid: int,
+                       num_threads: int | None = None, log_level: int = logging.INFO) -> None:
+    """One rank's entry point (``launcher.CoreEngineProcManager``): bind, build the engine, report to the
+    launcher, then serve every API server that connects. ``num_threads``: this rank's share of the CPU."""
+    from stage5_server.engine.processes import set_process_name
+
+    set_process_name(f"ss-engine-{engine_index}")
+    _configure_process(f"engine-core rank {engine_index}", log_level)
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    context = zmq.Context()
+    sockets = []
+
+    def socket(kind: int, **options) -> zmq.Socket:
+        sock = context.socket(kind)
+        for option, value in options.items():
+            sock.setsockopt(getattr(zmq, option), value)
+        sockets.append(sock)
+        return sock
+
+    input_socket = socket(zmq.PULL, LINGER=0)
+    input_socket.bind(input_address)
+    # MANDATORY: a send to an API server that is not connected fails instead of vanishing.
+    output_socket = socket(zmq.ROUTER, LINGER=0, SNDHWM=0, ROUTER_MANDATORY=1)
+    output_socket.bind(output_address)
+    handshake = socket(zmq.PUSH, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
+    handshake.connect(handshake_address)
+    stats_socket = None
+    if stats_address is not None:
+        stats_socket = socket(zmq.PUSH, LINGER=0, SNDHWM=1000)
+        stats_socket.connect(stats_address)
+    try:
+        llm, ready = _build_llm(model_path, engine_args, engine_index)
+        handshake.send(encoder.encode(ready))
+        if llm is None:
+            return
+        loop = MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket, parent_pid)
+        loop.run()
+        logger.info("engine core rank %d exiting", engine_index)
+        if loop.dead:
+            raise SystemExit(1)
+    except zmq.Again:
+        logger.error("the launcher did not take the start-up report; exiting")
+    finally:
+        for sock in sockets:
+            sock.close()
         context.term()

@@ -71,7 +71,8 @@ class AsyncEngine:
 
     ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the thread that
     receives outputs. ``log_stats_interval`` (seconds; None: off) logs vLLM's stats line.
-    ``cache_config``: the core's resolved KV-cache configuration, as strings (``vllm:cache_config_info``).
+    ``cache_configs``: each engine core's resolved KV-cache configuration, as strings, by data-parallel
+    rank (``vllm:cache_config_info``).
     """
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
@@ -79,7 +80,7 @@ class AsyncEngine:
     def __init__(self, *, tokenizer: Tokenizer, model_path: str, stage: str, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], engine_args: dict[str, Any],
                  log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None,
-                 cache_config: dict[str, str] | None = None):
+                 cache_configs: dict[int, dict[str, str]] | None = None):
         self.tokenizer = tokenizer  # use it only through ``call``
         self.model_path = model_path
         self.stage = stage
@@ -87,7 +88,7 @@ class AsyncEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.engine_args = engine_args  # the resolved engine configuration
-        self.cache_config = dict(cache_config or {})
+        self.cache_configs = dict(cache_configs or {})
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.output_processor = OutputProcessor(tokenizer)
         self._stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None
@@ -113,6 +114,11 @@ class AsyncEngine:
     def stats(self) -> SchedulerStats:
         """The core's stats as of its latest published step."""
         return self._stats
+
+    @property
+    def stats_by_engine(self) -> dict[int, SchedulerStats]:
+        """Each engine core's stats, by data-parallel rank (here the one core, rank 0)."""
+        return {0: self._stats}
 
     @property
     def is_running(self) -> bool:
@@ -191,7 +197,7 @@ class AsyncEngine:
             failed = message.failed
             self._fail(failed.request_ids, (EngineDeadError if failed.engine_dead else EngineError)(failed.error),
                        "error")
-        self._stats = message.scheduler_stats
+        self._update_stats(message)
         deliveries: list[tuple[RequestStream, RequestOutput, SamplingParams]] = []
         stopped: list[str] = []
         broken: list[tuple[str, BaseException]] = []
@@ -231,9 +237,12 @@ class AsyncEngine:
         self._decode_logprob_tokens(output)
         return output
 
+    def _update_stats(self, message: EngineCoreOutputs) -> None:
+        self._stats = message.scheduler_stats
+
     def log_stats_if_due(self) -> None:
         if self._stats_log is not None:
-            self._stats_log.maybe_log(self._stats)
+            self._stats_log.maybe_log(self.stats)
 
     def _engine_died(self, why: str) -> None:
         logger.error("%s; failing %d in-flight request(s)", why, len(self._requests))

@@ -7,8 +7,13 @@ how the request stands. The same ``msgspec`` Structs travel through a queue when
 on a thread, and as msgpack bytes over ZeroMQ when it runs in a process of its own, so the
 two ends cannot disagree about a field: a rename is one edit that every reader sees.
 
-    front end -> core:  AddRequest | AbortRequests | Shutdown
+    front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
     core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
+
+With data parallelism (``dp_client.py``) each API server first says ``ClientHello`` to every
+engine core and waits for its ``ClientWelcome``; an ``AddRequest`` names the API server that
+sent it (``client_id``), so the core sends that request's outputs back to it alone; each core
+reports its ``EngineStats`` to the coordinator, which publishes ``EngineStatsUpdate``.
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).
@@ -59,6 +64,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
 
 class AddRequest(msgspec.Struct, tag="add"):
     request: EngineCoreRequest
+    client_id: str | None = None  # the API server to send its outputs to (None: the only one)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -69,7 +75,20 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineCoreInput = AddRequest | AbortRequests | Shutdown
+class ClientGone(msgspec.Struct, tag="client_gone"):
+    """An API server died (its supervisor saw it): abort its requests and give their KV back."""
+
+    client_id: str
+
+
+EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone
+
+
+class ClientHello(msgspec.Struct, tag="hello"):
+    """An API server's first message to an engine core, over its output connection: from now on
+    the core can route outputs to ``client_id``."""
+
+    client_id: str
 
 
 # ---- engine core -> front end --------------------------------------------------------------------
@@ -138,6 +157,30 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats
     failed: FailedRequests | None = None
+    engine_index: int = 0  # the data-parallel rank that sent it
+    stats_seq: int = 0  # counts the rank's published stats: the larger, the newer
+
+
+class ClientWelcome(msgspec.Struct, tag="welcome"):
+    """An engine core's answer to ``ClientHello``: its rank, and its stats as of now."""
+
+    engine_index: int
+    scheduler_stats: SchedulerStats
+    stats_seq: int
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """One rank's load, engine core -> coordinator, and inside ``EngineStatsUpdate``."""
+
+    engine_index: int
+    stats_seq: int
+    scheduler_stats: SchedulerStats
+
+
+class EngineStatsUpdate(msgspec.Struct, tag="stats_update"):
+    """Coordinator -> every API server: the newest stats of every rank that has reported."""
+
+    engines: list[EngineStats]
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready"):
@@ -152,21 +195,26 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     tokenizer: str
     engine_args: dict[str, Any]
     cache_config: dict[str, str]  # the resolved KV-cache configuration (``LLM.cache_config_info``)
+    engine_index: int = 0
 
 
 class EngineCoreStartupError(msgspec.Struct, tag="startup_error"):
     error_type: str
     message: str
     traceback: str
+    engine_index: int = 0
 
 
-EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError | ClientWelcome
 
 # ---- bytes on the wire (the engine-core process) ---------------------------------------------------
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
 output_decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+hello_decoder = msgspec.msgpack.Decoder(ClientHello)
+stats_decoder = msgspec.msgpack.Decoder(EngineStats)
+stats_update_decoder = msgspec.msgpack.Decoder(EngineStatsUpdate)
 
 
 def plain(value: Any) -> Any:

@@ -48,6 +48,7 @@ from stage5_server.engine.messages import (
     encoder,
     output_decoder,
 )
+from stage5_server.engine.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
 
@@ -98,7 +99,7 @@ class MPAsyncLLM(AsyncEngine):
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          eos_token_ids=tuple(ready.eos_token_ids), engine_args=ready.engine_args,
                          log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
-                         cache_config=ready.cache_config)
+                         cache_configs={0: ready.cache_config})
         self.engine_pid = ready.pid
         self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-output", daemon=True)
         self._thread.start()
@@ -189,14 +190,7 @@ class MPAsyncLLM(AsyncEngine):
 
 
 def _stop_process(process: multiprocessing.Process, ipc_dir: str, timeout: float = 5.0) -> None:
-    """Make sure the child is gone: wait for a clean exit, then SIGTERM, then SIGKILL."""
-    if process.is_alive():
-        process.join(timeout)
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout)
+    """Make sure the child is gone (a clean exit first), then remove its socket directory."""
+    stop_process(process, timeout, grace=timeout)
     shutil.rmtree(ipc_dir, ignore_errors=True)
 

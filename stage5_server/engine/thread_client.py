@@ -67,7 +67,7 @@ class AsyncLLM(AsyncEngine):
                          max_model_len=llm.max_model_len, vocab_size=config.vocab_size,
                          eos_token_ids=tuple(config.eos_token_ids), engine_args=dict(llm.args),
                          log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
-                         cache_config=llm.cache_config_info())
+                         cache_configs={0: llm.cache_config_info()})
         self.llm = llm
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look

@@ -25,6 +25,7 @@ from stage2_paged.attention import build_paged_metadata
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
+from stage5_server.engine.processes import set_process_name
 from stage5_server.model import fuse_projections
 from stage5_server.parallel.parallel_state import init_tensor_parallel, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import load_sharded_model
@@ -94,6 +95,7 @@ def worker_main(rank: int, settings: WorkerSettings, conn) -> None:
     Every reply is ``("ok", result)`` or ``("error", traceback)``; after an error the worker
     exits, since its peers may be stuck in a collective it will never join.
     """
+    set_process_name(f"ss-tp-{rank}")
     try:
         device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")
         if device.type == "cpu":  # the ranks share the cores instead of each claiming all of them

@@ -20,32 +20,41 @@ cache); each parent request's ``n`` and longest sample (``record_parent_finished
 by the server, which fans ``n`` out); the tokens of each engine step (a cumulative histogram
 in ``SchedulerStats``, so it crosses the process boundary with the other counters; this
 engine counts the prompt tokens a step computed, where vLLM counts a prompt in the step that
-samples its first token). ``vllm:cache_config_info`` is a gauge fixed at 1 whose labels are
-the resolved KV-cache configuration (the fields this engine has).
+samples its first token). ``vllm:cache_config_info`` is a gauge fixed at 1 per engine core
+whose labels are its resolved KV-cache configuration (the fields this engine has).
 
-Every metric carries vLLM's labels, ``model_name`` and ``engine`` (always "0": one engine
-core), and each app has its own ``CollectorRegistry`` (never prometheus-client's global one),
-so two apps in one process do not collide. Counters are exposed with the ``_total`` suffix, as
-vLLM's are. Bucket bounds are vLLM's (``vllm/v1/metrics/buckets.py``), with a few smaller
-latency bounds in front: the course's CPU models answer in milliseconds.
+Every metric carries a ``model_name`` label, and each app has its own
+``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
+do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are. Bucket
+bounds are vLLM's (``vllm/v1/metrics/buckets.py``), with a few smaller latency bounds in
+front: the course's CPU models answer in milliseconds.
 
-vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``).
+Several engine cores and several API servers (data parallelism): the engine numbers carry
+an ``engine`` label (the data-parallel rank, vLLM's label name), one series per rank, taken
+from the newest stats this API server holds of every rank (the coordinator's publication),
+so a scrape of any API server shows every rank once. The per-request numbers are each API
+server's own; with ``PROMETHEUS_MULTIPROC_DIR`` set (the supervisor of several API servers
+sets it for them) they are kept in prometheus-client's multiprocess files and a scrape sums
+every API server's, including one that has died since (its files stay), so nothing is lost or
+counted twice.
+
+vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``) and
+``vllm/v1/metrics/prometheus.py`` (``setup_multiprocess_prometheus``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shared.metrics import ITERATION_TOKENS_BUCKETS, RequestTimeline, SchedulerStats
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
-
-ENGINE_INDEX = "0"  # vLLM's ``engine`` label: which engine core (data parallelism); here always one
 
 # vLLM's buckets, with a few smaller ones in front: the course's CPU models answer in milliseconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,67 +100,84 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-LABELS = ["model_name", "engine"]
+StatsSource = Callable[[], "SchedulerStats | Mapping[int, SchedulerStats]"]
+
+GAUGES = [
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+]
+COUNTERS = [
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens_computed"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+]
 
 
 class _SchedulerStatsCollector(Collector):
-    """Gauges and counters read from the newest ``SchedulerStats`` at scrape time."""
+    """Gauges and counters read from the newest ``SchedulerStats`` of each engine core at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats], model_name: str):
-        self.get_stats = get_stats
-        self.labels = [model_name, ENGINE_INDEX]
+    def __init__(self, get_stats: StatsSource, model_name: str, cache_configs: Mapping[int, Mapping[str, str]]):
+        self.get_stats = get_stats  # one engine's stats, or {rank: stats}
+        self.model_name = model_name
+        self.cache_configs = cache_configs  # {rank: vllm:cache_config_info labels}
 
     def collect(self) -> Iterator[Metric]:
-        s = self.get_stats()
-        gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-        ]
-        counters = [
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
-            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens_computed),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", s.num_generation_tokens),
-        ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self.labels, value)
-            yield family
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self.labels, value)
-            yield family
-        iteration = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per "
-                                          "engine_step.", labels=LABELS)
-        cumulative = list(accumulate(s.iteration_tokens_counts))
-        buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
-        iteration.add_metric(self.labels, [*buckets, ("+Inf", cumulative[-1])], s.iteration_tokens_sum)
-        yield iteration
+        by_engine = self.get_stats()
+        if isinstance(by_engine, SchedulerStats):
+            by_engine = {0: by_engine}
+        for kind, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, doc, field in table:
+                family = kind(name, doc, labels=["model_name", "engine"])
+                for rank, stats in sorted(by_engine.items()):
+                    family.add_metric([self.model_name, str(rank)], getattr(stats, field))
+                yield family
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                      labels=["model_name", "engine"])
+        for rank, stats in sorted(by_engine.items()):
+            cumulative = list(accumulate(stats.iteration_tokens_counts))
+            buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
+            steps.add_metric([self.model_name, str(rank)], [*buckets, ("+Inf", cumulative[-1])],
+                             stats.iteration_tokens_sum)
+        yield steps
+        if self.cache_configs:
+            names = sorted(next(iter(self.cache_configs.values())))
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[*names, "engine"])
+            for rank, config in sorted(self.cache_configs.items()):
+                info.add_metric([str(config.get(name)) for name in names] + [str(rank)], 1)
+            yield info
 
 
 class PrometheusStatLogger:
     """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format.
 
-    ``cache_config``: the ``vllm:cache_config_info`` labels (none: that family is left out).
+    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank (none: that family is left out).
     """
 
-    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats], max_model_len: int,
-                 cache_config: Mapping[str, str] | None = None):
+    def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int,
+                 cache_configs: Mapping[int, Mapping[str, str]] | None = None):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerStatsCollector(get_stats, model_name))
-        values = [model_name, ENGINE_INDEX]
+        self.registry.register(_SchedulerStatsCollector(get_stats, model_name, cache_configs or {}))
+        # Multiprocess mode: the per-request metrics live in the shared files (and in no registry);
+        # a scrape reads them all back, summed over the API servers.
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        own = None if self.multiprocess else self.registry
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(self.registry)
+        labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
+            return Histogram(name, doc, labels, buckets=buckets, registry=own).labels(model_name)
 
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       LABELS + ["finished_reason"], registry=self.registry)
+                                       labels + ["finished_reason"], registry=own)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
@@ -194,15 +220,11 @@ class PrometheusStatLogger:
         self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
                                                "Histogram of maximum number of requested generation tokens.",
                                                token_buckets)
-        if cache_config:
-            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                         [*cache_config, "engine"], registry=self.registry)
-            info.labels(**cache_config, engine=ENGINE_INDEX).set(1)
 
     def record_finished(self, output: RequestOutput, params: SamplingParams | None = None) -> None:
         """One engine request finished (a sample of a parent request when ``n`` > 1)."""
         completion = output.outputs[0]
-        self.request_success.labels(self.model_name, ENGINE_INDEX, completion.finish_reason or "unknown").inc()
+        self.request_success.labels(self.model_name, completion.finish_reason or "unknown").inc()
         num_prompt = len(output.prompt_token_ids)
         self.prompt_tokens.observe(num_prompt)
         self.generation_tokens.observe(len(completion.token_ids))
@@ -212,8 +234,8 @@ class PrometheusStatLogger:
             limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
             self.max_tokens.observe(min(limit, self.max_model_len - num_prompt))
         timeline = output.timeline
-        for value, histograms in ((timeline.ttft, [self.ttft]), (timeline.tpot, self.tpots), (timeline.e2e,
-                                                                                               [self.e2e])):
+        for value, histograms in ((timeline.ttft, [self.ttft]), (timeline.tpot, self.tpots),
+                                  (timeline.e2e, [self.e2e])):
             if value is not None:
                 for histogram in histograms:
                     histogram.observe(max(value, 0.0))
@@ -231,7 +253,7 @@ class PrometheusStatLogger:
 
     def record_aborted(self, reason: str) -> None:
         """An aborted (client gone) or failed (engine error) request: counted, not timed."""
-        self.request_success.labels(self.model_name, ENGINE_INDEX, reason).inc()
+        self.request_success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -82,6 +82,7 @@ SECTIONS = {
     "api_fuzz": "Live server fuzzed from its OpenAPI schema",
     "soak": "Soak: concurrent streaming clients on loopback",
     "soak_engine_process": "Soak, engine core in its own process",
+    "soak_dp2": "Soak, two data-parallel engine cores",
     "faults": "Injected faults",
     "security": "Security: error bodies and logs scanned",
 }

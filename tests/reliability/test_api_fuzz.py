@@ -4,7 +4,9 @@ Every operation the app publishes is fuzzed with valid-by-schema requests (posit
 and schema-violating ones (negative mode), over HTTP on loopback, with a valid API key.
 For every request: no 5xx, every 4xx body is an OpenAI error object, no traceback or key
 material in the body. Afterwards the server is healthy, holds no KV and runs nothing,
-and still answers a normal request.
+and still answers a normal request. Every engine mode is fuzzed (``modes.py``): the engine
+core in-process, in its own process (the server's default) and as two data-parallel ranks;
+the process modes with a quarter of the examples, since the server is the same code.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from hypothesis import strategies as st
 from stage5_server.server import create_app
 from stage5_server.server.protocol import NOOP_VALUES
 from tests.reliability.figures import count
+from tests.reliability.modes import make_engine, mode_params, shutdown
 from tests.reliability.settings import DERANDOMIZE
-from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
+from tests.stage5.server_fixtures import auth, metric, running_server, wait_until
 
 KEY = "fuzz-key-0123456789"
 MODEL = "tiny"
@@ -32,18 +35,22 @@ OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("
 # Generating requests run the model, so they get fewer examples than the cheap routes.
 EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40}
 DEFAULT_EXAMPLES = 25
+EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25}
 # Operations with inputs are fuzzed with invalid inputs too (the others have nothing to break).
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemathesis.GenerationMode
          if mode == schemathesis.GenerationMode.POSITIVE or method == "POST"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    llm = make_llm(tiny_llama, max_model_len=64, num_kv_blocks=16)
-    app = create_app(llm, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None)
-    with running_server(app) as running:
-        raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
-        yield running.url, schemathesis.openapi.from_dict(raw), raw
+@pytest.fixture(scope="module", params=mode_params("fuzz", ("in-process",)))
+def server(request, tiny_llama):
+    engine = make_engine(request.param, tiny_llama, max_model_len=64, num_kv_blocks=16)
+    app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None)
+    try:
+        with running_server(app) as running:
+            raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
+            yield running.url, schemathesis.openapi.from_dict(raw), raw, request.param
+    finally:
+        shutdown(engine)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +60,14 @@ def session():
 
 
 def test_the_fuzzed_operations_are_every_operation_the_schema_lists(server):
-    _, _, raw = server
+    _, _, raw, _ = server
     listed = {(method.upper(), path) for path, ops in raw["paths"].items() for method in ops}
     assert listed == set(OPERATIONS)
 
 
 def test_the_schema_documents_the_errors_the_server_answers(server):
     """Invalid input is a 400 with an OpenAI error object, not FastAPI's own 422 body."""
-    _, _, raw = server
+    _, _, raw, _ = server
     for path, operations in raw["paths"].items():
         for operation in operations.values():
             responses = operation["responses"]
@@ -123,13 +130,14 @@ def check_response(response: requests.Response, documented: set[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("server", mode_params("fuzz"), indirect=True)
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
 def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(server, session, method, path, mode):
-    url, schema, raw = server
+    url, schema, raw, engine_mode = server
     raw = raw["paths"]
     operation = schema[path][method]
     documented = set(raw[path][method.lower()]["responses"])
-    max_examples = EXAMPLES.get(path, DEFAULT_EXAMPLES)
+    max_examples = max(2, round(EXAMPLES.get(path, DEFAULT_EXAMPLES) * EXAMPLES_SCALE[engine_mode]))
 
     @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
               suppress_health_check=list(HealthCheck))

@@ -8,6 +8,10 @@
   aborted and its KV returns;
 - a preemption storm on a pool barely larger than one sequence: every request still
   finishes, with exactly the offline greedy output.
+
+Each runs in every engine mode (``modes.py``): the engine core in-process, in its own process
+(the server's default), and as two data-parallel ranks. Faults reach the engine cores through
+``engine_faults.py`` wherever they run; the tokenizer is the API server's in every mode.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import pytest
 
 from shared import SamplingParams
 from stage5_server.server import create_app
+from tests.reliability.engine_faults import EngineFaults
 from tests.reliability.figures import count
-from tests.stage5.server_fixtures import auth, engine_runner, make_llm, metric, running_server, wait_until
+from tests.reliability.modes import make_engine, mode_params, num_ranks, shutdown
+from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
 
 KEY = "faults-key"
 MODEL = "tiny"
@@ -63,30 +69,26 @@ async def complete_all(url: str, prompts: list[str], max_tokens: int, stagger: f
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
 
-@pytest.fixture(scope="module")
-def one_at_a_time(tiny_llama):
-    """A server that runs one request at a time: the others wait their turn in the queue."""
-    llm = make_llm(tiny_llama, max_num_seqs=1)
-    expected = greedy(llm, PROMPTS[:4], 6)  # before the engine thread owns the LLM
-    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
-    with running_server(app) as server:
-        yield llm, server.url, expected
+@pytest.fixture(scope="module", params=mode_params("faults"))
+def one_at_a_time(request, tiny_llama, tmp_path_factory):
+    """A server whose engine cores run one request at a time (the others wait their turn in the queue) and
+    prefill 16 prompt tokens a step, with faults the test can inject into them."""
+    faults = EngineFaults(tmp_path_factory.mktemp("faults"))
+    expected = greedy(make_llm(tiny_llama), PROMPTS[:4], 6)
+    engine = make_engine(request.param, tiny_llama, faults, max_num_seqs=1, max_num_batched_tokens=16)
+    app = create_app(engine, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+    try:
+        with running_server(app) as server:
+            yield app.state.engine, server.url, expected, faults
+    finally:
+        shutdown(engine)
+        faults.slow_steps(0)
 
 
-def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(one_at_a_time, monkeypatch):
-    llm, url, expected = one_at_a_time
-    runner = engine_runner(llm)
-    execute = runner.execute
-    fail_next = threading.Event()
-
-    def execute_or_fail(*args, **kwargs):
-        time.sleep(0.02)  # keep the long request running (~4 s) while the others queue behind it
-        if fail_next.is_set():
-            fail_next.clear()
-            raise RuntimeError("injected model failure")
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", execute_or_fail)
+def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(one_at_a_time):
+    engine, url, expected, faults = one_at_a_time
+    faults.slow_steps(0.05)  # keep the long request running (~5 s) and the short ones (~0.3 s) while they queue
+    ranks = len(engine.stats_by_engine)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, headers=auth(KEY), timeout=120) as client:
@@ -95,18 +97,27 @@ def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(o
                     "model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
                     "ignore_eos": True}))
 
-            running = post("the long one, running when the step fails", 200)
+            running = post("the long one, running when the step fails", 100)
             await until(client, running=1, waiting=0)
             waiting = [post(p, 6) for p in PROMPTS[1:4]]
-            await until(client, running=1, waiting=3)
-            fail_next.set()
+            # One rank: 1 running, 3 waiting. Two: rank 1 runs one short request, each rank queues one.
+            await until(client, running=ranks, waiting=4 - ranks)
+            faults.fail_next_step()
             return await running, await asyncio.gather(*waiting)
 
-    failed, others = asyncio.run(scenario())
-    error = error_of(failed, 500)
-    assert error["code"] == "engine_error" and "failed" in error["message"]
-    assert [r.status_code for r in others] == [200, 200, 200], [r.text for r in others]
-    assert [r.json()["choices"][0]["text"] for r in others] == expected[1:]
+    try:
+        failed, others = asyncio.run(scenario())
+    finally:
+        faults.slow_steps(0)
+    responses = [failed, *others]
+    errors = [error_of(r, 500) for r in responses if r.status_code != 200]
+    assert len(errors) == 1 and errors[0]["code"] == "engine_error" and "failed" in errors[0]["message"]
+    if ranks == 1:  # the failed step held only the running request
+        assert failed.status_code == 500
+    for prompt, response in zip(PROMPTS[1:4], others):
+        if response.status_code == 200:
+            assert response.json()["choices"][0]["text"] == expected[PROMPTS.index(prompt)]
+    assert faults.failed_steps() >= 1
     assert wait_until(lambda: idle(url))
     count("faults", "model_step_exceptions")
     count("faults", "requests_failed_by_them", 1)
@@ -130,15 +141,15 @@ class PanicException(BaseException):
 
 @pytest.mark.parametrize("failure", [RuntimeError, PanicException])
 def test_a_tokenizer_failure_on_the_prompt_fails_that_request_only(one_at_a_time, monkeypatch, failure):
-    llm, url, _ = one_at_a_time
-    encode = llm.tokenizer.encode
+    engine, url, _, _ = one_at_a_time
+    encode = engine.tokenizer.encode  # the API server's, in every mode
 
     def flaky_encode(text, *args, **kwargs):
         if "poison" in text:
             raise failure("injected tokenizer failure")
         return encode(text, *args, **kwargs)
 
-    monkeypatch.setattr(llm.tokenizer, "encode", flaky_encode)
+    monkeypatch.setattr(engine.tokenizer, "encode", flaky_encode)
     body = {"model": MODEL, "prompt": "poison pill", "max_tokens": 2}
     for route, payload in (("/v1/completions", body), ("/tokenize", {"prompt": "poison pill"})):
         error = error_of(httpx.post(f"{url}{route}", json=payload, headers=auth(KEY), timeout=30), 500)
@@ -152,8 +163,8 @@ def test_a_tokenizer_failure_on_the_prompt_fails_that_request_only(one_at_a_time
 
 
 def test_a_tokenizer_panic_while_detokenizing_a_step_fails_requests_not_the_server(one_at_a_time, monkeypatch):
-    llm, url, expected = one_at_a_time
-    decode = llm.tokenizer.decode
+    engine, url, expected, _ = one_at_a_time
+    decode = engine.tokenizer.decode
     panicked = threading.Event()
 
     def panicking_decode(*args, **kwargs):
@@ -162,7 +173,7 @@ def test_a_tokenizer_panic_while_detokenizing_a_step_fails_requests_not_the_serv
             raise PanicException("injected panic while detokenizing")
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(llm.tokenizer, "decode", panicking_decode)
+    monkeypatch.setattr(engine.tokenizer, "decode", panicking_decode)
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     error = error_of(httpx.post(f"{url}/v1/completions", json=body, headers=auth(KEY), timeout=30), 500)
     assert error["code"] == "engine_error"
@@ -173,51 +184,52 @@ def test_a_tokenizer_panic_while_detokenizing_a_step_fails_requests_not_the_serv
     count("faults", "tokenizer_failures")
 
 
-def test_a_client_that_disconnects_during_prefill_is_aborted_and_its_kv_returns(tiny_llama, monkeypatch):
-    # 16 prompt tokens a step and a slowed forward pass: a ~200-token prompt takes a while to prefill.
-    llm = make_llm(tiny_llama, max_num_batched_tokens=16)
-    runner = engine_runner(llm)
-    execute = runner.execute
-    steps = {"prefill_chunks_seen": 0}
-
-    def slow_execute(batch, *args, **kwargs):
-        steps["prefill_chunks_seen"] += 1
-        time.sleep(0.03)
-        return execute(batch, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", slow_execute)
-    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+def test_a_client_that_disconnects_during_prefill_is_aborted_and_its_kv_returns(one_at_a_time):
+    # 16 prompt tokens a step and a slowed forward pass: a 200-token prompt takes a while to prefill.
+    _, url, _, faults = one_at_a_time
     long_prompt = list(range(10, 210))  # token ids: exactly 200 prompt tokens
-    with running_server(app) as server:
-        before = aborted_count(server.url)
+    before_aborts, before_tokens = aborted_count(url), generated_tokens(url)
+    faults.slow_steps(0.03)
+    try:
         for stream in (False, True):
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{server.url}/v1/completions", headers=auth(KEY),
+                httpx.post(f"{url}/v1/completions", headers=auth(KEY),
                            json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4, "stream": stream},
                            timeout=httpx.Timeout(30, read=0.15))
             count("faults", "disconnects_during_prefill")
-        assert wait_until(lambda: idle(server.url))
-        assert aborted_count(server.url) == before + 2
-        text = httpx.get(f"{server.url}/metrics", headers=auth(KEY), timeout=10).text
-        assert (metric(text, "vllm:generation_tokens_total") or 0) == 0  # neither reached its first token
-        ok = httpx.post(f"{server.url}/v1/completions", headers=auth(KEY), timeout=60,
-                        json={"model": MODEL, "prompt": "after the disconnects", "max_tokens": 2})
-        assert ok.status_code == 200
+    finally:
+        faults.slow_steps(0)
+    assert wait_until(lambda: idle(url))
+    assert aborted_count(url) == before_aborts + 2
+    assert generated_tokens(url) == before_tokens  # neither reached its first token
+    ok = httpx.post(f"{url}/v1/completions", headers=auth(KEY), timeout=60,
+                    json={"model": MODEL, "prompt": "after the disconnects", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers=auth(KEY), timeout=10).text
+    return metric(text, "vllm:generation_tokens_total") or 0
 
 
 @pytest.mark.slow
-def test_a_preemption_storm_finishes_every_request_with_the_greedy_output(tiny_llama):
-    # 16 blocks of 16 tokens = one max_model_len sequence; 8 requests of ~12 + 120 tokens each want 4x that.
-    llm = make_llm(tiny_llama, num_kv_blocks=16, max_num_seqs=8)
-    expected = greedy(llm, PROMPTS, 120)
-    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
-    with running_server(app) as server:
-        responses = asyncio.run(complete_all(server.url, PROMPTS, 120))
-        assert [r.status_code for r in responses] == [200] * len(PROMPTS), [r.text for r in responses]
-        assert [r.json()["choices"][0]["text"] for r in responses] == expected
-        text = httpx.get(f"{server.url}/metrics", headers=auth(KEY), timeout=10).text
-        preemptions = metric(text, "vllm:num_preemptions_total")
-        assert preemptions >= len(PROMPTS), preemptions
-        assert wait_until(lambda: idle(server.url))
+@pytest.mark.parametrize("mode", mode_params("storm"))
+def test_a_preemption_storm_finishes_every_request_with_the_greedy_output(tiny_llama, mode):
+    # 16 blocks of 16 tokens = one max_model_len sequence; 8 requests of ~12 + 120 tokens each want 4x that
+    # (per rank: with two ranks, each gets about half the requests and has its own 16 blocks).
+    expected = greedy(make_llm(tiny_llama), PROMPTS, 120)
+    engine = make_engine(mode, tiny_llama, num_kv_blocks=16, max_num_seqs=8)
+    app = create_app(engine, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+    try:
+        with running_server(app) as server:
+            responses = asyncio.run(complete_all(server.url, PROMPTS, 120))
+            assert [r.status_code for r in responses] == [200] * len(PROMPTS), [r.text for r in responses]
+            assert [r.json()["choices"][0]["text"] for r in responses] == expected
+            assert wait_until(lambda: idle(server.url))
+            text = httpx.get(f"{server.url}/metrics", headers=auth(KEY), timeout=10).text
+            preemptions = metric(text, "vllm:num_preemptions_total")
+            assert preemptions >= len(PROMPTS) // num_ranks(mode), preemptions
+    finally:
+        shutdown(engine)
     count("faults", "preemption_storm_requests", len(PROMPTS))
     count("faults", "preemption_storm_preemptions", int(preemptions))

@@ -4,6 +4,7 @@ size and prompt length, and errors and logs that carry no stack trace or key mat
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import httpx
@@ -11,7 +12,13 @@ import pytest
 
 from stage5_server.engine import AsyncLLM
 from stage5_server.server import create_app
-from stage5_server.server.auth import APIKeys, CacheSalter
+from stage5_server.server.auth import (
+    RECEIVED_SCOPE_KEY,
+    TRUST_GROUP_SCOPE_KEY,
+    APIKeyMiddleware,
+    APIKeys,
+    CacheSalter,
+)
 from tests.reliability.figures import count
 from tests.stage5.server_fixtures import EngineCallRecorder, auth, fail_execute, make_llm, metric, running_server
 
@@ -159,6 +166,37 @@ def test_api_keys_compare_every_key_and_reject_bad_configurations():
     for bad in ([], {"": "g"}, {"has space": "g"}, {"k": "bad group!"}, ["k", "k"]):
         with pytest.raises(ValueError, match="api_keys"):
             APIKeys(bad)
+
+
+def test_the_key_middleware_answers_401_itself_and_passes_a_valid_key_on_with_its_group():
+    seen = []
+
+    async def app(scope, receive, send):  # what the middleware protects: records who got through
+        seen.append((scope["type"], scope.get(TRUST_GROUP_SCOPE_KEY), RECEIVED_SCOPE_KEY in scope))
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    middleware = APIKeyMiddleware(app, APIKeys({"k1": "teamA"}), frozenset({"/health"}))
+
+    def call(path: str, headers: list[tuple[bytes, bytes]], kind: str = "http") -> list[dict]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(middleware({"type": kind, "path": path, "headers": headers}, None, send))
+        return sent
+
+    refused = call("/v1/models", [])
+    assert refused[0]["status"] == 401 and (b"www-authenticate", b"Bearer") in refused[0]["headers"]
+    assert call("/v1/models", [(b"authorization", b"Bearer wrong")])[0]["status"] == 401
+    assert call("/nowhere", [(b"authorization", b"Basic k1")])[0]["status"] == 401
+    assert call("/websocket", [], kind="websocket") == [{"type": "websocket.close", "code": 1008}]
+    assert seen == []
+    assert call("/v1/models", [(b"authorization", b"Bearer k1")])[0]["status"] == 200
+    assert call("/health", [])[0]["status"] == 200  # public: passes without a key, with no group
+    call("", [], kind="lifespan")
+    assert seen == [("http", "teamA", True), ("http", None, True), ("lifespan", None, False)]
 
 
 def test_cache_salts_depend_on_the_server_secret():

@@ -1,7 +1,8 @@
 """A bounded soak on loopback: many concurrent streaming clients that finish, disconnect or give up.
 
 For ``SOAK_SECONDS`` (20 in the normal suite; ``make soak`` runs 300), ``SOAK_CLIENTS``
-clients (32) loop against one live server whose KV pool is small enough that requests
+clients (32) loop against one live server, in each engine mode (``modes.py``: in-process, the
+engine core in its own process, two data-parallel engine cores), whose KV pool is small enough that requests
 queue and get preempted. Each request draws a prompt and an output length; then the client
 either reads the whole stream, reads a whole non-streaming answer, closes the stream after
 a few chunks (a disconnect mid-decode), or gives up before the first byte (a disconnect
@@ -29,11 +30,11 @@ import pytest
 
 from shared import SamplingParams
 from shared.request import Request
-from stage5_server.engine import make_async_llm
 from stage5_server.server import create_app
 from tests.invariants.prompts import PROMPTS as INVARIANT_PROMPTS
 from tests.reliability.figures import count
-from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, wait_until
+from tests.reliability.modes import make_engine, mode_params, shutdown
+from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
 
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "20"))
 SOAK_CLIENTS = int(os.environ.get("SOAK_CLIENTS", "32"))
@@ -46,7 +47,7 @@ PROMPTS = [
     "Once upon a time",
 ]
 LENGTHS = [1, 3, 8, 24, 64]
-# 24 blocks of 16 tokens: far fewer than 32 clients want, so requests wait and get preempted.
+# 24 blocks of 16 tokens (per engine core): far fewer than 32 clients want, so requests wait and get preempted.
 ENGINE = dict(num_kv_blocks=24, max_num_seqs=16, max_num_batched_tokens=128)
 RSS_GROWTH_LIMIT = 96 << 20
 
@@ -137,16 +138,14 @@ async def soak(url: str, seconds: float, clients: int, tally: Counter, mismatche
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
-def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_llama, references, engine_process):
+@pytest.mark.parametrize("mode", mode_params("soak"))
+def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_llama, references, mode):
     REFERENCES.update(references)
-    if engine_process:  # the engine core in a child process; this process keeps HTTP and (de)tokenization
-        engine = make_async_llm(str(tiny_llama), engine_process=True, log_stats_interval=None,
-                                **{**ENGINE_KWARGS, **ENGINE})
-    else:
-        engine = make_llm(tiny_llama, **ENGINE)
+    # The engine core in-process, in a child process (this process keeps HTTP and (de)tokenization), or two
+    # data-parallel engine cores, each with the small pool below.
+    engine = make_engine(mode, tiny_llama, **ENGINE)
     app = create_app(engine, api_keys={KEY: "soak"}, served_model_name=MODEL, log_stats_interval=None)
-    section = "soak_engine_process" if engine_process else "soak"
+    section = {"in-process": "soak", "engine-process": "soak_engine_process", "dp2": "soak_dp2"}[mode]
     tally, mismatches, rss = Counter(), [], {}
 
     def on_warm():
@@ -177,8 +176,7 @@ def test_soak_many_streaming_clients_lose_nothing_and_leave_nothing_behind(tiny_
                                 "ignore_eos": True})
         assert last.status_code == 200 and last.json()["choices"][0]["text"] == REFERENCES[(0, 8)]
 
-    if engine_process:
-        engine.shutdown()
+    shutdown(engine)
     gc.collect()
     leftover = [o for o in gc.get_objects() if type(o) is Request and id(o) not in before]
     growth = rss_bytes() - rss.get("warm", rss_bytes())

@@ -20,6 +20,30 @@ def test_reservations_are_first_fit_and_merge_on_release():
     assert [(e.start, e.length) for e in slab.free_extents] == [(0, 60), (90, 10)]
 
 
+def test_reserve_takes_the_first_hole_that_fits_and_a_refusal_changes_nothing():
+    slab = ContiguousKVCache(num_slots=100)
+    assert [slab.reserve(name, 30) for name in "abc"] == [0, 30, 60]
+    assert [(e.start, e.length) for e in slab.free_extents] == [(90, 10)]
+    assert slab.reserve("d", 11) is None  # 10 slots left: refused
+    assert [(e.start, e.length) for e in slab.free_extents] == [(90, 10)] and "d" not in slab.reservations
+    assert slab.reserve("d", 10) == 90  # an exact fit uses the extent up
+    assert slab.free_extents == [] and slab.free_slots == 0
+    assert slab.reservations["b"].start == 30 and slab.reservations["b"].length == 30
+
+
+def test_release_merges_a_hole_with_free_neighbours_on_both_sides():
+    slab = ContiguousKVCache(num_slots=100)
+    for name in "abcd":
+        slab.reserve(name, 25)
+    slab.release("a")
+    slab.release("c")
+    assert [(e.start, e.length) for e in slab.free_extents] == [(0, 25), (50, 25)]
+    slab.release("b")  # touches both holes: one extent of 75
+    assert [(e.start, e.length) for e in slab.free_extents] == [(0, 75)]
+    assert slab.reserve("e", 75) == 0
+    assert "b" not in slab.reservations and "b" not in slab.written
+
+
 def test_internal_fragmentation_is_reserved_minus_written():
     slab = ContiguousKVCache(num_slots=100)
     slab.reserve("a", 40)

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from shared.attention import causal_attention
-from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError, build_paged_metadata, paged_attention
+from stage2_paged import (
+    BlockAllocator,
+    BlockTable,
+    OutOfBlocksError,
+    build_paged_metadata,
+    gather_kv,
+    paged_attention,
+    slot_mapping,
+)
 
 
 def test_allocating_from_an_empty_pool_raises_and_changes_nothing():
@@ -42,6 +50,33 @@ def test_block_table_grows_only_when_a_block_fills():
     assert table.grow(4, allocator) == []
     assert len(table.grow(5, allocator)) == 1
     assert allocator.num_free == 8
+
+
+def test_blocks_needed_counts_only_the_blocks_the_table_lacks():
+    table = BlockTable(block_size=4)
+    assert [table.blocks_needed(n) for n in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
+    table.block_ids = [7, 3]  # covers 8 tokens
+    assert [table.blocks_needed(n) for n in (1, 8, 9, 13)] == [0, 0, 1, 2]
+
+
+def test_slot_mapping_follows_the_table_across_scattered_blocks():
+    r1 = [12, 41, 90]  # the course's figure: R1's A B C D | E F X Y | Z
+    assert slot_mapping(r1, 4, 0, 9) == [48, 49, 50, 51, 164, 165, 166, 167, 360]
+    assert slot_mapping(r1, 4, 2, 6) == [50, 51, 164, 165] and slot_mapping(r1, 4, 5, 5) == []
+    table = BlockTable(block_size=4)
+    table.block_ids = list(r1)
+    assert table.slot_mapping(2, 6) == [50, 51, 164, 165]
+    assert slot_mapping([3, 0], 8, 6, 10) == [30, 31, 0, 1]  # another block size
+
+
+def test_gather_kv_returns_positions_in_logical_order():
+    block_size, num_blocks = 4, 6
+    # Each slot holds its own flat index, so the gathered rows name the slots they came from.
+    cache = torch.arange(num_blocks * block_size, dtype=torch.float32).reshape(num_blocks, block_size, 1, 1)
+    table = torch.tensor([5, 2, 0, 0], dtype=torch.int32)  # two real blocks, then padding
+    rows = gather_kv(cache, table, 6)
+    assert rows.shape == (6, 1, 1)
+    assert rows.flatten().tolist() == [20, 21, 22, 23, 8, 9]
 
 
 def _random_paged_batch(block_size, num_kv_heads, group, head_dim, seq_lens, query_lens, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stage3_continuous import CacheConfig, RequestStatus, Scheduler, SchedulerConfig, dry_run_step
+from stage3_continuous import CacheConfig, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, dry_run_step
 from tests.stage3.scheduler_driver import make_request
 
 
@@ -153,3 +153,54 @@ def test_stage3_does_not_take_enable_prefix_caching(tiny_llama):
 
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(model=str(tiny_llama), enable_prefix_caching=True)
+
+
+# -- update_from_output on its own: the step's output built by hand, no schedule() ----------
+
+
+def admitted_by_hand(sched, request, num_tokens):
+    """What schedule() does for a newly admitted request, spelled out: running, with blocks."""
+    sched.waiting.remove(request)
+    sched.running.append(request)
+    request.status = RequestStatus.RUNNING
+    assert sched.kv_cache_manager.allocate_slots(request, num_tokens) is not None
+    rid = request.request_id
+    return SchedulerOutput(scheduled_new_reqs=[request], scheduled_running_reqs=[],
+                           num_scheduled_tokens={rid: num_tokens}, total_num_scheduled_tokens=num_tokens,
+                           block_tables={rid: sched.kv_cache_manager.get_block_ids(rid)})
+
+
+def test_update_from_output_advances_a_prefill_chunk_and_appends_only_sampled_tokens():
+    sched = scheduler(budget=100)
+    r = make_request("r", 10)
+    sched.add_request(r)
+    assert sched.update_from_output(admitted_by_hand(sched, r, 4), {"r": []}) == []  # mid-prefill: no token
+    assert (r.num_computed_tokens, r.num_output_tokens) == (4, 0)
+    chunk = SchedulerOutput([], [r], {"r": 6}, 6, {"r": []})
+    sched.kv_cache_manager.allocate_slots(r, 6)
+    assert sched.update_from_output(chunk, {"r": [42]}) == [r]  # the prompt's last chunk samples a token
+    assert (r.num_computed_tokens, r.output_token_ids) == (10, [42])
+    assert len(r.timeline.token_times) == 1
+    stats = sched.stats()
+    assert (stats.num_prompt_tokens_computed, stats.num_generation_tokens, stats.num_steps) == (10, 1, 2)
+
+
+def test_update_from_output_finishes_a_stopped_request_and_frees_it():
+    sched = scheduler(budget=100)
+    r = make_request("r", 3, stop_token_ids=(7,))
+    sched.add_request(r)
+    sched.update_from_output(admitted_by_hand(sched, r, 3), {"r": [7]})
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 7
+    assert r not in sched.running and "r" not in sched.requests and sched.kv_cache_manager.usage == 0
+    assert r.timeline.finished is not None
+    assert sched.finished_req_ids == {"r"}  # the next SchedulerOutput reports it
+
+
+def test_update_from_output_skips_a_request_aborted_while_its_step_ran():
+    sched = scheduler(budget=100)
+    r = make_request("r", 3)
+    sched.add_request(r)
+    output = admitted_by_hand(sched, r, 3)
+    sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert sched.update_from_output(output, {"r": [5]}) == []
+    assert r.num_output_tokens == 0 and r.status == RequestStatus.FINISHED_ABORTED

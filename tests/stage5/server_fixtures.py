@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from stage5_server import LLM
@@ -161,3 +162,32 @@ def serving_or_exited(process: subprocess.Popen, url: str) -> Callable[[], bool]
             return process.poll() is not None
 
     return done
+
+
+PROCESS_ROLES = (("ss-supervisor", "supervisor"), ("ss-coordinator", "coordinator"), ("ss-engine", "engine_cores"),
+                 ("ss-tp", "workers"), ("ss-api", "api_servers"))
+
+
+def serving_processes(root: psutil.Process) -> dict[str, list[psutil.Process]]:
+    """The process tree of ``stagedserve serve`` by role, from the names each process gives itself
+    (multiprocessing's resource tracker is no serving process and is left out)."""
+    roles: dict[str, list[psutil.Process]] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name, cmdline = proc.name(), " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "resource_tracker" in cmdline:
+            continue
+        # Unnamed: the ``stagedserve serve`` process itself, the API server when A = 1.
+        role = next((role for prefix, role in PROCESS_ROLES if name.startswith(prefix)), "api_servers")
+        roles.setdefault(role, []).append(proc)
+    return roles
+
+
+def counts_of(roles: dict[str, list[psutil.Process]]) -> dict[str, int]:
+    """How many processes of each role, as ``cli.serve.serving_process_count`` gives them."""
+    counts = {role: len(roles.get(role, [])) for role in
+              ("api_servers", "engine_cores", "workers", "coordinator", "supervisor")}
+    counts["total"] = sum(counts.values())
+    return counts

@@ -11,12 +11,14 @@ import shutil
 import signal
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
 from shared import SamplingParams
 from shared.metrics import RequestTimeline, SchedulerStats
 from shared.request import Request
+from stage5_server.cli.serve import serving_process_count
 from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
 from stage5_server.engine.core_proc import ZmqCoreLoop
 from stage5_server.engine.messages import (
@@ -35,10 +37,12 @@ from stage5_server.server.serving import TIMELINE_HEADER
 from tests.stage5.server_fixtures import (
     ENGINE_KWARGS,
     auth,
+    counts_of,
     make_llm,
     metric,
     running_server,
     serving_or_exited,
+    serving_processes,
     spawn_serve,
     sse_events,
     wait_until,
@@ -383,6 +387,8 @@ def test_stopping_the_server_leaves_no_engine_process(tiny_llama, tmp_path, sig)
         log.seek(0)
         engine_pid = int(re.search(r"engine core: separate process \(pid (\d+)\)", log.read()).group(1))
         assert engine_pid != process.pid and not process_gone(engine_pid)
+        # The seeds' A + DP + N with A = DP = 1 and the model inside the engine core (TP = 1): two processes.
+        assert counts_of(serving_processes(psutil.Process(process.pid))) == serving_process_count(1, 1, 1)
         response = httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 3})
         assert response.status_code == 200
         # Signal the server while a stream is under way: the engine process is busy, not idle.

@@ -16,7 +16,7 @@ from stage5_server.demo import histogram_quantile, summarize_metrics
 from stage5_server.server.errors import loc_to_param
 from stage5_server.server.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from stage5_server.server.protocol import ChatCompletionRequest, CompletionRequest
-from stage5_server.server.sse import DeltaTracker
+from stage5_server.server.sse import SSE_DONE, DeltaTracker, sse
 
 
 def test_stats_line_reports_interval_throughput_and_engine_state():
@@ -62,12 +62,17 @@ def test_prometheus_logger_uses_its_own_registry_and_vllm_names():
     assert 'vllm:num_requests_running{engine="0",model_name="m"} 2.0' in text
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5' in text
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 4.0' in text
-    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in text
-    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 1.0' in text
-    assert 'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 2.0' in text
-    assert 'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="m"} 1.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
+    assert 'vllm:request_queue_time_seconds_count{model_name="m"} 1.0' in text
     assert 'finished_reason="length"' not in other.render().decode()  # nothing recorded there
-    assert REGISTRY.get_sample_value("vllm:num_requests_running", {"model_name": "m"}) is None
+    assert REGISTRY.get_sample_value("vllm:num_requests_running", {"model_name": "m", "engine": "0"}) is None
+
+
+def test_an_sse_event_is_one_data_line_of_json_then_a_blank_line():
+    assert sse({"text": "café", "n": 1}) == 'data: {"text": "café", "n": 1}\n\n'
+    assert sse({}) == "data: {}\n\n" and SSE_DONE == "data: [DONE]\n\n"
 
 
 def test_stop_strings_are_held_back_while_streaming():

@@ -1,0 +1,263 @@
+"""``stagedserve serve --api-server-count A`` (A > 1): A API-server processes on one port, over N engine cores.
+
+    supervisor (this process; it serves no request)
+      |- coordinator                  (N > 1)
+      |- engine core 0 .. N-1         (each with its tensor-parallel workers when TP > 1)
+      '- API server 0 .. A-1          (uvicorn + DPAsyncLLM, each connected to every engine core)
+
+The port: the supervisor binds the listening socket once and hands a copy to each API server
+(as vLLM's ``run_multi_api_server`` does). They all accept from the one queue of the kernel:
+an idle API server accepts first, and one that dies loses only the connections it had
+accepted, never one still waiting in the queue. (With ``SO_REUSEPORT`` each would listen on a
+socket of its own, with its own queue, and the connections queued at a dead one would be
+reset with it.)
+
+Auth: every API server gets the same keys and the same ``CacheSalter`` secret, drawn here once,
+so a trust group's prefix-cache salt is the same whichever API server derives it: one group's
+requests share cached blocks on a rank whichever API server they came through, two groups'
+never do.
+
+Metrics: ``PROMETHEUS_MULTIPROC_DIR`` (a fresh private directory, removed at exit) makes the
+per-request metrics of all API servers add up in whichever one is scraped; engine numbers are
+one series per rank (``server/metrics.py``).
+
+Faults: an API server that dies is restarted (same index, a new identity), and the engine
+cores are told (``ClientGone``) to abort the requests it had, so their KV returns at once;
+the other API servers keep serving. An engine core that dies is noticed by every API server
+by itself (``engine/dp_client.py``). If the supervisor itself dies, every child exits on its own
+(each watches its parent).
+
+SIGTERM or SIGINT drains: the supervisor closes its copy of the socket and sends SIGTERM to
+every API server; each stops accepting (once every copy is closed a new connection is refused)
+and finishes its requests for up to ``--shutdown-timeout`` seconds; then the engine cores and
+the coordinator stop, and the supervisor exits, leaving no process behind.
+
+vLLM: ``run_multi_api_server`` and ``run_api_server_worker_proc`` in
+``vllm/entrypoints/cli/serve.py``, ``APIServerProcessManager`` and ``wait_for_completion_or_failure``
+in ``vllm/v1/utils.py`` (vLLM shuts everything down when any process dies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
+from stage5_server.engine.processes import set_process_name
+
+logger = logging.getLogger("stagedserve")
+
+QUICK_DEATH_S = 10.0  # an API server that dies this soon after starting, three times running, is not restarted
+MAX_QUICK_DEATHS = 3
+BACKLOG = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class APIServerConfig:
+    """What one API-server process needs (it pickles: the supervisor hands it over at spawn)."""
+
+    topology: EngineTopology
+    api_keys: dict[str, str | None] | None
+    cache_salt_secret: bytes
+    served_model_name: str
+    trust_client_cache_salt: bool
+    metrics_public: bool
+    max_body_bytes: int
+    log_stats_interval: float | None
+    log_level: str
+    shutdown_timeout: float
+
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.socket) -> None:
+    """One API-server process: a ``DPAsyncLLM`` over every engine core, an app, uvicorn on the shared socket."""
+    import uvicorn
+
+    from stage5_server.engine.dp_client import DPAsyncLLM
+    from stage5_server.server import create_app
+
+    set_process_name(f"ss-api-{index}")
+    logging.basicConfig(format=f"%(levelname)s %(asctime)s [api-server {index} pid %(process)d] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    level = logging.DEBUG if config.log_level in ("debug", "trace") else logging.INFO
+    logger.setLevel(level)
+    parent = os.getppid()
+    engine = DPAsyncLLM(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
+    app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
+                     trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
+                     max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret)
+    # log_config=None: uvicorn's own lines go through the format above, so each names its API server.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, log_config=None, lifespan="on",
+                                           timeout_graceful_shutdown=config.shutdown_timeout))
+
+    def watch_parent() -> None:  # an orphan must not keep the port
+        while not server.should_exit:
+            if os.getppid() != parent:
+                logger.error("the supervisor is gone; exiting")
+                server.should_exit = True
+            time.sleep(0.5)
+
+    threading.Thread(target=watch_parent, name="stagedserve-watch-parent", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+
+
+class APIServerProcessManager:
+    """A API-server processes on one socket; restarts one that dies (not one that keeps dying at start-up)."""
+
+    def __init__(self, count: int, config: APIServerConfig, sock: socket.socket):
+        self.config = config
+        self.sock = sock
+        self._context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.Process | None] = [None] * count
+        self._started = [0.0] * count
+        self._quick_deaths = [0] * count
+        for index in range(count):
+            self.start(index)
+
+    def start(self, index: int, config: APIServerConfig | None = None) -> None:
+        process = self._context.Process(target=run_api_server_worker, name=f"stagedserve-api-server-{index}",
+                                        args=(index, config or self.config, self.sock))
+        process.start()
+        self.processes[index] = process
+        self._started[index] = time.monotonic()
+        logger.info("API server %d: pid %d", index, process.pid)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p is not None]
+
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.processes if p is not None]
+
+    def reap(self, manager: CoreEngineProcManager) -> None:
+        """Restart each API server that has died; the engine cores abort what it had in flight."""
+        for index, process in enumerate(self.processes):
+            if process is None or process.is_alive():
+                continue
+            process.join()
+            client_id = f"api{index}-{process.pid}"  # DPAsyncLLM's identity for it
+            manager.client_gone(client_id)
+            quick = time.monotonic() - self._started[index] < QUICK_DEATH_S
+            self._quick_deaths[index] = self._quick_deaths[index] + 1 if quick else 0
+            if self._quick_deaths[index] >= MAX_QUICK_DEATHS:
+                logger.error("API server %d (pid %d) exited with code %s, %d times in a row right after start; "
+                             "not restarting it", index, process.pid, process.exitcode, MAX_QUICK_DEATHS)
+                self.processes[index] = None
+                continue
+            logger.error("API server %d (pid %d) exited with code %s; its connections are lost, the engine cores "
+                         "abort its requests; restarting it", index, process.pid, process.exitcode)
+            live_topology = dataclasses.replace(self.config.topology, dead_ranks=manager.dead_ranks())
+            self.start(index, dataclasses.replace(self.config, topology=live_topology))
+
+    def any_alive(self) -> bool:
+        return any(p is not None for p in self.processes)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM each (uvicorn drains for up to ``--shutdown-timeout``), then kill what is left."""
+        for process in self.processes:
+            if process is not None and process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            if process is not None:
+                process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process is not None and process.is_alive():
+                logger.error("API server pid %d did not stop in time; killing it", process.pid)
+                process.kill()
+                process.join(5)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop
+
+
+def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
+                         api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int) -> int:
+    from stage5_server.cli.serve import log_api_keys
+    from stage5_server.server.auth import APIKeys
+
+    try:  # refuse bad keys here, before any process starts
+        groups = APIKeys(api_keys).groups if api_keys is not None else []
+    except ValueError as exc:
+        print(f"stagedserve serve: error: {exc}", flush=True)
+        return 2
+    set_process_name("ss-supervisor")
+    metrics_dir = tempfile.mkdtemp(prefix="stagedserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    sock = manager = api_servers = None
+    try:
+        sock = bind_listening_socket(args.host, args.port)
+        try:
+            manager = CoreEngineProcManager(model, engine_kwargs, args.data_parallel_size,
+                                            api_server_count=args.api_server_count, routing=args.dp_routing)
+        except ValueError as exc:
+            print(f"stagedserve serve: error: {exc}", flush=True)
+            return 2
+        ready = manager.topology.ready[0]
+        logger.info("model: %s (served as %r)", ready.model_path, served_model_name)
+        logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
+        logger.info("resolved engine configuration (%s): %s", ready.stage,
+                    ", ".join(f"{k}={v}" for k, v in sorted(ready.engine_args.items())))
+        log_api_keys(args, api_keys, groups)
+        config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
+                                 args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
+                                 args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout)
+        api_servers = APIServerProcessManager(args.api_server_count, config, sock)
+        logger.info("serving on http://%s:%d: %d API server(s) (pids %s) over %d engine core(s)", args.host,
+                    args.port, args.api_server_count, ", ".join(map(str, api_servers.pids)),
+                    args.data_parallel_size)
+        reported_dead: set[int] = set()
+        while api_servers.any_alive():
+            wait([*api_servers.sentinels(), *(p.sentinel for p in manager.processes)], timeout=1.0)
+            api_servers.reap(manager)
+            for rank in manager.dead_ranks() - reported_dead:
+                logger.error("engine core rank %d exited (code %s); the API servers route around it", rank,
+                             manager.processes[rank].exitcode)
+                reported_dead.add(rank)
+        logger.error("no API server left; exiting")
+        return 1
+    except _Stop:
+        logger.info("shutting down: draining the API servers for up to %g s", args.shutdown_timeout)
+        return 0
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second signal does not cut the drain short
+        if sock is not None:
+            sock.close()  # with every API server's copy closed too, new connections are refused
+        if api_servers is not None:
+            api_servers.stop(args.shutdown_timeout + 10)
+        if manager is not None:
+            manager.shutdown()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,106 @@
+"""The data-parallel coordinator: one process, when DP > 1, that gathers every rank's load and
+publishes it to every API server.
+
+    engine core rank d --EngineStats, after each published step--> [PULL] coordinator
+    coordinator [PUB] --EngineStatsUpdate, on change, at most every 100 ms--> [SUB] every API server
+
+Why a process of its own: each rank reports once a step to one place, and each API server
+hears one message an interval, however many ranks and API servers there are (without it every
+rank would tell every API server every step: DP x A messages a step). An API server routes on
+the newest publication (up to 100 ms old) together with its own exact count of the requests it
+has in flight on each rank, and its ``/metrics`` shows every rank from it. The coordinator also
+republishes every second, so an API server that connects late (a restarted one) catches up. It
+exits when its parent does, on SIGTERM, and ignores SIGINT (the parent decides).
+
+vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py``, which also runs
+the "request wave" protocol that keeps expert-parallel ranks stepping together; the dense models
+here need none of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+import weakref
+
+import zmq
+
+from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, stats_decoder
+from stage5_server.engine.processes import stop_process
+
+logger = logging.getLogger("stagedserve")
+
+PUBLISH_INTERVAL_S = 0.1  # vLLM's min_stats_update_interval_ms
+REPUBLISH_INTERVAL_S = 1.0  # unchanged stats go out this often anyway, for subscribers that joined late
+PARENT_CHECK_S = 0.5
+
+
+class DPCoordinator:
+    """The coordinator process, started by ``launcher.CoreEngineProcManager``; stopped with it."""
+
+    def __init__(self, num_engines: int, stats_address: str, publish_address: str,
+                 log_level: int = logging.INFO):
+        self.stats_address = stats_address  # the engine cores connect here
+        self.publish_address = publish_address  # the API servers subscribe here
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_coordinator, name="stagedserve-dp-coordinator",
+            args=(num_engines, stats_address, publish_address, os.getpid(), log_level), daemon=True)
+        self.process.start()
+        self._finalizer = weakref.finalize(self, stop_process, self.process)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_coordinator(num_engines: int, stats_address: str, publish_address: str, parent_pid: int,
+                    log_level: int = logging.INFO) -> None:
+    from stage5_server.engine.processes import set_process_name
+
+    set_process_name("ss-coordinator")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(format="%(levelname)s %(asctime)s [dp-coordinator pid %(process)d] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    logger.setLevel(log_level)
+    context = zmq.Context()
+    stats_in = context.socket(zmq.PULL)
+    stats_in.setsockopt(zmq.LINGER, 0)
+    stats_in.bind(stats_address)
+    publish = context.socket(zmq.PUB)
+    publish.setsockopt(zmq.LINGER, 0)
+    publish.bind(publish_address)
+    latest: list[EngineStats | None] = [None] * num_engines
+    changed, last_publish = False, 0.0
+    try:
+        while os.getppid() == parent_pid:
+            now = time.monotonic()
+            due = last_publish + (PUBLISH_INTERVAL_S if changed else REPUBLISH_INTERVAL_S)
+            if stats_in.poll(int(1000 * max(0.0, min(due - now, PARENT_CHECK_S)))):
+                while True:
+                    try:
+                        report = stats_decoder.decode(stats_in.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    held = latest[report.engine_index]
+                    if held is None or report.stats_seq > held.stats_seq:
+                        latest[report.engine_index] = report
+                        changed = True
+            now = time.monotonic()
+            if now >= last_publish + (PUBLISH_INTERVAL_S if changed else REPUBLISH_INTERVAL_S):
+                publish.send(encoder.encode(EngineStatsUpdate([s for s in latest if s is not None])))
+                changed, last_publish = False, now
+    finally:
+        stats_in.close()
+        publish.close()
+        context.term()

@@ -1,0 +1,372 @@
+"""``DPAsyncLLM``: one API server's front end over N engine cores (data parallelism).
+
+The same ``AsyncEngine`` as ``MPAsyncLLM`` (tokenization, the request table, output
+processing, streams); only the transport and the routing differ:
+
+    add_request -> Router picks a live rank (routing.py) -> that rank's input socket (PUSH)
+    every rank's output socket (DEALER, this API server's identity) -> _on_outputs, merged
+    abort -> only the rank that holds the request
+    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank (``engine`` label)
+
+Several API servers may run against the same ranks (``--api-server-count``): each has its own
+identity, so a rank sends each request's outputs to the API server that sent it.
+
+Start-up: say ``ClientHello`` to every rank and wait for its ``ClientWelcome`` (from then on
+the rank knows where to send this API server's outputs). A rank whose connection drops (its
+process died; a socket monitor sees it at once) fails only the requests in flight on it, with
+``EngineError`` (HTTP 500 ``engine_error``), and gets no more requests; while any rank lives
+the server stays healthy, and ``/health`` answers 503 only when none is left. A rank whose
+tensor-parallel group broke (``FailedRequests(engine_dead=True)``) is treated the same way.
+
+Ownership: ``DPAsyncLLM.launch`` starts the engine cores as children of this process (one API
+server: ``stagedserve serve --data-parallel-size N``) and stops them on ``shutdown``; built from
+a topology alone (``--api-server-count`` > 1), it only connects, and the supervisor owns them.
+
+vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py`` (the
+request-to-engine table for aborts, the stats task on the coordinator's socket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from shared.metrics import SchedulerStats
+from shared.named_models import default_model, resolve_model
+from shared.tokenizer import Tokenizer
+from stage5_server.engine.errors import EngineDeadError, EngineError
+from stage5_server.engine.frontend import AsyncEngine, StatLogger
+from stage5_server.engine.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
+from stage5_server.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    ClientHello,
+    ClientWelcome,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineStatsUpdate,
+    encoder,
+    output_decoder,
+    stats_update_decoder,
+)
+from stage5_server.engine.routing import Router, rank_load
+
+logger = logging.getLogger("stagedserve")
+
+OUTPUT_POLL_MS = 100
+HANDSHAKE_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass
+class _Rank:
+    """What this API server knows of one engine core."""
+
+    index: int
+    push: zmq.Socket  # requests and aborts to it
+    dealer: zmq.Socket  # its outputs to us
+    monitor: zmq.Socket  # the dealer's connection events
+    alive: bool = True
+    stats: SchedulerStats = dataclasses.field(default_factory=SchedulerStats)
+    stats_seq: int = -1
+    in_flight: int = 0  # this API server's requests on it
+
+    def take_stats(self, stats: SchedulerStats, seq: int) -> None:
+        if seq > self.stats_seq:
+            self.stats, self.stats_seq = stats, seq
+
+
+def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
+    """Counts summed over the ranks (the tokens-per-step histogram bucket by bucket); KV usage as the
+    mean (every rank's pool is the same size)."""
+    total = SchedulerStats()
+    for stats in all_stats:
+        for f in dataclasses.fields(SchedulerStats):
+            if f.name == "iteration_tokens_counts":
+                total.iteration_tokens_counts = tuple(map(sum, zip(total.iteration_tokens_counts,
+                                                                   stats.iteration_tokens_counts)))
+            elif f.name != "kv_cache_usage":
+                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+    total.kv_cache_usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0
+    return total
+
+
+class DPAsyncLLM(AsyncEngine):
+    """An ``AsyncEngine`` over the engine cores of ``topology`` (rank order), as API server ``client_index``."""
+
+    engine_process = True
+
+    def __init__(self, topology: EngineTopology, *, client_index: int = 0, log_stats_interval: float | None = 10.0,
+                 stat_loggers: list[StatLogger] | None = None, owner: CoreEngineProcManager | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+        ready = topology.ready[0]
+        super().__init__(tokenizer=Tokenizer(ready.tokenizer), model_path=ready.model_path, stage=ready.stage,
+                         max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+                         eos_token_ids=tuple(ready.eos_token_ids), engine_args=ready.engine_args,
+                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
+                         cache_configs={r.engine_index: r.cache_config for r in topology.ready})
+        self.topology = topology
+        self.client_id = f"api{client_index}-{os.getpid()}"
+        self.engine_pids = [r.pid for r in topology.ready]
+        self._owner = owner
+        self._api_server_count = topology.api_server_count
+        self._router = Router(topology.routing, int(ready.engine_args["block_size"]),
+                              slack=max(1, int(ready.engine_args["max_num_seqs"]) // 2))
+        self._route_lock = threading.Lock()  # the routing table, the ranks' counts and their push sockets
+        self._rank_of: dict[str, int] = {}  # request id -> the rank it went to
+        self._context = zmq.Context()
+        self._ranks = [self._connect(d, topology) for d in range(topology.data_parallel_size)]
+        self._stats_sub = None
+        if topology.stats_address is not None:
+            self._stats_sub = self._context.socket(zmq.SUB)
+            self._stats_sub.setsockopt(zmq.LINGER, 0)
+            self._stats_sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._stats_sub.connect(topology.stats_address)
+        try:
+            self._handshake(handshake_timeout_s)
+        except BaseException:
+            self._close()
+            raise
+        self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-dp-output", daemon=True)
+        self._thread.start()
+        logger.info("API server %s: %d engine core(s), routing %s", self.client_id, len(self._ranks),
+                    topology.routing)
+
+    @classmethod
+    def launch(cls, model: str | None = None, *, data_parallel_size: int = 2, routing: str = "least-loaded",
+               log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None,
+               startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_args: Any) -> DPAsyncLLM:
+        """Start ``data_parallel_size`` engine cores (children of this process) and connect to them."""
+        checkpoint = resolve_model(model) if model else default_model()
+        manager = CoreEngineProcManager(checkpoint, engine_args, data_parallel_size, routing=routing,
+                                        startup_timeout_s=startup_timeout_s)
+        try:
+            return cls(manager.topology, log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
+                       owner=manager)
+        except BaseException:
+            manager.shutdown()
+            raise
+
+    @property
+    def manager(self) -> CoreEngineProcManager | None:
+        """The engine cores' launcher, when this front end started them."""
+        return self._owner
+
+    # ---- connections ---------------------------------------------------------------------------
+    def _connect(self, d: int, topology: EngineTopology) -> _Rank:
+        push = self._context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.connect(topology.input_addresses[d])
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
+        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        dealer.connect(topology.output_addresses[d])
+        return _Rank(d, push, dealer, monitor, alive=d not in topology.dead_ranks)
+
+    def _handshake(self, timeout_s: float) -> None:
+        """Hello to every live rank; wait for each welcome (a rank that dies meanwhile counts as dead)."""
+        waiting = {rank.index: rank for rank in self._ranks if rank.alive}
+        for rank in waiting.values():
+            rank.dealer.send(encoder.encode(ClientHello(self.client_id)))
+        poller = zmq.Poller()
+        for rank in waiting.values():
+            poller.register(rank.dealer, zmq.POLLIN)
+            poller.register(rank.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            events = dict(poller.poll(100))
+            for d, rank in list(waiting.items()):
+                if rank.dealer in events:
+                    message = output_decoder.decode(rank.dealer.recv())
+                    if isinstance(message, ClientWelcome):
+                        rank.take_stats(message.scheduler_stats, message.stats_seq)
+                        del waiting[d]
+                if rank.monitor in events and recv_monitor_message(rank.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    rank.alive = False
+                    del waiting[d]
+        for rank in waiting.values():
+            logger.error("engine core rank %d did not answer within %g s; not routing to it", rank.index, timeout_s)
+            rank.alive = False
+        if not any(rank.alive for rank in self._ranks):
+            raise RuntimeError("no engine core answered")
+
+    # ---- the transport -------------------------------------------------------------------------
+    def _send(self, message: EngineCoreInput) -> None:
+        with self._route_lock:
+            if isinstance(message, AddRequest):
+                rank = self._route(message)
+                rank.push.send(encoder.encode(AddRequest(message.request, self.client_id)), zmq.NOBLOCK)
+                self._rank_of[message.request.request_id] = rank.index
+                rank.in_flight += 1
+            elif isinstance(message, AbortRequests):
+                by_rank: dict[int, list[str]] = {}
+                for rid in message.request_ids:
+                    d = self._forget_route(rid)
+                    if d is not None:
+                        by_rank.setdefault(d, []).append(rid)
+                for d, ids in by_rank.items():
+                    if self._ranks[d].alive:
+                        self._ranks[d].push.send(encoder.encode(AbortRequests(ids)), zmq.NOBLOCK)
+
+    def _route(self, message: AddRequest) -> _Rank:
+        """The live rank for a new request (caller holds ``_route_lock``)."""
+        if self._stopping:
+            raise EngineDeadError("the engine is not running (shut down)")
+        loads = {r.index: rank_load(r.stats.num_waiting, r.stats.num_running, r.in_flight, self._api_server_count)
+                 for r in self._ranks if r.alive}
+        if not loads:
+            raise EngineDeadError("the engine is not running (every engine core has died)")
+        request = message.request
+        return self._ranks[self._router.choose(loads, request.prompt_token_ids, request.cache_salt)]
+
+    def _forget_route(self, request_id: str) -> int | None:
+        d = self._rank_of.pop(request_id, None)
+        if d is not None:
+            self._ranks[d].in_flight -= 1
+        return d
+
+    def _core_alive(self) -> bool:
+        return any(rank.alive for rank in self._ranks)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every rank's newest stats, combined (the stats log line)."""
+        return combine_stats([self._rank_stats(r) for r in self._ranks])
+
+    @property
+    def stats_by_engine(self) -> dict[int, SchedulerStats]:
+        return {rank.index: self._rank_stats(rank) for rank in self._ranks}
+
+    @staticmethod
+    def _rank_stats(rank: _Rank) -> SchedulerStats:
+        """A dead rank runs and holds nothing; its counters keep what it did."""
+        if rank.alive:
+            return rank.stats
+        return dataclasses.replace(rank.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank an in-flight request was sent to."""
+        with self._route_lock:
+            return self._rank_of.get(request_id)
+
+    def live_ranks(self) -> list[int]:
+        return [rank.index for rank in self._ranks if rank.alive]
+
+    @property
+    def in_flight_by_engine(self) -> dict[int, int]:
+        """This API server's requests in flight on each rank."""
+        with self._route_lock:
+            return {rank.index: rank.in_flight for rank in self._ranks}
+
+    def _update_stats(self, message: EngineCoreOutputs) -> None:
+        self._ranks[message.engine_index].take_stats(message.scheduler_stats, message.stats_seq)
+
+    # ---- outputs (the output thread) -----------------------------------------------------------
+    def _run_output_loop(self) -> None:
+        poller = zmq.Poller()
+        for rank in self._ranks:
+            poller.register(rank.dealer, zmq.POLLIN)
+            poller.register(rank.monitor, zmq.POLLIN)
+        if self._stats_sub is not None:
+            poller.register(self._stats_sub, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(OUTPUT_POLL_MS))
+                for rank in self._ranks:
+                    if rank.dealer in events:
+                        self._drain(rank)
+                    if rank.monitor in events:
+                        event = recv_monitor_message(rank.monitor)
+                        if event["event"] == zmq.EVENT_DISCONNECTED and rank.alive and not self._stopping:
+                            self._drain(rank)  # what it sent before it went
+                            self._rank_died(rank, f"engine core rank {rank.index} died")
+                if self._stats_sub is not None and self._stats_sub in events:
+                    self._take_stats_update()
+                self.log_stats_if_due()
+        except BaseException as exc:  # a bug here must fail the clients loudly, never hang them
+            if self._stopping:
+                return
+            logger.exception("output thread crashed")
+            for rank in self._ranks:
+                rank.alive = False
+            self._engine_died(f"the output thread crashed: {exc!r}")
+
+    def _drain(self, rank: _Rank) -> None:
+        while True:
+            try:
+                message = output_decoder.decode(rank.dealer.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if isinstance(message, EngineCoreOutputs):
+                self._on_rank_outputs(rank, message)
+
+    def _on_rank_outputs(self, rank: _Rank, message: EngineCoreOutputs) -> None:
+        failed = message.failed
+        with self._route_lock:
+            for output in message.outputs:
+                if output.finish_reason is not None:
+                    self._forget_route(output.request_id)
+            for rid in failed.request_ids if failed is not None else ():
+                self._forget_route(rid)
+        if failed is not None and failed.engine_dead:  # its TP group broke: the rank is gone for good
+            rank.alive = False
+            message.failed = msgspec.structs.replace(failed, engine_dead=False,
+                                                     error=f"engine core rank {rank.index} failed: {failed.error}")
+        self._on_outputs(message)
+        if not self._core_alive():
+            self._dead = EngineDeadError("every engine core has died")
+
+    def _take_stats_update(self) -> None:
+        update: EngineStatsUpdate | None = None
+        while True:  # only the newest matters
+            try:
+                update = stats_update_decoder.decode(self._stats_sub.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        for report in update.engines if update is not None else ():
+            self._ranks[report.engine_index].take_stats(report.scheduler_stats, report.stats_seq)
+
+    def _rank_died(self, rank: _Rank, why: str) -> None:
+        """Fail the requests in flight on ``rank`` (500) and route no more to it."""
+        with self._route_lock:
+            rank.alive = False
+            lost = [rid for rid, d in self._rank_of.items() if d == rank.index]
+            for rid in lost:
+                self._forget_route(rid)
+        logger.error("%s; failing its %d in-flight request(s); %d rank(s) left", why, len(lost),
+                     len(self.live_ranks()))
+        self._fail(lost, EngineError(f"{why} while running this request"), "error")
+        if not self._core_alive():
+            self._dead = EngineDeadError("every engine core has died")
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving; requests still in flight fail with ``EngineDeadError``. Stops the engine cores only
+        when this front end started them."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"), "abort")
+        self._close()
+        if self._owner is not None:
+            self._owner.shutdown(timeout)
+
+    def _close(self) -> None:
+        with self._route_lock:
+            for rank in self._ranks:
+                for sock in (rank.push, rank.dealer, rank.monitor):
+                    sock.close(linger=0)
+            if self._stats_sub is not None:
+                self._stats_sub.close(linger=0)
+        self._context.term()
+

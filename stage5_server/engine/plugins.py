@@ -1,0 +1,35 @@
+"""Engine-core plugins: code an operator asks every engine-core process to run once its ``LLM`` is built.
+
+``STAGEDSERVE_ENGINE_PLUGINS="package.module:function,..."`` names them; each is imported in the
+engine-core process (where the scheduler, KV cache and model live, out of reach of the API
+server) and called with that process's ``LLM``. Uses: instrument or profile a step, count what
+the runner does, or inject a fault into a real engine process, as the reliability tests do
+(``tests/reliability/engine_faults.py``). A plugin that fails to load fails the start-up with
+its error. Unset (the default), nothing is loaded.
+
+vLLM: ``load_general_plugins`` in ``vllm/plugins/__init__.py`` (entry points in the
+``vllm.general_plugins`` group, filtered by ``VLLM_PLUGINS``, loaded in every process).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("stagedserve")
+
+PLUGINS_ENV = "STAGEDSERVE_ENGINE_PLUGINS"
+
+
+def load_engine_plugins(llm: Any) -> list[str]:
+    """Call every plugin of ``$STAGEDSERVE_ENGINE_PLUGINS`` with ``llm``; their names."""
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        module_name, sep, function_name = name.partition(":")
+        if not sep or not module_name or not function_name:
+            raise ValueError(f"{PLUGINS_ENV}: expected module:function, got {name!r}")
+        getattr(importlib.import_module(module_name), function_name)(llm)
+        logger.info("engine plugin %s loaded", name)
+    return names

@@ -1,0 +1,92 @@
+"""Which data-parallel rank gets a request: the least loaded one, or the one that holds its prefix.
+
+An API server knows two things about each rank: the coordinator's newest publication of its
+waiting + running requests (every API server's, up to 100 ms old), and its own exact count of
+the requests it has in flight there. The load of a rank is the larger of the publication and
+A times its own count (A API servers, each about as busy), vLLM's estimate; so a burst spreads
+over the ranks even between publications.
+
+- ``least-loaded``: the smallest load; a tie goes to the lowest rank.
+- ``prefix-affinity``: the prompt's first full KV blocks are hashed, chained and salted like the
+  engine's prefix cache (two requests share a key only if they share those tokens and a trust
+  group). A request goes to the rank that was last sent its longest known prefix, unless that
+  rank's load exceeds the least loaded rank's by more than ``slack`` (half a batch by default:
+  past that the request would queue behind work another rank would not make it wait for);
+  otherwise least-loaded. Either way its prefix now points at the rank it went to. The table
+  is per API server and bounded (least recently used keys go first).
+
+Routing changes which process computes a request, never what it computes: greedy outputs are
+the same on every rank.
+
+vLLM: ``DPLBAsyncMPClient.get_core_engine_for_request`` in ``vllm/v1/engine/core_client.py``
+(least loaded, with the A x in-flight floor); prefix-aware routing is what vLLM leaves to an
+external router (llm-d, production-stack) or to ``vllm/v1/engine/dp_prefix_cache_router.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+LEAST_LOADED = "least-loaded"
+PREFIX_AFFINITY = "prefix-affinity"
+MAX_PREFIX_BLOCKS = 8  # how deep a prompt's prefix is keyed
+TABLE_SIZE = 1 << 16
+
+
+def rank_load(waiting: int, running: int, in_flight: int, api_server_count: int) -> float:
+    return float(max(waiting + running, api_server_count * in_flight))
+
+
+def least_loaded(loads: Mapping[int, float]) -> int:
+    return min(loads, key=lambda rank: (loads[rank], rank))
+
+
+class Router:
+    """``choose(loads, prompt_token_ids, cache_salt)``: the rank for one request (``loads`` holds the live ranks)."""
+
+    def __init__(self, policy: str, block_size: int, slack: float, max_prefix_blocks: int = MAX_PREFIX_BLOCKS,
+                 table_size: int = TABLE_SIZE):
+        if policy not in (LEAST_LOADED, PREFIX_AFFINITY):
+            raise ValueError(f"dp_routing: must be {LEAST_LOADED} or {PREFIX_AFFINITY}, got {policy!r}")
+        self.policy = policy
+        self.block_size = block_size
+        self.slack = slack
+        self.max_prefix_blocks = max_prefix_blocks
+        self.table_size = table_size
+        self._owner: OrderedDict[int, int] = OrderedDict()  # prefix key -> the rank last sent it
+        self.affinity_hits = 0  # requests sent to their prefix's rank
+        self.affinity_overridden = 0  # requests whose prefix's rank was too loaded
+
+    def prefix_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
+        """One key per full block of the prompt's first ``max_prefix_blocks``, each covering all before it."""
+        keys, key = [], hash(("prefix", cache_salt))
+        num_blocks = min(len(token_ids) // self.block_size, self.max_prefix_blocks)
+        for i in range(num_blocks):
+            key = hash((key, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+            keys.append(key)
+        return keys
+
+    def choose(self, loads: Mapping[int, float], token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        assert loads, "no live rank to route to"
+        best = least_loaded(loads)
+        if self.policy == LEAST_LOADED:
+            return best
+        keys = self.prefix_keys(token_ids, cache_salt)
+        chosen = best
+        for key in reversed(keys):  # the longest known prefix first
+            owner = self._owner.get(key)
+            if owner is None or owner not in loads:
+                continue
+            if loads[owner] <= loads[best] + self.slack:
+                chosen = owner
+                self.affinity_hits += 1
+            else:
+                self.affinity_overridden += 1
+            break
+        for key in keys:
+            self._owner[key] = chosen
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.table_size:
+            self._owner.popitem(last=False)
+        return chosen

@@ -1,0 +1,57 @@
+"""The engine modes the reliability suite holds to the same promises: the engine core on a thread of the server
+(``in-process``), in a process of its own (``engine-process``, the server's default), and two data-parallel engine
+cores behind a coordinator (``dp2``).
+
+Each process mode's engine starts once per module and xdist worker group (``xdist_group``), since
+starting engine processes costs seconds; faults reach its engine cores through the engine plugin of
+``engine_faults.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stage5_server.engine import AsyncEngine, make_async_llm
+from stage5_server.engine.launcher import environment
+from tests.reliability.engine_faults import EngineFaults, install
+from tests.stage5.server_fixtures import ENGINE_KWARGS, make_llm
+
+MODES = ("in-process", "engine-process", "dp2")
+
+
+def mode_params(module: str, modes: tuple[str, ...] = MODES) -> list:
+    """``modes`` as pytest params; each process mode's tests run on one xdist worker, so its engine starts once."""
+    return [pytest.param(mode, id=mode,
+                         marks=() if mode == "in-process" else pytest.mark.xdist_group(f"{module}-{mode}"))
+            for mode in modes]
+
+
+def make_engine(mode: str, model, faults: EngineFaults | None = None, **overrides: Any):
+    """What ``create_app`` serves in ``mode``: an ``LLM`` (wrapped in the app's in-process ``AsyncLLM``) or an
+    ``AsyncEngine`` over engine-core processes. ``faults``: let the test slow or fail the engine's steps."""
+    kwargs = {**ENGINE_KWARGS, **overrides}
+    if mode == "in-process":
+        llm = make_llm(model, **overrides)
+        if faults is not None:
+            install(llm, faults.directory)
+        return llm
+    # The engine-core processes inherit this environment. One torch thread each: on a machine busier than its
+    # cores (a test run), idle OpenMP threads spinning in two processes would burn more than the model does.
+    with environment({"OMP_NUM_THREADS": "1", **(faults.env if faults is not None else {})}):
+        if mode == "engine-process":
+            return make_async_llm(str(model), engine_process=True, log_stats_interval=None, **kwargs)
+        if mode == "dp2":
+            return make_async_llm(str(model), data_parallel_size=2, log_stats_interval=None, **kwargs)
+    raise ValueError(f"mode: one of {', '.join(MODES)}, got {mode!r}")
+
+
+def shutdown(engine) -> None:
+    """Stop an engine of ``make_engine`` (the app stops an ``LLM``'s own)."""
+    if isinstance(engine, AsyncEngine):
+        engine.shutdown()
+
+
+def num_ranks(mode: str) -> int:
+    return 2 if mode == "dp2" else 1

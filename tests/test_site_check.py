@@ -1,0 +1,43 @@
+"""The site check (scripts/check_site.py) fails on what a reader would see broken, and passes a clean page.
+
+It runs on tiny hand-written pages in headless Chromium, so it needs the system's chromium
+(``apt-get install -y chromium``) and playwright; CI has both. ``make docs-check`` runs the
+same check over the real site.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from check_site import CHROMIUM, check_site  # noqa: E402
+
+pytest.importorskip("playwright")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason="needs the system chromium")]
+
+PAGE = """<!doctype html><html><head><style>
+.md-content__inner {{ width: 400px; }} pre > code {{ display: block; overflow: auto; white-space: pre; }}
+</style></head><body><div class="md-content__inner md-typeset">{body}</div></body></html>"""
+
+
+def write(site: Path, path: str, body: str) -> None:
+    page = site / path / "index.html"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(PAGE.format(body=body))
+
+
+def test_raw_diagram_text_clipped_blocks_and_network_use_fail_and_a_clean_page_passes(tmp_path):
+    write(tmp_path, ".", "<p>A clean page.</p><pre><code>short line</code></pre>")
+    write(tmp_path, "raw", '<pre class="mermaid"><code>flowchart LR\n  A --> B</code></pre>')
+    write(tmp_path, "wide", "<pre><code>" + "x" * 400 + "</code></pre>")
+    write(tmp_path, "cdn", '<script src="https://unpkg.com/mermaid@11/dist/mermaid.min.js"></script><p>hi</p>')
+    problems = check_site(tmp_path, screenshots=tmp_path / "shots")
+    assert problems["/"] == []
+    assert any("raw mermaid text" in p for p in problems["/raw/"])
+    assert any("clipped" in p for p in problems["/wide/"])
+    assert any("needs the network: https://unpkg.com" in p for p in problems["/cdn/"])
+    assert (tmp_path / "shots" / "index.png").is_file() and (tmp_path / "shots" / "wide.png").is_file()
