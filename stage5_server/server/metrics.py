@@ -117,6 +117,19 @@ COUNTERS = [
     ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
 ]
 
+# vLLM's splits of numbers above, by a label: (name, doc, label, {label value: field, or None for 0}).
+# Nothing here is deferred, transferred from elsewhere or cached off the device: those are 0.
+SPLIT = [
+    (GaugeMetricFamily, "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by the reason.",
+     "reason", {"capacity": "num_waiting", "deferred": None}),
+    (CounterMetricFamily, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
+     {"local_compute": "num_prompt_tokens_computed", "local_cache_hit": "prefix_cache_hits",
+      "external_kv_transfer": None}),
+    (CounterMetricFamily, "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that "
+     "supplied them.", "source", {"device": "prefix_cache_hits", "host": None, "p2p": None, "disk": None,
+                                 "external_unspecified": None}),
+]
+
 
 class _SchedulerStatsCollector(Collector):
     """Gauges and counters read from the newest ``SchedulerStats`` of each engine core at scrape time."""
@@ -136,6 +149,12 @@ class _SchedulerStatsCollector(Collector):
                 for rank, stats in sorted(by_engine.items()):
                     family.add_metric([self.model_name, str(rank)], getattr(stats, field))
                 yield family
+        for kind, name, doc, label, fields in SPLIT:
+            family = kind(name, doc, labels=["model_name", "engine", label])
+            for rank, stats in sorted(by_engine.items()):
+                for value, field in fields.items():
+                    family.add_metric([self.model_name, str(rank), value], getattr(stats, field) if field else 0)
+            yield family
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                       labels=["model_name", "engine"])
         for rank, stats in sorted(by_engine.items()):

@@ -117,6 +117,13 @@ def test_prefill_and_preemption_histograms_agree_with_the_cache_counters(scraped
     computed = histogram(text, "vllm:request_prefill_kv_computed_tokens")
     cached = metric(text, "vllm:prompt_tokens_cached_total")
     assert cached == metric(text, "vllm:prefix_cache_hits_total")
+    assert cached == metric(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == \
+        metric(text, "vllm:prompt_tokens_cached_by_source_total", source="device") == \
+        metric(text, "vllm:prompt_tokens_cached_by_source_total")  # every other tier is 0
+    assert metric(text, "vllm:prompt_tokens_by_source_total", source="local_compute") == \
+        metric(text, "vllm:prompt_tokens_total")
+    assert metric(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == \
+        metric(text, "vllm:num_requests_waiting") == 0  # all finished
     assert (computed["count"], computed["sum"]) == (prompt_hist["count"], prompt_hist["sum"] - cached)
     preemptions = histogram(text, "vllm:request_num_preemptions")
     assert (preemptions["count"], preemptions["sum"]) == (prompt_hist["count"], metric(text,
