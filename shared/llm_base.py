@@ -153,6 +153,23 @@ class BaseLLM:
         self.max_model_len = capacity
 
     # ---- the public API ---------------------------------------------------------------
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
+        stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``."""
+        capacity = getattr(self, "kv_cache_capacity", None)  # set while the stage built its engine
+        info = {"cache_dtype": str(self.dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
+        block_size = self.args.get("block_size")
+        if block_size and capacity is not None:
+            info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
+                        num_gpu_blocks_override=str(self.args.get("num_kv_blocks")))
+        for field, arg in (("enable_prefix_caching", "enable_prefix_caching"),
+                           ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
+                           ("gpu_memory_utilization", "gpu_memory_utilization"),
+                           ("kv_cache_memory_bytes", "kv_cache_memory")):
+            if arg in self.args:
+                info[field] = str(self.args[arg])
+        return info
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         if request_id is not None and self.output_processor.has_request(request_id):

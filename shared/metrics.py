@@ -7,6 +7,7 @@ Queue time: arrival to first scheduled. E2E: arrival to finish.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -83,11 +84,18 @@ def goodput(num_passed: int, window_seconds: float) -> float:
     return num_passed / window_seconds
 
 
+# Tokens per engine step: vLLM's ``ITERATION_TOKENS_BUCKETS`` (``vllm/v1/metrics/buckets.py``).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class SchedulerStats:
     """A snapshot of an engine core, read by the stats log line and ``/metrics``.
 
-    Counters (``num_preemptions``, ``prefix_cache_*``, ``*_tokens``) are cumulative.
+    Counters (``num_preemptions``, ``prefix_cache_*``, ``*_tokens``) are cumulative, and so is
+    the histogram of tokens per step (``observe_step``): ``iteration_tokens_counts[i]`` steps
+    ran at most ``ITERATION_TOKENS_BUCKETS[i]`` tokens and more than the bucket before (the last
+    entry: more than every bucket). A tuple, so a copy of the snapshot shares nothing mutable.
     """
 
     num_running: int = 0
@@ -99,3 +107,14 @@ class SchedulerStats:
     num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
     num_generation_tokens: int = 0
     num_steps: int = 0
+    iteration_tokens_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    iteration_tokens_sum: int = 0
+
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step ran ``num_tokens`` tokens (prompt tokens computed plus tokens sampled)."""
+        index = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)
+        counts = list(self.iteration_tokens_counts)
+        counts[index] += 1
+        self.iteration_tokens_counts = tuple(counts)
+        self.iteration_tokens_sum += num_tokens
+        self.num_steps += 1

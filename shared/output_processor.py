@@ -114,7 +114,7 @@ class OutputProcessor:
         )
         output = RequestOutput(request_id, state.prompt, list(req.prompt_token_ids), [completion],
                                finished=status.is_finished, timeline=req.timeline,
-                               num_cached_tokens=req.num_cached_tokens,
+                               num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
                                prompt_logprobs=list(req.prompt_logprobs) if params.prompt_logprobs is not None
                                else None)
         if status.is_finished:

@@ -37,5 +37,6 @@ class RequestOutput:
     finished: bool
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0  # times the scheduler preempted it (and recomputed its KV later)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -15,6 +15,9 @@ class Tokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         self._backend_decode = None if getattr(self.hf, "clean_up_tokenization_spaces", False) else \
             getattr(backend, "decode", None)
+        # What ``decode(..., skip_special_tokens=True)`` leaves out: the special tokens and added tokens marked special.
+        added = getattr(self.hf, "added_tokens_decoder", {})
+        self.special_token_ids = frozenset(self.hf.all_special_ids) | {i for i, t in added.items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -56,15 +56,18 @@ class NaiveEngineCore:
         inputs = prepare_inputs(scheduled, self.device)
         sampled = self.runner.execute(scheduled, inputs, self._attention_metadata(scheduled, inputs))
         now = time.monotonic()
+        step_tokens = 0
         for request, num_new in scheduled:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.counters.num_prompt_tokens_computed += num_new
+                step_tokens += num_new
             self.counters.num_generation_tokens += 1
+            step_tokens += 1
             request.num_computed_tokens += num_new
             request.append_output_token(sampled[request.request_id], now)
             if check_stop(request, self.max_model_len):
                 self._finish(request, request.status)
-        self.counters.num_steps += 1
+        self.counters.observe_step(step_tokens)
         self._end_batch_if_done()
         return live
 

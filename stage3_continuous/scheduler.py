@@ -166,24 +166,27 @@ class Scheduler:
         """
         updated = []
         now = time.monotonic()
+        step_tokens = 0  # prompt tokens computed plus tokens sampled (vLLM's iteration tokens)
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue  # aborted while its step ran
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.counters.num_prompt_tokens_computed += min(num_new,
-                                                                request.num_prompt_tokens - request.num_computed_tokens)
+                num_prompt = min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+                self.counters.num_prompt_tokens_computed += num_prompt
+                step_tokens += num_prompt
             request.num_computed_tokens += num_new
             for token in sampled_token_ids.get(rid, []):
                 request.append_output_token(token, now)
                 self.counters.num_generation_tokens += 1
+                step_tokens += 1
                 if check_stop(request, self.max_model_len):
                     self.running.remove(request)
                     self._free(request)
                     break
             if sampled_token_ids.get(rid):
                 updated.append(request)
-        self.counters.num_steps += 1
+        self.counters.observe_step(step_tokens)
         return updated
 
     def recover_from_failed_step(self, output: SchedulerOutput) -> None:

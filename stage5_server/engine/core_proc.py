@@ -246,7 +246,8 @@ def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
         pid=os.getpid(), model_path=str(llm.model_path), stage=llm.stage, max_model_len=llm.max_model_len,
         vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
         tokenizer=str(llm.args["tokenizer"] or llm.model_path),
-        engine_args={k: plain(v) for k, v in llm.args.items()}, engine_index=engine_index)
+        engine_args={k: plain(v) for k, v in llm.args.items()}, cache_config=llm.cache_config_info(),
+        engine_index=engine_index)
 
 
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,

@@ -84,11 +84,15 @@ class _Rank:
 
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
-    """Counts summed over the ranks; KV usage as the mean (every rank's pool is the same size)."""
+    """Counts summed over the ranks (the tokens-per-step histogram bucket by bucket); KV usage as the
+    mean (every rank's pool is the same size)."""
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):
-            if f.name != "kv_cache_usage":
+            if f.name == "iteration_tokens_counts":
+                total.iteration_tokens_counts = tuple(map(sum, zip(total.iteration_tokens_counts,
+                                                                   stats.iteration_tokens_counts)))
+            elif f.name != "kv_cache_usage":
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
     total.kv_cache_usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0
     return total
@@ -106,7 +110,8 @@ class DPAsyncLLM(AsyncEngine):
         super().__init__(tokenizer=Tokenizer(ready.tokenizer), model_path=ready.model_path, stage=ready.stage,
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          eos_token_ids=tuple(ready.eos_token_ids), engine_args=ready.engine_args,
-                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers)
+                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
+                         cache_configs={r.engine_index: r.cache_config for r in topology.ready})
         self.topology = topology
         self.client_id = f"api{client_index}-{os.getpid()}"
         self.engine_pids = [r.pid for r in topology.ready]

@@ -55,7 +55,7 @@ T = TypeVar("T")
 class StatLogger(Protocol):
     """What an ``AsyncEngine`` tells a stat logger, on the thread that receives outputs."""
 
-    def record_finished(self, output: RequestOutput) -> None: ...
+    def record_finished(self, output: RequestOutput, params: SamplingParams) -> None: ...
     def record_aborted(self, reason: str) -> None: ...
 
 
@@ -71,13 +71,16 @@ class AsyncEngine:
 
     ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the thread that
     receives outputs. ``log_stats_interval`` (seconds; None: off) logs vLLM's stats line.
+    ``cache_configs``: each engine core's resolved KV-cache configuration, as strings, by data-parallel
+    rank (``vllm:cache_config_info``).
     """
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
 
     def __init__(self, *, tokenizer: Tokenizer, model_path: str, stage: str, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], engine_args: dict[str, Any],
-                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None):
+                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None,
+                 cache_configs: dict[int, dict[str, str]] | None = None):
         self.tokenizer = tokenizer  # use it only through ``call``
         self.model_path = model_path
         self.stage = stage
@@ -85,6 +88,7 @@ class AsyncEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.engine_args = engine_args  # the resolved engine configuration
+        self.cache_configs = dict(cache_configs or {})
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.output_processor = OutputProcessor(tokenizer)
         self._stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None
@@ -194,7 +198,7 @@ class AsyncEngine:
             self._fail(failed.request_ids, (EngineDeadError if failed.engine_dead else EngineError)(failed.error),
                        "error")
         self._update_stats(message)
-        deliveries: list[tuple[RequestStream, RequestOutput]] = []
+        deliveries: list[tuple[RequestStream, RequestOutput, SamplingParams]] = []
         stopped: list[str] = []
         broken: list[tuple[str, BaseException]] = []
         with self._lock:
@@ -212,7 +216,7 @@ class AsyncEngine:
                     continue
                 if output.finished:
                     self._forget(request.request_id)
-                deliveries.append((stream, output))
+                deliveries.append((stream, output, request.sampling_params))
         if stopped:
             self._send_quietly(AbortRequests(stopped))
         for request_id, exc in broken:
@@ -279,15 +283,15 @@ class AsyncEngine:
                 if logprob.decoded_token is None:
                     logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput, SamplingParams]]) -> None:
         """Hand outputs to their streams' loops; stamp each request's first delivery."""
         now = time.monotonic()
-        for _, output in items:
+        for _, output, params in items:
             if output.timeline.first_delivered is None:
                 output.timeline.first_delivered = now
             if output.finished:
-                self._record("record_finished", output)
-        self._deliver(items)
+                self._record("record_finished", output, params)
+        self._deliver([(stream, output) for stream, output, _ in items])
 
     def _deliver_errors(self, streams: list[RequestStream], make_error: Callable[[str], BaseException],
                         reason: str) -> None:

@@ -105,6 +105,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None  # "stop" | "length" | "abort", None while running
     stop_reason: int | str | None
     num_cached_tokens: int
+    num_preemptions: int
     queued: float | None  # when the core took the request in
     first_scheduled: float | None
     finished: float | None
@@ -120,7 +121,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
                    new_token_times=timeline.token_times[num_sent:], new_logprobs=logprobs,
                    prompt_logprobs=request.prompt_logprobs if first else None,
                    finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                   num_cached_tokens=request.num_cached_tokens, queued=timeline.queued,
+                   num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                   queued=timeline.queued,
                    first_scheduled=timeline.first_scheduled, finished=timeline.finished)
 
     def apply_to(self, request: Request) -> None:
@@ -132,6 +134,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
         if self.prompt_logprobs is not None:
             request.prompt_logprobs = list(self.prompt_logprobs)
         request.num_cached_tokens = self.num_cached_tokens
+        request.num_preemptions = self.num_preemptions
         timeline = request.timeline
         timeline.queued, timeline.first_scheduled, timeline.finished = self.queued, self.first_scheduled, self.finished
         if self.finish_reason is not None:
@@ -191,6 +194,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     tokenizer: str
     engine_args: dict[str, Any]
+    cache_config: dict[str, str]  # the resolved KV-cache configuration (``LLM.cache_config_info``)
     engine_index: int = 0
 
 

@@ -98,7 +98,8 @@ class MPAsyncLLM(AsyncEngine):
         super().__init__(tokenizer=Tokenizer(ready.tokenizer), model_path=ready.model_path, stage=ready.stage,
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          eos_token_ids=tuple(ready.eos_token_ids), engine_args=ready.engine_args,
-                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers)
+                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
+                         cache_configs={0: ready.cache_config})
         self.engine_pid = ready.pid
         self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-output", daemon=True)
         self._thread.start()

@@ -66,7 +66,8 @@ class AsyncLLM(AsyncEngine):
         super().__init__(tokenizer=llm.tokenizer, model_path=str(llm.model_path), stage=llm.stage,
                          max_model_len=llm.max_model_len, vocab_size=config.vocab_size,
                          eos_token_ids=tuple(config.eos_token_ids), engine_args=dict(llm.args),
-                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers)
+                         log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
+                         cache_configs={0: llm.cache_config_info()})
         self.llm = llm
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look

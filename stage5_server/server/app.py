@@ -64,10 +64,11 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
         raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
     keys = APIKeys(api_keys) if api_keys is not None else None
     model_name = served_model_name or engine.model_path
-    metrics = PrometheusStatLogger(model_name, lambda: engine.stats_by_engine, engine.max_model_len)
+    metrics = PrometheusStatLogger(model_name, lambda: engine.stats_by_engine, engine.max_model_len,
+                                   engine.cache_configs)
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
-                            version())
+                            version(), metrics)
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager

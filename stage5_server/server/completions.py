@@ -1,7 +1,10 @@
 """``POST /v1/completions``: a prompt (text or token ids) continued, whole or streamed.
 
 ``echo`` puts the prompt in front of the text; with ``logprobs`` the prompt's tokens get
-their logprobs too (prompt logprobs, computed in prefill), the first ``null``. ``echo`` with
+their logprobs too (prompt logprobs, computed in prefill), the first ``null``. Each
+``text_offset`` indexes the returned text: a special token that the text leaves out (an
+end-of-sequence token, a prompt's added start token) takes no characters there, where vLLM
+counts its spelling. ``echo`` with
 ``max_tokens: 0`` returns the scored prompt alone: the call evaluation harnesses make for
 log-likelihoods. As in vLLM, the engine then generates one token that is not returned.
 
@@ -26,36 +29,49 @@ def token_text(logprob: Logprob) -> str:
     return logprob.decoded_token or ""  # the front end decodes it
 
 
-def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset: int) -> dict[str, Any] | None:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset: int,
+                        special: frozenset[int] = frozenset()) -> dict[str, Any] | None:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
+
+    ``special``: token ids the generated text leaves out (it is decoded skipping special tokens).
+    """
     completion = output.outputs[0]
     if completion.logprobs is None:
         return None
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    _append(result, zip(completion.token_ids[start:end], completion.logprobs[start:end]), text_offset)
+    for token_id, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+        token = _append(result, token_id, entry, text_offset)
+        text_offset += 0 if token_id in special else len(token)
     return result
 
 
-def prompt_logprobs(output: RequestOutput, first_token_text: str) -> dict[str, Any]:
-    """The prompt's tokens in the same format; the first has no logprob (nothing precedes it)."""
+def prompt_logprobs(output: RequestOutput, prompt_text: str, first_token_text: str,
+                    special: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """The prompt's tokens in the same format; the first has no logprob (nothing precedes it).
+
+    A special token takes characters only where ``prompt_text`` (what is echoed) spells it out.
+    """
+    def width(token_id: int, token: str, at: int) -> int:
+        return len(token) if token_id not in special or prompt_text.startswith(token, at) else 0
+
+    ids, entries = output.prompt_token_ids, output.prompt_logprobs or []
     result: dict[str, list] = {"tokens": [first_token_text], "token_logprobs": [None], "top_logprobs": [None],
                                "text_offset": [0]}
-    ids, entries = output.prompt_token_ids, output.prompt_logprobs or []
-    _append(result, zip(ids[1:], entries[1:]), len(first_token_text))
+    text_offset = width(ids[0], first_token_text, 0)
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        token = _append(result, token_id, entry, text_offset)
+        text_offset += width(token_id, token, text_offset)
     return result
 
 
-def _append(result: dict[str, list], tokens_and_entries, text_offset: int) -> int:
-    for token_id, entry in tokens_and_entries:
-        chosen = entry[token_id]  # the sampler (or prefill) always records the chosen token
-        token = token_text(chosen)
-        result["tokens"].append(token)
-        result["token_logprobs"].append(chosen.logprob)
-        result["top_logprobs"].append({token_text(lp): lp.logprob for lp in sorted(entry.values(),
-                                                                                  key=lambda x: x.rank)})
-        result["text_offset"].append(text_offset)
-        text_offset += len(token)
-    return text_offset
+def _append(result: dict[str, list], token_id: int, entry: dict[int, Logprob], text_offset: int) -> str:
+    chosen = entry[token_id]  # the sampler (or prefill) always records the chosen token
+    token = token_text(chosen)
+    result["tokens"].append(token)
+    result["token_logprobs"].append(chosen.logprob)
+    result["top_logprobs"].append({token_text(lp): lp.logprob for lp in sorted(entry.values(), key=lambda x: x.rank)})
+    result["text_offset"].append(text_offset)
+    return token
 
 
 def _joined(prompt_part: dict[str, list] | None, generated: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -69,10 +85,12 @@ def _joined(prompt_part: dict[str, list] | None, generated: dict[str, Any] | Non
 class CompletionResponder(Responder):
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args: Any, echo: list[tuple[str, str]] | None = None, generate: bool = True, **kwargs: Any):
+    def __init__(self, *args: Any, echo: list[tuple[str, str]] | None = None, generate: bool = True,
+                 special_token_ids: frozenset[int] = frozenset(), **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.echo = echo  # per prompt: (its text, its first token's text), when echoed
         self.generate = generate  # False: echo with max_tokens 0, the generated token is not returned
+        self.special = special_token_ids  # left out of decoded text: no width in text_offset
         self.text_offset: dict[int, int] = {}  # per choice: characters streamed so far
 
     def _echoed(self, index: int, output: RequestOutput, text: str, logprobs: dict[str, Any] | None,
@@ -85,7 +103,7 @@ class CompletionResponder(Responder):
         prompt_text, first_token_text = self.echo[index // self.n]
         prompt_part = None
         if output.prompt_logprobs is not None:
-            prompt_part = prompt_logprobs(output, first_token_text)
+            prompt_part = prompt_logprobs(output, prompt_text, first_token_text, self.special)
             prompt_part["text_offset"] = [offset + o for o in prompt_part["text_offset"]]
         if logprobs is not None:  # the generated part starts after the prompt
             logprobs = {**logprobs, "text_offset": [o + len(prompt_text) for o in logprobs["text_offset"]]}
@@ -93,7 +111,8 @@ class CompletionResponder(Responder):
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        text, logprobs = self._echoed(index, output, c.text, completion_logprobs(output, 0, len(c.token_ids), 0), 0)
+        logprobs = completion_logprobs(output, 0, len(c.token_ids), 0, self.special)
+        text, logprobs = self._echoed(index, output, c.text, logprobs, 0)
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason(output) if self.generate else "length",
                 "stop_reason": c.stop_reason if self.generate else None}
@@ -101,7 +120,7 @@ class CompletionResponder(Responder):
     def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
         first = index not in self.text_offset
         offset = self.text_offset.get(index, 0)
-        logprobs = completion_logprobs(output, start, end, offset)
+        logprobs = completion_logprobs(output, start, end, offset, self.special)
         if first:
             text, logprobs = self._echoed(index, output, text, logprobs, offset)
         elif not self.generate:
@@ -132,7 +151,8 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
         params = replace(params, prompt_logprobs=body.logprobs)  # vLLM: echo scores the prompt too
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
                                     body.include_usage, body.continuous_usage, n=params.n,
-                                    echo=echo if body.echo else None, generate=generate)
+                                    echo=echo if body.echo else None, generate=generate,
+                                    special_token_ids=serving.engine.tokenizer.special_token_ids)
     return await serving.generate(request, prompts, params, salt, responder, body.stream)
 
 

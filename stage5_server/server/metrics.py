@@ -13,9 +13,21 @@ process: ``frontend_in`` (HTTP parsing, tokenization, the hand-off to the core),
 the first token to its detokenized output reaching the request's stream). The core
 phases use vLLM's histogram names; the two front-end phases are this server's own.
 
+Sizes, as vLLM's histograms of counts: each finished request's prompt and generated tokens,
+its ``max_tokens`` (the effective limit: ``max_model_len`` minus the prompt when none was
+sent, as vLLM sets it), preemptions and prefill tokens computed (not served by the prefix
+cache); each parent request's ``n`` and longest sample (``record_parent_finished``, called
+by the server, which fans ``n`` out); the tokens of each engine step (a cumulative histogram
+in ``SchedulerStats``, so it crosses the process boundary with the other counters; this
+engine counts the prompt tokens a step computed, where vLLM counts a prompt in the step that
+samples its first token). ``vllm:cache_config_info`` is a gauge fixed at 1 per engine core
+whose labels are its resolved KV-cache configuration (the fields this engine has).
+
 Every metric carries a ``model_name`` label, and each app has its own
 ``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
-do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are.
+do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are. Bucket
+bounds are vLLM's (``vllm/v1/metrics/buckets.py``), with a few smaller latency bounds in
+front: the course's CPU models answer in milliseconds.
 
 Several engine cores and several API servers (data parallelism): the engine numbers carry
 an ``engine`` label (the data-parallel rank, vLLM's label name), one series per rank, taken
@@ -34,13 +46,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.metrics import RequestTimeline, SchedulerStats
+from shared.metrics import ITERATION_TOKENS_BUCKETS, RequestTimeline, SchedulerStats
 from shared.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
 
 # vLLM's buckets, with a few smaller ones in front: the course's CPU models answer in milliseconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -49,6 +63,8 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
                          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]  # vLLM's
 
 
 def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
@@ -95,18 +111,33 @@ COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
      "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", "prefix_cache_hits"),
     ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens_computed"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+]
+
+# vLLM's splits of numbers above, by a label: (name, doc, label, {label value: field, or None for 0}).
+# Nothing here is deferred, transferred from elsewhere or cached off the device: those are 0.
+SPLIT = [
+    (GaugeMetricFamily, "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by the reason.",
+     "reason", {"capacity": "num_waiting", "deferred": None}),
+    (CounterMetricFamily, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
+     {"local_compute": "num_prompt_tokens_computed", "local_cache_hit": "prefix_cache_hits",
+      "external_kv_transfer": None}),
+    (CounterMetricFamily, "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that "
+     "supplied them.", "source", {"device": "prefix_cache_hits", "host": None, "p2p": None, "disk": None,
+                                 "external_unspecified": None}),
 ]
 
 
 class _SchedulerStatsCollector(Collector):
     """Gauges and counters read from the newest ``SchedulerStats`` of each engine core at scrape time."""
 
-    def __init__(self, get_stats: StatsSource, model_name: str):
+    def __init__(self, get_stats: StatsSource, model_name: str, cache_configs: Mapping[int, Mapping[str, str]]):
         self.get_stats = get_stats  # one engine's stats, or {rank: stats}
         self.model_name = model_name
+        self.cache_configs = cache_configs  # {rank: vllm:cache_config_info labels}
 
     def collect(self) -> Iterator[Metric]:
         by_engine = self.get_stats()
@@ -118,15 +149,41 @@ class _SchedulerStatsCollector(Collector):
                 for rank, stats in sorted(by_engine.items()):
                     family.add_metric([self.model_name, str(rank)], getattr(stats, field))
                 yield family
+        for kind, name, doc, label, fields in SPLIT:
+            family = kind(name, doc, labels=["model_name", "engine", label])
+            for rank, stats in sorted(by_engine.items()):
+                for value, field in fields.items():
+                    family.add_metric([self.model_name, str(rank), value], getattr(stats, field) if field else 0)
+            yield family
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                      labels=["model_name", "engine"])
+        for rank, stats in sorted(by_engine.items()):
+            cumulative = list(accumulate(stats.iteration_tokens_counts))
+            buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
+            steps.add_metric([self.model_name, str(rank)], [*buckets, ("+Inf", cumulative[-1])],
+                             stats.iteration_tokens_sum)
+        yield steps
+        if self.cache_configs:
+            names = sorted(next(iter(self.cache_configs.values())))
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[*names, "engine"])
+            for rank, config in sorted(self.cache_configs.items()):
+                info.add_metric([str(config.get(name)) for name in names] + [str(rank)], 1)
+            yield info
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format."""
+    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format.
 
-    def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int):
+    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank (none: that family is left out).
+    """
+
+    def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int,
+                 cache_configs: Mapping[int, Mapping[str, str]] | None = None):
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerStatsCollector(get_stats, model_name))
+        self.registry.register(_SchedulerStatsCollector(get_stats, model_name, cache_configs or {}))
         # Multiprocess mode: the per-request metrics live in the shared files (and in no registry);
         # a scrape reads them all back, summed over the API servers.
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
@@ -145,8 +202,9 @@ class PrometheusStatLogger:
                               TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              TOKEN_LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (per request).", TOKEN_LATENCY_BUCKETS)
+        # vLLM 0.32's name, and the earlier one that its Grafana dashboard still reads.
+        self.tpots = [histogram(name, "Histogram of time per output token in seconds.", TOKEN_LATENCY_BUCKETS)
+                      for name in ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds")]
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
         self.phases = {
@@ -169,22 +227,48 @@ class PrometheusStatLogger:
                                        token_buckets)
         self.generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                            token_buckets)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                    token_buckets)
+        self.prefill_kv_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                             "Histogram of new KV tokens computed during prefill (excluding cached "
+                                             "tokens).", token_buckets)
+        self.num_preemptions = histogram("vllm:request_num_preemptions",
+                                         "Histogram of the number of times a request was preempted.",
+                                         REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.",
+                                               token_buckets)
 
-    def record_finished(self, output: RequestOutput) -> None:
+    def record_finished(self, output: RequestOutput, params: SamplingParams | None = None) -> None:
+        """One engine request finished (a sample of a parent request when ``n`` > 1)."""
         completion = output.outputs[0]
         self.request_success.labels(self.model_name, completion.finish_reason or "unknown").inc()
-        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        num_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.observe(num_prompt)
         self.generation_tokens.observe(len(completion.token_ids))
+        self.prefill_kv_computed.observe(num_prompt - min(output.num_cached_tokens, num_prompt))
+        self.num_preemptions.observe(output.num_preemptions)
+        if params is not None:
+            limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+            self.max_tokens.observe(min(limit, self.max_model_len - num_prompt))
         timeline = output.timeline
-        for value, histogram in ((timeline.ttft, self.ttft), (timeline.tpot, self.tpot), (timeline.e2e, self.e2e)):
+        for value, histograms in ((timeline.ttft, [self.ttft]), (timeline.tpot, self.tpots),
+                                  (timeline.e2e, [self.e2e])):
             if value is not None:
-                histogram.observe(max(value, 0.0))
+                for histogram in histograms:
+                    histogram.observe(max(value, 0.0))
         phases = request_phases(timeline)
         for name, histogram in self.phases.items():
             if phases[name] is not None:
                 histogram.observe(phases[name])
         for gap in timeline.itls:
             self.itl.observe(gap)
+
+    def record_parent_finished(self, n: int, outputs: list[RequestOutput]) -> None:
+        """All ``n`` samples of one prompt finished: its ``n`` and its longest sample, as vLLM's ``ParentRequest``."""
+        self.n.observe(n)
+        self.max_generation_tokens.observe(max((len(o.outputs[0].token_ids) for o in outputs), default=0))
 
     def record_aborted(self, reason: str) -> None:
         """An aborted (client gone) or failed (engine error) request: counted, not timed."""

@@ -5,8 +5,12 @@ request argument supplied: foo"), a wrong type is a 400 that names it, and an Op
 feature this server does not implement (``suffix``, tools, JSON mode, ...) is accepted
 only with the value that means "off", so nothing a client asks for is silently ignored.
 ``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
-``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted with any
-value and logged (``IGNORED_FIELDS``).
+``safety_identifier``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
+the prompt-cache hints ``prompt_cache_key`` and ``prompt_cache_retention``,
+``stream_options.include_obfuscation``) are accepted with any value and logged once per
+field (``IGNORED_FIELDS``). So are the fields the openai client's own assistant message
+carries when it is sent back in ``messages`` (``refusal``, ``annotations``, ``audio``,
+``tool_calls``, ``function_call``), with the values that add nothing to the prompt.
 
 The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
 (string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
@@ -46,13 +50,25 @@ NOOP_VALUES: dict[str, tuple] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "prompt_cache_key": (),
+    "verbosity": ("medium",),  # OpenAI's default
+    # an assistant message sent back as the openai client returned it
+    "refusal": (),
+    "tool_calls": ([],),
 }
 
 
 # Fields that change nothing a client can observe here: any value is accepted, and logged.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+IGNORED_FIELDS = ("user", "safety_identifier", "metadata", "store", "service_tier", "parallel_tool_calls",
+                  "prompt_cache_key", "prompt_cache_retention", "stream_options.include_obfuscation",
+                  "messages.annotations")
 _LOGGED: set[str] = set()
+
+
+def log_ignored(name: str) -> None:
+    """Once per field and process (this is not a per-request log)."""
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        logger.info("request field %r is accepted and changes nothing here", name)
 
 
 def _is_noop(value: Any, allowed: tuple) -> bool:
@@ -84,6 +100,7 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only a final one
+    include_obfuscation: bool | None = None  # OpenAI's chunk padding against length side channels; ignored
 
 
 def _check_stop(value: Any) -> list[str] | None:
@@ -112,9 +129,12 @@ class _GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None
     # Accepted with any value; they change nothing a client can observe (logged: IGNORED_FIELDS).
     user: str | None = None  # an end-user id for the operator's logs
+    safety_identifier: Any = None  # OpenAI's successor of ``user``
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
+    prompt_cache_key: Any = None  # routing hints for OpenAI's prompt cache; this server's is automatic
+    prompt_cache_retention: Any = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -170,9 +190,10 @@ class _GenerationRequest(StrictModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``APIError(400)`` naming the field for values SamplingParams rejects."""
         for name in IGNORED_FIELDS:
-            if name in type(self).model_fields and getattr(self, name) is not None and name not in _LOGGED:
-                _LOGGED.add(name)  # once per field and process: this is not a per-request log
-                logger.info("request field %r is accepted and changes nothing here", name)
+            if name in type(self).model_fields and getattr(self, name) is not None:
+                log_ignored(name)
+        if self.stream_options is not None and self.stream_options.include_obfuscation is not None:
+            log_ignored("stream_options.include_obfuscation")
         pick = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
@@ -246,6 +267,22 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any
     name: str | None = None  # handed to the chat template, which may use it
+    # What the openai client's assistant message carries (``message.model_dump()`` sent back): accepted
+    # when it adds nothing to the prompt; a refusal, a tool call or audio would, and is refused.
+    refusal: Any = None
+    annotations: Any = None  # citations of the reply, never part of the prompt: any value, logged
+    audio: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+    _check_noop_message = field_validator("refusal", "audio", "tool_calls", "function_call")(_check_noop)
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, value: Any) -> Any:
+        if value is not None:
+            log_ignored("messages.annotations")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -282,11 +319,11 @@ class ChatCompletionRequest(_GenerationRequest):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    prompt_cache_key: Any = None
+    verbosity: Any = None
 
     _check_noop_chat = field_validator("tools", "tool_choice", "functions", "function_call", "response_format",
                                        "modalities", "audio", "prediction", "reasoning_effort",
-                                       "web_search_options", "prompt_cache_key")(_check_noop)
+                                       "web_search_options", "verbosity")(_check_noop)
 
     @field_validator("top_logprobs")
     @classmethod

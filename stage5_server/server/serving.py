@@ -32,7 +32,7 @@ from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.stream import RequestStream
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.errors import APIError, api_error, engine_errors
-from stage5_server.server.metrics import request_phases
+from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
     SSE_DONE,
     ClientDisconnected,
@@ -122,12 +122,19 @@ class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool, version: str = "0"):
+                 trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
         self.system_fingerprint = system_fingerprint(engine, version)
+        self.metrics = metrics  # told of each prompt whose n samples all finished
+
+    def record_parents(self, outputs: list[RequestOutput], n: int) -> None:
+        """Prompt i's samples are ``outputs[i * n : (i + 1) * n]`` (the fan-out's order)."""
+        if self.metrics is not None:
+            for i in range(0, len(outputs), n):
+                self.metrics.record_parent_finished(n, outputs[i:i + n])
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
         """Check the model name; return the request's prefix-cache salt (its trust group's)."""
@@ -202,6 +209,7 @@ class OpenAIServing:
         try:
             if not streaming:
                 outputs = await unless_disconnected(request, asyncio.gather(*map(final_output, streams)))
+                self.record_parents(list(outputs), params.n)
                 return JSONResponse(responder.response(list(outputs)))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
             return SSEResponse(self.events(list(firsts), streams, params, responder))
@@ -245,6 +253,7 @@ class OpenAIServing:
             unfinished = [s.request_id for s in streams if not s.finished]
             if unfinished:
                 self.engine.abort(unfinished)
+        self.record_parents(latest, params.n)
         if responder.include_usage:
             yield sse(responder.usage_chunk(latest))
         yield SSE_DONE

@@ -109,9 +109,16 @@ def test_the_prefix_table_is_bounded():
 
 
 def test_combined_stats_sum_the_counts_and_average_kv_usage():
-    total = combine_stats([SchedulerStats(num_running=1, kv_cache_usage=0.5, prefix_cache_hits=3),
-                           SchedulerStats(num_running=2, kv_cache_usage=0.0, prefix_cache_hits=4)])
+    ranks = [SchedulerStats(num_running=1, kv_cache_usage=0.5, prefix_cache_hits=3),
+             SchedulerStats(num_running=2, kv_cache_usage=0.0, prefix_cache_hits=4)]
+    for stats, steps in zip(ranks, ([1, 20], [20, 20, 9000])):
+        for tokens in steps:
+            stats.observe_step(tokens)
+    total = combine_stats(ranks)
     assert (total.num_running, total.kv_cache_usage, total.prefix_cache_hits) == (3, 0.25, 7)
+    # the tokens-per-step histogram bucket by bucket: 1 | three in (16, 32] | one in (8192, 16384]
+    assert total.iteration_tokens_counts == (1, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0)
+    assert (total.iteration_tokens_sum, total.num_steps) == (9061, 5)
 
 
 # ---- the topology, model-free -----------------------------------------------------------------------------

@@ -318,6 +318,11 @@ def test_an_opted_in_request_gets_its_server_timeline_and_metrics_get_the_phases
                  "stagedserve:request_frontend_in_time_seconds", "stagedserve:request_frontend_out_time_seconds"):
         assert metric(metrics, f"{name}_count", model_name=MODEL) >= 3, name
     assert metric(metrics, "vllm:generation_tokens_total", model_name=MODEL) >= 18  # stats from the core
+    # Across the process boundary too: the core's step histogram, preemption counts, its KV-cache configuration.
+    steps = metric(metrics, "vllm:iteration_tokens_total_sum", model_name=MODEL)
+    assert steps == metric(metrics, "vllm:prompt_tokens_total") + metric(metrics, "vllm:generation_tokens_total")
+    assert metric(metrics, "vllm:request_num_preemptions_count", model_name=MODEL) >= 3
+    assert metric(metrics, "vllm:cache_config_info", block_size="16", num_gpu_blocks="160") == 1
 
 
 # ---- the engine process dies --------------------------------------------------------------------

@@ -98,6 +98,12 @@ CHAT_CASES = [
     ({"messages": OK_CHAT, "tool_choice": "auto"}, 400, "tool_choice", None),
     ({"messages": OK_CHAT, "functions": [{"name": "f"}]}, 400, "functions", None),
     ({"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ({"messages": OK_CHAT, "verbosity": "low"}, 400, "verbosity", None),  # would change the answer
+    ({"messages": OK_CHAT, "reasoning": {"effort": "low"}}, 400, "reasoning", None),  # unknown: refused
+    ({"messages": [*OK_CHAT, {"role": "assistant", "content": "", "refusal": "I can't"}]}, 400,
+     "messages[1].refusal", None),
+    ({"messages": [*OK_CHAT, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
+     400, "messages[1].tool_calls", None),
     ({"messages": OK_CHAT, "n": 3, "temperature": 0}, 400, "n", None),
     ({"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     ({"messages": OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", None),
@@ -136,6 +142,13 @@ def test_harmless_defaults_the_openai_clients_may_send_are_accepted(client):
             "stream": False, "logprobs": False, "tools": None, "tool_choice": "none", "parallel_tool_calls": False,
             "service_tier": "auto", "store": False}
     assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_an_unsupported_value_is_named_with_the_accepted_ones_in_json(client):
+    response = client.post("/v1/chat/completions", json={"messages": OK_CHAT,
+                                                          "response_format": {"type": "json_object"}})
+    message = assert_error(response, 400, "response_format")["message"]
+    assert message == 'response_format is not supported by this server (only {"type": "text"} or null)'
 
 
 def test_tokenize_and_detokenize_validate_their_input(client):

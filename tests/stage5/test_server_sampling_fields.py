@@ -5,6 +5,8 @@ and ``stream_options.continuous_usage_stats`` behave as in vLLM."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -73,6 +75,39 @@ def test_chat_takes_the_developer_role_a_name_text_parts_and_prefers_max_complet
     assert response.choices[0].message.content == ref.outputs[0].text
     assert response.usage.completion_tokens == 3 and response.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert response.system_fingerprint.startswith("stagedserve-")  # the same for the same model and configuration
+
+
+def test_fields_that_change_nothing_are_accepted_logged_and_leave_the_answer_as_it_was(client, served, caplog):
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0)
+    # The openai client's own assistant message sent back as it came (refusal, annotations, audio: null).
+    history = [{"role": "user", "content": "Hi"}, first.choices[0].message.model_dump(), {"role": "user",
+                                                                                         "content": "More"}]
+    plain = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+    with caplog.at_level(logging.INFO, logger="stagedserve"):
+        noted = client.chat.completions.create(
+            model=MODEL, messages=[*history[:1], {**history[1], "annotations": []}, history[2]], max_tokens=4,
+            temperature=0, safety_identifier="s-1", prompt_cache_key="k", verbosity="medium",
+            extra_body={"prompt_cache_retention": "24h"})
+        streamed = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0,
+                                                  stream=True, stream_options={"include_obfuscation": False})
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert noted.choices[0].message.content == streamed_text == plain.choices[0].message.content
+    for name in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                 "stream_options.include_obfuscation", "messages.annotations"):
+        assert f"request field '{name}' is accepted and changes nothing here" in caplog.text, name
+
+
+def test_stream_chunks_carry_the_stop_reason_on_the_final_choice_chunk(served):
+    # A bias makes token 7 come first; as a stop token it ends the request there.
+    body = {"model": MODEL, "max_tokens": 5, "temperature": 0, "stop_token_ids": [7], "logit_bias": {"7": 100},
+            "stream": True}
+    with httpx.Client(base_url=served[0], headers=auth(KEY), timeout=60) as http:
+        for path, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
+            chunks = [e for e in sse_events(http.post(path, json={**body, **extra}).text.splitlines())
+                      if e != "[DONE]" and e["choices"]]
+            assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [7], path
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
@@ -204,3 +239,22 @@ def test_echo_with_generation_puts_the_prompt_in_front_streamed_or_not(served_ec
     assert whole["logprobs"]["text_offset"][len(scored.prompt_token_ids)] == len(SCORED)
     streamed = "".join(c["text"] for e in events if e != "[DONE]" for c in e["choices"])
     assert streamed == whole["text"]
+
+
+def test_text_offsets_index_the_returned_text_and_give_left_out_special_tokens_no_width(served_echo):
+    url, _, tokenizer = served_echo
+    special = sorted(tokenizer.special_token_ids)[1]  # "<|im_start|>": decoded text leaves it out
+    ids = tokenizer.encode("Hello, world", False)
+    prompt = ids[:2] + [special] + ids[2:]
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 0, "temperature": 0}
+    with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as http:
+        echoed = http.post("/v1/completions", json=body).json()["choices"][0]
+        # Every generated token is the special one (a bias): the text is empty, so every offset is 0.
+        generated = http.post("/v1/completions", json={**body, "echo": False, "max_tokens": 3, "ignore_eos": True,
+                                                         "logit_bias": {str(special): 100}}).json()["choices"][0]
+    text = tokenizer.decode(prompt)
+    assert echoed["text"] == text and tokenizer.decode([special], False) not in text
+    assert echoed["logprobs"]["text_offset"] == [len(tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
+    assert [text[o:o + len(t)] == t for o, t in zip(echoed["logprobs"]["text_offset"], echoed["logprobs"]["tokens"])
+            ] == [t != special for t in prompt]
+    assert generated["text"] == "" and generated["logprobs"]["text_offset"] == [0, 0, 0]
