@@ -265,9 +265,13 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
                 assert response.status_code == 200, response.text
                 return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-            assert cached(one.url, "key-a1") == 0
-            assert cached(two.url, "key-a2") == 32  # the same group through the other API server
-            assert cached(two.url, "key-b") == 0  # another group: never
+            def settled() -> bool:  # both API servers see both ranks idle, so least-loaded picks rank 0
+                return all(s.num_running == 0 for engine in (dp, second) for s in engine.stats_by_engine.values())
+
+            assert wait_until(settled) and cached(one.url, "key-a1") == 0
+            # The same group through the other API server, then another group: never.
+            assert wait_until(settled) and cached(two.url, "key-a2") == 32
+            assert wait_until(settled) and cached(two.url, "key-b") == 0
             for server in (one, two):
                 text = httpx.get(f"{server.url}/metrics", headers=auth("key-b"), timeout=10).text
                 assert {metric(text, "vllm:prefix_cache_queries_total", engine=str(d)) is not None
