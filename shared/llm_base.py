@@ -23,6 +23,7 @@ from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutputManager, check_structured_outputs
 from shared.tiny_model import default_model
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
@@ -79,6 +80,9 @@ class BaseLLM:
         if not isinstance(self.args["max_num_seqs"], int) or self.args["max_num_seqs"] < 1:
             raise ValueError(f"max_num_seqs: must be an integer >= 1, got {self.args['max_num_seqs']!r}")
         self.engine: EngineCore = self._build_engine()
+        # Compiles structured-output grammars off the engine loop; the engine schedules a request once it is ready.
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("%s engine ready: model=%s device=%s dtype=%s max_model_len=%d", self.stage,
@@ -198,8 +202,12 @@ class BaseLLM:
             request_id = str(next(self._ids))
             while request_id in self.output_processor.states:  # a caller took this one by hand
                 request_id = str(next(self._ids))
-        return Request(request_id, token_ids, params, priority=priority,
-                       cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
+        request = Request(request_id, token_ids, params, priority=priority,
+                          cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
+        if request.structured_output_request is not None:
+            check_structured_outputs(request.structured_output_request.params)  # a bad spec fails here
+            self.structured_output_manager.grammar_init(request)  # built in the background
+        return request
 
 
 def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
