@@ -187,9 +187,15 @@ class BaseLLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the chat template (the model's, or ``chat_template``);
+        a control-token string inside a message stays text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, tools=tools,
+                                                      chat_template=chat_template,
+                                                      chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
