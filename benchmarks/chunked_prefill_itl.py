@@ -10,12 +10,11 @@ the decodes keep their pace. Same engine (stage3), same requests, two settings.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
 from shared import SamplingParams, resolve_model, summarize
 from shared.workloads import random_token_prompts
 from stage3_continuous import LLM
@@ -59,8 +58,7 @@ def markdown(result: dict) -> str:
     lines = [
         "### Chunked prefill and inter-token latency",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
-        f"{result['machine']['cpu_count']} CPUs, 1 torch thread); model `{c['model']}`, stage3 engine: 8 requests "
+        provenance(result, "1 torch thread") + f"; model `{c['model']}`, stage3 engine: 8 requests "
         f"decoding when a {c['long_prompt_len']}-token prompt arrives.",
         "",
         "| chunked prefill | token budget | steps of long prefill | decode ITL p50 ms | p99 ms | max ms | "
@@ -76,14 +74,12 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "chunked_prefill_itl")
     ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
                     "(the embedded trained model); default: tiny")
     ap.add_argument("--long-prompt-len", type=int, default=1536)
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--markdown", default="docs/results/chunked_prefill_itl.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = resolve_model(args.model or "tiny")

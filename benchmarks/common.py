@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -21,6 +22,25 @@ def run_info(module: str, argv: list[str] | None) -> dict:
                     "python": platform.python_version()},
         "command": " ".join(["python", "-m", module, *map(shlex.quote, args)]),
     }
+
+
+def provenance(result: dict, details: str = "") -> str:
+    """``Produced by `COMMAND` on DATE (PROCESSOR, N CPUs, DETAILS)``: the first line of every report."""
+    machine = result["machine"]
+    extra = f", {details}" if details else ""
+    return (f"Produced by `{result['command']}` on {result['date']} ({machine['processor']}, "
+            f"{machine['cpu_count']} CPUs{extra})")
+
+
+def benchmark_parser(doc: str, name: str, plot: bool = False) -> argparse.ArgumentParser:
+    """The arguments every benchmark takes, with its report's default places: ``--out-dir`` for the
+    JSON, ``--markdown`` for the table the docs include, and ``--plot`` where it draws a figure."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--markdown", default=f"docs/results/{name}.md")
+    if plot:
+        parser.add_argument("--plot", default=f"docs/assets/{name}.png")
+    return parser
 
 
 def write_results(name: str, result: dict, markdown_text: str, out_dir: str | Path, markdown_path: str | Path) -> None:

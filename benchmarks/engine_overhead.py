@@ -13,7 +13,6 @@ detokenization in the front end). The rest is the engine's overhead.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
 from shared import SamplingParams, resolve_model, summarize
 from stage4_prefix_cache import LLM
 
@@ -77,8 +76,7 @@ def to_markdown(result: dict) -> str:
     lines = [
         "### Engine overhead per decode step",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
-        f"{result['machine']['cpu_count']} CPUs, {result['config']['threads']} torch thread(s)); model "
+        provenance(result, f"{result['config']['threads']} torch thread(s)") + "; model "
         f"`{result['config']['model']}`, stage4 engine, torch attention backend.",
         "",
         "| batch | step ms (p50) | model runner ms | everything else ms | overhead share |",
@@ -91,14 +89,12 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "engine_overhead")
     ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
                     "(the embedded trained model); default: tiny")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--markdown", default="docs/results/engine_overhead.md")
     ap.add_argument("--profile", action="store_true", help="also profile the largest batch")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -13,14 +13,13 @@ queue, prefill, front end out).
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
 from benchmarks.server_vs_offline import process_cpu_seconds, served_in_subprocess
 from shared import resolve_model
 from stage5_server.bench.datasets import DatasetConfig
@@ -105,8 +104,7 @@ def to_markdown(result: dict) -> str:
     lines = [
         "### Engine core in-process vs in its own process",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
-        f"{result['machine']['cpu_count']} CPUs, {cfg['threads']} torch thread(s) per process); "
+        provenance(result, f"{cfg['threads']} torch thread(s) per process") + "; "
         f"{cfg['num_prompts']} streaming requests per run, at most {cfg['concurrency']} in flight, "
         f"{arrivals(cfg.get('request_rate', 'inf'))}, greedy, EOS ignored; "
         f"medians of {cfg['repeats']} runs per mode, modes alternating. Goodput SLO: {cfg['slo']}.",
@@ -137,7 +135,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "engine_process")
     ap.add_argument("--models", nargs="+", default=["tiny", "small"],
                     help="checkpoint dirs, or 'tiny' / 'small' (random Llamas) / 'default' (the trained default)")
     ap.add_argument("--num-prompts", type=int, default=192)
@@ -149,8 +147,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="Poisson arrivals at this many requests/s (default: all at once, held to --concurrency)")
     ap.add_argument("--name", default="engine_process", help="results file name under --out-dir")
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--markdown", default="docs/results/engine_process.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)  # served_in_subprocess hands this to the servers as OMP_NUM_THREADS
     slo = SLO(ttft_ms=args.slo_ttft_ms, itl_p99_ms=args.slo_itl_p99_ms)

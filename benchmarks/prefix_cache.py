@@ -11,14 +11,13 @@ Checks the arithmetic: prefill tokens saved == the sum of every request's ``num_
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, save_figure, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
 from shared import SamplingParams, cached_tiny_model, summarize
 from shared.config import ModelConfig
 from shared.workloads import two_phase_load
@@ -149,9 +148,8 @@ def markdown(result: dict) -> str:
     lines = [
         "### Prefix caching on the two-phase load",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['processor']}, "
-        f"{result['machine']['cpu_count']} CPUs, {c.get('torch_threads', '?')} torch thread(s), CPU float32; "
-        f"runtime {result['runtime_s']:.0f} s).",
+        provenance(result, f"{c.get('torch_threads', '?')} torch thread(s), CPU float32; "
+                           f"runtime {result['runtime_s']:.0f} s") + ".",
         "",
         f"Model `{c['model']}`. Phase 1: {c['num_short_phase1']} short requests behind one {c['system_prompt_len']}"
         f"-token system prompt. Phase 2: 2 prompts of {c['long_prompt_len']} tokens alongside "
@@ -187,7 +185,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "prefix_cache", plot=True)
     ap.add_argument("--model", default=None, help="checkpoint directory; default: the tiny llama")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--system-prompt-len", type=int, default=384)
@@ -198,9 +196,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--plot", default="docs/assets/prefix_cache.png")
-    ap.add_argument("--markdown", default="docs/results/prefix_cache.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -14,7 +14,6 @@ A stage5 goal is that the server keeps at least 80% of the offline throughput.
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
 from shared import SamplingParams, resolve_model
 from stage5_server.bench.datasets import DatasetConfig, build_dataset
 from stage5_server.bench.report import summarize_run
@@ -126,8 +125,7 @@ def to_markdown(result: dict) -> str:
     lines = [
         "### Server path vs offline engine",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
-        f"{result['machine']['cpu_count']} CPUs, {first['threads']} torch thread(s)); {first['num_prompts']} "
+        provenance(result, f"{first['threads']} torch thread(s)") + f"; {first['num_prompts']} "
         f"requests, concurrency {first['concurrency']}, greedy, EOS ignored; the server in its own process.",
         "",
         "| model | offline tok/s | server tok/s (streaming) | server / offline | CPU ms per token, offline | "
@@ -147,14 +145,12 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "server_vs_offline")
     ap.add_argument("--models", nargs="+", default=["tiny", "small"],
                     help="checkpoint dirs, or 'tiny' (2 layers) / 'small' (4 layers), random llamas")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--markdown", default="docs/results/server_vs_offline.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = [resolve_model(m) for m in args.models]

@@ -13,14 +13,13 @@ and bandwidth, which a CPU run cannot show.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, write_results
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
 from shared import SamplingParams, resolve_model
 from stage5_server import LLM
 
@@ -49,8 +48,7 @@ def to_markdown(result: dict) -> str:
     lines = [
         "### Tensor parallelism on CPU (correctness, not speed)",
         "",
-        f"Produced by `{result['command']}` on {result['date']} ({result['machine']['machine']}, "
-        f"{result['machine']['cpu_count']} CPUs, {cfg['threads_per_rank']} torch thread(s) per rank); model "
+        provenance(result, f"{cfg['threads_per_rank']} torch thread(s) per rank") + "; model "
         f"`{cfg['model']}`, {cfg['num_requests']} requests of {cfg['prompt_len']} prompt tokens, "
         f"{cfg['output_len']} greedy output tokens each. Same tokens on every size: "
         f"**{result['same_tokens']}**.",
@@ -66,15 +64,13 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchmark_parser(__doc__, "tensor_parallel")
     ap.add_argument("--model", default="small", help="tiny, small (default), default, or a checkpoint dir")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--threads-per-rank", type=int, default=1)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--markdown", default="docs/results/tensor_parallel.md")
     args = ap.parse_args(argv)
     model = resolve_model(args.model)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(args.prompt_len)] for i in range(args.num_requests)]

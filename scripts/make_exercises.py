@@ -23,14 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 EXERCISES: dict[int, dict[str, list[str]]] = {
     1: {"stage1_naive/kv_cache.py": ["ContiguousKVCache.reserve", "ContiguousKVCache.release",
                                      "ContiguousKVCache.external_fragmentation"]},
-    2: {"stage2_paged/block_table.py": ["BlockTable.blocks_needed", "BlockTable.slot"],
+    2: {"stage2_paged/block_table.py": ["BlockTable.blocks_needed", "slot_mapping"],
         "stage2_paged/attention.py": ["gather_kv"]},
     3: {"stage3_continuous/scheduler.py": ["Scheduler.schedule", "Scheduler.update_from_output",
                                            "Scheduler._preempt"]},
     4: {"stage4_prefix_cache/kv_cache_manager.py": ["KVCacheManager.get_computed_blocks"],
         "stage4_prefix_cache/block_pool.py": ["BlockPool.free_blocks", "BlockPool.touch"],
         "stage4_prefix_cache/kv_cache_utils.py": ["hash_block_tokens"]},
-    5: {"stage5_server/attention_backends.py": ["resolve_attention_backend"]},
+    5: {"stage5_server/attention/__init__.py": ["resolve_attention_backend"]},
 }
 
 

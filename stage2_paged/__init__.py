@@ -17,7 +17,7 @@ from stage2_paged.attention import (
     gather_kv,
     paged_attention,
 )
-from stage2_paged.block_table import BlockAllocator, BlockTable, OutOfBlocksError
+from stage2_paged.block_table import BlockAllocator, BlockTable, OutOfBlocksError, slot_mapping
 from stage2_paged.engine import PagedEngineCore
 from stage2_paged.kv_cache import PagedKVCache
 from stage2_paged.llm import LLM
@@ -25,4 +25,5 @@ from stage2_paged.llm import LLM
 __all__ = [n for n in _stage1_all if n != "LLM"] + [
     "LLM", "BlockAllocator", "BlockTable", "OutOfBlocksError", "PagedKVCache", "PagedAttentionBackend",
     "PagedAttentionMetadata", "PagedEngineCore", "build_paged_metadata", "gather_kv", "paged_attention",
+    "slot_mapping",
 ]

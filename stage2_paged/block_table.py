@@ -64,10 +64,13 @@ class BlockTable:
         self.block_ids.extend(new)
         return new
 
-    def slot(self, position: int) -> int:
-        block = self.block_ids[position // self.block_size]
-        return block * self.block_size + position % self.block_size
-
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """Cache slots for positions ``start .. end - 1``."""
-        return [self.slot(p) for p in range(start, end)]
+        return slot_mapping(self.block_ids, self.block_size, start, end)
+
+
+def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slots of positions ``start .. end - 1`` of a sequence whose blocks are ``block_ids``:
+    position ``p`` is slot ``block_ids[p // block_size] * block_size + p % block_size``. Every later
+    stage addresses K/V through this one function."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -20,14 +20,26 @@ PAGED_ARGS = {
 
 def resolve_num_blocks(llm: BaseLLM) -> tuple[int, int]:
     """(block_size, num_blocks) from the engine arguments, checked."""
-    block_size = llm.args["block_size"]
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
+    block_size = check_block_size(llm.args["block_size"])
     num_blocks = llm.args["num_kv_blocks"] or llm.kv_cache_tokens() // block_size
-    if not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+    check_pool_holds_one_sequence(num_blocks, block_size, llm.max_model_len)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size)
     return block_size, num_blocks
+
+
+def check_block_size(block_size) -> int:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
+    return block_size
+
+
+def check_pool_holds_one_sequence(num_blocks, block_size: int, max_model_len: int) -> None:
+    """A pool smaller than one ``max_model_len`` sequence could never finish that sequence."""
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
+                         f"max_model_len={max_model_len} sequence; lower max_model_len or add blocks")
 
 
 def make_paged_cache(llm: BaseLLM, block_size: int, num_blocks: int) -> PagedKVCache:
@@ -42,9 +54,6 @@ class LLM(BaseLLM):
 
     def _build_engine(self) -> PagedEngineCore:
         block_size, num_blocks = resolve_num_blocks(self)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} cannot hold one "
-                             f"max_model_len={self.max_model_len} sequence")
         allocator = BlockAllocator(num_blocks, self.args["block_shuffle_seed"])
         return PagedEngineCore(self.model, make_paged_cache(self, block_size, num_blocks), allocator,
                                self.args["max_num_seqs"], self.max_model_len, self.device, self.args["seed"])

@@ -12,6 +12,7 @@ attention are stage2's, imported. vLLM: ``vllm/v1/core/sched/scheduler.py``,
 from stage2_paged import *  # noqa: F403  (re-export the whole surface of the stage before)
 from stage2_paged import __all__ as _stage2_all
 from stage3_continuous.config import CacheConfig, SchedulerConfig
+from stage3_continuous.dry_run import describe_step, dry_run_step
 from stage3_continuous.engine import EngineCore, StatsLogger, format_stats_line
 from stage3_continuous.kv_cache_manager import KVCacheManager
 from stage3_continuous.llm import LLM
@@ -19,5 +20,5 @@ from stage3_continuous.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [n for n in _stage2_all if n != "LLM"] + [
     "LLM", "CacheConfig", "EngineCore", "KVCacheManager", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "StatsLogger", "format_stats_line",
+    "StatsLogger", "describe_step", "dry_run_step", "format_stats_line",
 ]

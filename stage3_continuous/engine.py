@@ -12,9 +12,10 @@ import torch
 
 from shared.metrics import SchedulerStats
 from shared.model import DecoderModel
-from shared.model_runner import ModelRunner, prepare_inputs
+from shared.model_runner import ModelRunner, ScheduledBatch, prepare_inputs
 from shared.request import Request, RequestStatus
 from stage2_paged.attention import PagedAttentionBackend, build_paged_metadata
+from stage2_paged.block_table import slot_mapping
 from stage2_paged.kv_cache import PagedKVCache
 from stage3_continuous.scheduler import Scheduler, SchedulerOutput
 
@@ -23,14 +24,14 @@ logger = logging.getLogger("stagedserve")
 
 class EngineCore:
     def __init__(self, model: DecoderModel, scheduler: Scheduler, kv_cache: PagedKVCache, device: torch.device,
-                 seed: int = 0, attention_backend=None, log_stats_interval: float | None = None):
+                 seed: int = 0, stats_logger: StatsLogger | None = None):
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.max_model_len = scheduler.max_model_len
         self.device = device
         self.runner = ModelRunner(model, device, seed)
-        model.set_attention_backend(attention_backend or PagedAttentionBackend(kv_cache))
-        self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval else None
+        model.set_attention_backend(PagedAttentionBackend(kv_cache))
+        self.stats_logger = stats_logger
         self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
 
     def add_request(self, request: Request) -> None:
@@ -69,24 +70,37 @@ class EngineCore:
         return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
 
     def execute_model(self, output: SchedulerOutput) -> dict[str, int]:
-        batch = [(r, output.num_scheduled_tokens[r.request_id]) for r in output.scheduled_reqs]
+        batch = scheduled_batch(output)
         inputs = prepare_inputs(batch, self.device)
-        block_size = self.kv_cache.block_size
-        slots, tables = [], []
-        for request, num_new in batch:
-            table = output.block_tables[request.request_id]
-            start = request.num_computed_tokens
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + num_new))
-            tables.append(table)
+        slots, tables = kv_layout(batch, output.block_tables, self.kv_cache.block_size)
         meta = build_paged_metadata(slots, inputs.query_start_loc, inputs.seq_lens, tables, self.device)
         return self.runner.execute(batch, inputs, meta)
+
+
+def scheduled_batch(output: SchedulerOutput) -> ScheduledBatch:
+    """The step's ``(request, num_new_tokens)`` pairs, running requests first, as the runner takes them."""
+    return [(r, output.num_scheduled_tokens[r.request_id]) for r in output.scheduled_reqs]
+
+
+def kv_layout(batch: ScheduledBatch, block_tables: dict[str, list[int]],
+              block_size: int) -> tuple[list[int], list[list[int]]]:
+    """Where this step's new K/V go (one slot per token) and each sequence's block table."""
+    slots: list[int] = []
+    tables = []
+    for request, num_new in batch:
+        table = block_tables[request.request_id]
+        start = request.num_computed_tokens
+        slots.extend(slot_mapping(table, block_size, start, start + num_new))
+        tables.append(table)
+    return slots, tables
 
 
 class StatsLogger:
     """A periodic line like vLLM's ``LoggingStatLogger`` (``vllm/v1/metrics/loggers.py``).
 
-    Throughput and the prefix-cache hit rate cover the last interval; preemptions are
-    cumulative. An idle interval logs at DEBUG, so a quiet engine stays quiet.
+    Throughput covers the last interval; preemptions are cumulative. An idle interval logs
+    at DEBUG, so a quiet engine stays quiet. A later stage adds its own numbers by
+    overriding ``fields``.
     """
 
     def __init__(self, interval: float, log: logging.Logger = logger):
@@ -101,7 +115,7 @@ class StatsLogger:
         now = time.monotonic() if now is None else now
         if now - self.last_time < self.interval:
             return None
-        line = format_stats_line(self.last, stats, now - self.last_time)
+        line = self.format_line(self.last, stats, now - self.last_time)
         idle = (stats.num_running == stats.num_waiting == 0
                 and stats.num_prompt_tokens_computed == self.last.num_prompt_tokens_computed
                 and stats.num_generation_tokens == self.last.num_generation_tokens)
@@ -109,15 +123,18 @@ class StatsLogger:
         self.last, self.last_time = stats, now
         return line
 
+    @classmethod
+    def format_line(cls, before: SchedulerStats, after: SchedulerStats, seconds: float) -> str:
+        return ", ".join(cls.fields(before, after, max(seconds, 1e-9)))
 
-def format_stats_line(before: SchedulerStats, after: SchedulerStats, seconds: float) -> str:
-    seconds = max(seconds, 1e-9)
-    prompt = (after.num_prompt_tokens_computed - before.num_prompt_tokens_computed) / seconds
-    generation = (after.num_generation_tokens - before.num_generation_tokens) / seconds
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
-    hit_rate = 100 * hits / queries if queries else 0.0
-    return (f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: {generation:.1f} tokens/s, "
-            f"Running: {after.num_running} reqs, Waiting: {after.num_waiting} reqs, "
-            f"KV cache usage: {100 * after.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
-            f"Preemptions: {after.num_preemptions}")
+    @staticmethod
+    def fields(before: SchedulerStats, after: SchedulerStats, seconds: float) -> list[str]:
+        prompt = (after.num_prompt_tokens_computed - before.num_prompt_tokens_computed) / seconds
+        generation = (after.num_generation_tokens - before.num_generation_tokens) / seconds
+        return [f"Avg prompt throughput: {prompt:.1f} tokens/s",
+                f"Avg generation throughput: {generation:.1f} tokens/s", f"Running: {after.num_running} reqs",
+                f"Waiting: {after.num_waiting} reqs",
+                f"KV cache usage: {100 * after.kv_cache_usage:.1f}%", f"Preemptions: {after.num_preemptions}"]
+
+
+format_stats_line = StatsLogger.format_line

@@ -4,7 +4,10 @@ The scheduler asks, per request and per step, for slots for ``num_new_tokens`` m
 tokens; the manager grows the request's block table from stage2's allocator, or says
 no (``None``) and changes nothing, which is the scheduler's cue to preempt.
 Its interface is the one stage4's prefix-caching manager keeps, so the scheduler does
-not change when caching arrives. vLLM: ``vllm/v1/core/kv_cache_manager.py``.
+not change when caching arrives. A block here is what stage2's allocator hands out, a bare
+block id; stage4's blocks become ``KVCacheBlock`` objects (with a reference count and a
+hash), and the scheduler never looks inside either: it only asks whether the answer is
+``None``. vLLM: ``vllm/v1/core/kv_cache_manager.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list | None = None) -> list[int] | None:
+        """The new blocks (ids) backing ``num_new_tokens`` more tokens, or None (nothing changed)."""
         table = self.tables.setdefault(request.request_id, BlockTable(self.block_size))
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if table.blocks_needed(total) > self.allocator.num_free:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.llm_base import BaseLLM
 from stage2_paged.llm import PAGED_ARGS, make_paged_cache, resolve_num_blocks
 from stage3_continuous.config import CacheConfig, SchedulerConfig
-from stage3_continuous.engine import EngineCore
+from stage3_continuous.engine import EngineCore, StatsLogger
 from stage3_continuous.scheduler import Scheduler
 
 CONTINUOUS_ARGS = {
@@ -21,6 +21,7 @@ CONTINUOUS_ARGS = {
 class LLM(BaseLLM):
     stage = "stage3_continuous"
     engine_args = CONTINUOUS_ARGS
+    stats_logger_class = StatsLogger  # a later stage logs more by naming its own
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
@@ -34,20 +35,21 @@ class LLM(BaseLLM):
     def _make_scheduler(self, cache_config) -> Scheduler:
         return Scheduler(self._scheduler_config(), cache_config, self.max_model_len)
 
-    def _attention_backend(self, kv_cache):
-        return None  # stage2's torch reference
+    def _stats_logger(self) -> StatsLogger | None:
+        interval = self.args["log_stats_interval"]
+        return self.stats_logger_class(interval) if interval else None
 
     def _build_engine(self) -> EngineCore:
         block_size, num_blocks = resolve_num_blocks(self)
-        if num_blocks * block_size < self.max_model_len:
-            # A sequence that outgrows the whole pool could never run, only preempt itself.
-            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                             f"max_model_len={self.max_model_len} sequence; lower max_model_len or add blocks")
         scheduler = self._make_scheduler(self._cache_config(block_size, num_blocks))
-        if not self.args["enable_chunked_prefill"] and self.args["max_num_batched_tokens"] < self.max_model_len:
-            raise ValueError("max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
-                             f"({self.max_model_len}), or long prompts could never be scheduled")
+        check_budget_takes_a_whole_prompt(self.args, self.max_model_len)
         kv_cache = make_paged_cache(self, block_size, num_blocks)
         return EngineCore(self.model, scheduler, kv_cache, self.device, self.args["seed"],
-                          attention_backend=self._attention_backend(kv_cache),
-                          log_stats_interval=self.args["log_stats_interval"])
+                          stats_logger=self._stats_logger())
+
+
+def check_budget_takes_a_whole_prompt(args: dict, max_model_len: int) -> None:
+    """Without chunked prefill a prompt runs in one step, so the budget must fit the longest one."""
+    if not args["enable_chunked_prefill"] and args["max_num_batched_tokens"] < max_model_len:
+        raise ValueError("max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
+                         f"({max_model_len}), or long prompts could never be scheduled")

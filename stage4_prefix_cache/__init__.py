@@ -22,9 +22,11 @@ from stage4_prefix_cache.kv_cache_utils import (
     hash_request_tokens,
 )
 from stage4_prefix_cache.llm import LLM
-from stage4_prefix_cache.scheduler import CacheConfig, Scheduler
+from stage4_prefix_cache.scheduler import CacheConfig, Scheduler, StatsLogger, format_stats_line
 
-__all__ = [n for n in _stage3_all if n not in ("LLM", "Scheduler", "CacheConfig", "KVCacheManager")] + [
+_OVERRIDDEN = ("LLM", "Scheduler", "CacheConfig", "KVCacheManager", "StatsLogger", "format_stats_line")
+__all__ = [n for n in _stage3_all if n not in _OVERRIDDEN] + [
     "LLM", "BlockPool", "CacheConfig", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
-    "PrefixCacheStats", "Scheduler", "get_hash_fn", "hash_block_tokens", "hash_request_tokens",
+    "PrefixCacheStats", "Scheduler", "StatsLogger", "format_stats_line", "get_hash_fn", "hash_block_tokens",
+    "hash_request_tokens",
 ]

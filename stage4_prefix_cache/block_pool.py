@@ -45,7 +45,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, shuffle_seed: int | None = None) -> None:
         if type(num_blocks) is not int or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+            raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -92,9 +92,9 @@ class BlockPool:
         ``num_blocks`` are free, raise ValueError and change nothing.
         """
         if type(num_blocks) is not int or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+            raise ValueError(f"num_blocks: must be a non-negative integer, got {num_blocks!r}")
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot allocate num_blocks={num_blocks}: only {self.get_num_free_blocks()} free")
+            raise ValueError(f"num_blocks: cannot allocate {num_blocks}, only {self.get_num_free_blocks()} free")
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
@@ -163,11 +163,11 @@ class BlockPool:
             return
         if not 0 <= num_cached_blocks <= num_full_blocks <= len(blocks):
             raise ValueError(
-                f"need 0 <= num_cached_blocks ({num_cached_blocks}) <= "
+                f"num_cached_blocks: need 0 <= num_cached_blocks ({num_cached_blocks}) <= "
                 f"num_full_blocks ({num_full_blocks}) <= len(blocks) ({len(blocks)})"
             )
         if len(block_hashes) < num_full_blocks:
-            raise ValueError(f"block_hashes has {len(block_hashes)} hashes, need num_full_blocks={num_full_blocks}")
+            raise ValueError(f"block_hashes: {len(block_hashes)} hashes, need num_full_blocks={num_full_blocks}")
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None:

@@ -96,7 +96,7 @@ class KVCacheManager:
         shuffle_seed: int | None = None,
     ) -> None:
         if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+            raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn: HashFn = get_hash_fn(hash_fn) if isinstance(hash_fn, str) else hash_fn
@@ -191,24 +191,24 @@ class KVCacheManager:
         them. Preempt only requests not yet scheduled in the current step.
         """
         if type(num_new_tokens) is not int or num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+            raise ValueError(f"num_new_tokens: must be a positive integer, got {num_new_tokens!r}")
         hits = list(new_computed_blocks or ())
         if num_new_computed_tokens != len(hits) * self.block_size:
             raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} must equal "
+                f"num_new_computed_tokens: {num_new_computed_tokens} must equal "
                 f"len(new_computed_blocks) * block_size = {len(hits) * self.block_size}"
             )
         request_id = request.request_id
         table = self.req_to_blocks.get(request_id, [])
         if hits and (table or request.num_computed_tokens):
             raise ValueError(
-                "new_computed_blocks can only start an empty block table "
+                "new_computed_blocks: can only start an empty block table "
                 f"(request {request_id!r} already has {len(table)} blocks and "
                 f"num_computed_tokens={request.num_computed_tokens})"
             )
         if request.num_computed_tokens > len(table) * self.block_size:
             raise ValueError(
-                f"request {request_id!r} has num_computed_tokens="
+                f"num_computed_tokens: request {request_id!r} has num_computed_tokens="
                 f"{request.num_computed_tokens} but blocks for only "
                 f"{len(table) * self.block_size} tokens; reset num_computed_tokens "
                 "to 0 after free(request)"

@@ -88,7 +88,7 @@ def get_hash_fn(name: str) -> HashFn:
     try:
         return _HASH_FUNCTIONS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"hash_fn must be one of {sorted(_HASH_FUNCTIONS)}, got {name!r}") from None
+        raise ValueError(f"hash_fn: must be one of {sorted(_HASH_FUNCTIONS)}, got {name!r}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def _encode_value(value: str | bytes | int) -> bytes:
     # would otherwise silently encode like 1.
     marker = _VALUE_TYPES.get(type(value))
     if marker is None:
-        raise ValueError(f"extra_keys values must be str, bytes or int, got {type(value).__name__}")
+        raise ValueError(f"extra_keys: values must be str, bytes or int, got {type(value).__name__}")
     if isinstance(value, str):
         raw = value.encode("utf-8")
     elif isinstance(value, int):
@@ -157,24 +157,24 @@ def encode_block(
     elif isinstance(parent_hash, bytes):
         parts.append(b"\x01" + _length_prefixed(parent_hash))
     else:
-        raise ValueError(f"parent_hash must be bytes or None, got {type(parent_hash).__name__}")
+        raise ValueError(f"parent_hash: must be bytes or None, got {type(parent_hash).__name__}")
 
     try:
         parts.append(_U32.pack(len(token_ids)))
         parts.append(struct.pack(f">{len(token_ids)}Q", *token_ids))
     except struct.error:
         raise ValueError(
-            f"token_ids must be integers in [0, 2**64), got {list(token_ids)[:8]}{'...' if len(token_ids) > 8 else ''}"
+            f"token_ids: must be integers in [0, 2**64), got {list(token_ids)[:8]}{'...' if len(token_ids) > 8 else ''}"
         ) from None
 
     extra_keys = tuple(extra_keys or ())
     parts.append(_U32.pack(len(extra_keys)))
     for key in extra_keys:
         if not (isinstance(key, tuple) and len(key) == 2):
-            raise ValueError(f"extra_keys must be (source, value) pairs, got {key!r}")
+            raise ValueError(f"extra_keys: must be (source, value) pairs, got {key!r}")
         source, value = key
         if source not in EXTRA_KEY_SOURCES:
-            raise ValueError(f"extra_keys source must be one of {EXTRA_KEY_SOURCES}, got {source!r}")
+            raise ValueError(f"extra_keys: source must be one of {EXTRA_KEY_SOURCES}, got {source!r}")
         parts.append(_length_prefixed(source.encode("utf-8")))
         parts.append(_encode_value(value))
     return b"".join(parts)
@@ -232,7 +232,7 @@ def hash_request_tokens(
     as tokens are appended, so it has no stable identity to share.
     """
     if type(block_size) is not int or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -309,7 +309,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Remove and return the head block."""
         if self.num_free_blocks == 0:
-            raise ValueError("no free blocks: popleft from an empty free block queue")
+            raise ValueError("free_block_queue: no free blocks to pop")
         block = self._head.next_free_block
         assert block is not None and block is not self._tail
         self.remove(block)
@@ -319,7 +319,7 @@ class FreeKVCacheBlockQueue:
         """Unlink ``block`` from anywhere in the queue, in O(1)."""
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
+            raise ValueError(f"block: block {block.block_id} is not in the free queue")
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
@@ -339,7 +339,7 @@ class FreeKVCacheBlockQueue:
 
     def _link_between(self, block: KVCacheBlock, prev: KVCacheBlock, nxt: KVCacheBlock) -> None:
         if block.prev_free_block is not None or block.next_free_block is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
+            raise ValueError(f"block: block {block.block_id} is already in the free queue")
         block.prev_free_block, block.next_free_block = prev, nxt
         prev.next_free_block = block
         nxt.prev_free_block = block

@@ -3,9 +3,9 @@
 The scheduling loop does not change: it already asks ``get_computed_blocks`` before
 admitting a waiting request and starts the request at that many computed tokens. In
 stage3 the answer was always "none"; here it is the longest run of cached full blocks.
-What this file adds is the configuration, the cache counters in the stats, and one rule
-for failures: blocks hashed for a step whose forward pass raised may hold no K/V, so
-their hashes are dropped.
+What this file adds is the configuration, the cache counters in the stats (and the hit
+rate in the periodic stats line), and one rule for failures: blocks hashed for a step whose
+forward pass raised may hold no K/V, so their hashes are dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.metrics import SchedulerStats
 from stage3_continuous.config import CacheConfig as _PagedCacheConfig
+from stage3_continuous.engine import StatsLogger as _ContinuousStatsLogger
 from stage3_continuous.scheduler import Scheduler as _ContinuousScheduler
 from stage3_continuous.scheduler import SchedulerOutput
 from stage4_prefix_cache.kv_cache_manager import KVCacheManager
@@ -48,3 +49,18 @@ class Scheduler(_ContinuousScheduler):
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+class StatsLogger(_ContinuousStatsLogger):
+    """Stage 3's stats line with the prefix-cache hit rate of the interval (tokens found / looked up)."""
+
+    @staticmethod
+    def fields(before: SchedulerStats, after: SchedulerStats, seconds: float) -> list[str]:
+        fields = _ContinuousStatsLogger.fields(before, after, seconds)
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        fields.insert(-1, f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        return fields
+
+
+format_stats_line = StatsLogger.format_line

@@ -1,26 +1,45 @@
 """Stage 5: the deployable server. Attention runs in Triton kernels chosen by a backend
-registry, the engine core runs off the event loop, and a secured OpenAI-compatible HTTP
-server streams its results.
+registry, the engine core steps on its own (on a thread, or in a process of its own), and a
+secured OpenAI-compatible HTTP server streams its results.
 
-New here: ``attention_backends`` (``torch`` | ``triton``) and ``kernels/`` (paged attention
-that reads K/V through block tables on the GPU), ``AsyncLLM`` (the step loop on a
-background thread, one async stream per request) or ``MPAsyncLLM`` (the engine core in a
-process of its own, over ZeroMQ), ``create_app`` (routes, API keys on
-every route, trust-group cache salts, Prometheus metrics), the ``stagedserve`` CLI and its
-benchmarks. The engine core is stage4's, imported. vLLM: ``vllm/v1/engine/async_llm.py``,
-``vllm/entrypoints/openai/api_server.py``, ``vllm/attention/ops/`` (Triton kernels),
-``vllm/v1/metrics/loggers.py``.
+The engine core is stage 4's, imported; stage 5 adds rooms around it, one idea each:
+
+- ``attention/``: the backend registry (``torch`` | ``triton``), the Triton kernels, KV sizing
+  from free GPU memory (vLLM: ``vllm/attention/``, ``vllm/v1/attention/backends/``);
+- ``engine/``: the async engine, a front end over an engine core driven by one busy loop,
+  on a thread (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``) (``vllm/v1/engine/``);
+- ``server/``: the OpenAI-compatible app, API keys and trust groups, metrics
+  (``vllm/entrypoints/openai/``);
+- ``parallel/``: tensor parallelism over worker processes (``vllm/distributed/``, ``vllm/v1/executor/``);
+- ``cli/`` and ``bench/``: the ``stagedserve`` command and its load benchmark
+  (``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
+
+Everything but ``LLM`` is imported on first use, so ``from stage5_server import LLM`` loads
+neither the HTTP server (fastapi) nor the engine process's transport (pyzmq, msgspec).
 """
+
+from __future__ import annotations
+
+import importlib
 
 from stage4_prefix_cache import *  # noqa: F403  (re-export the whole surface of the stage before)
 from stage4_prefix_cache import __all__ as _stage4_all
-from stage5_server.api_server import create_app
-from stage5_server.async_llm import AsyncLLM
-from stage5_server.attention_backends import ATTENTION_BACKENDS, TritonAttentionBackend, resolve_attention_backend
-from stage5_server.core_client import MPAsyncLLM, make_async_llm
 from stage5_server.llm import LLM
 
-__all__ = [n for n in _stage4_all if n != "LLM"] + [
-    "LLM", "ATTENTION_BACKENDS", "AsyncLLM", "MPAsyncLLM", "TritonAttentionBackend", "create_app",
-    "make_async_llm", "resolve_attention_backend",
-]
+_EXPORTS = {
+    "ATTENTION_BACKENDS": "stage5_server.attention", "TritonAttentionBackend": "stage5_server.attention",
+    "resolve_attention_backend": "stage5_server.attention",
+    "AsyncEngine": "stage5_server.engine", "AsyncLLM": "stage5_server.engine", "MPAsyncLLM": "stage5_server.engine",
+    "make_async_llm": "stage5_server.engine", "EngineError": "stage5_server.engine",
+    "EngineDeadError": "stage5_server.engine", "RequestAborted": "stage5_server.engine",
+    "create_app": "stage5_server.server", "ServerThread": "stage5_server.server",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = [n for n in _stage4_all if n != "LLM"] + ["LLM", *_EXPORTS]

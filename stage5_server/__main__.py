@@ -1,4 +1,4 @@
-"""``python -m stage5_server ...`` runs the ``stagedserve`` command (``stage5_server/cli.py``).
+"""``python -m stage5_server ...`` runs the ``stagedserve`` command (``stage5_server/cli/``).
 
 vLLM: the ``vllm`` console script, ``vllm/entrypoints/cli/main.py``.
 """

@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from shared import default_model
     from stage5_server import LLM
-    from stage5_server.api_server import ServerThread, create_app
-    from stage5_server.cli import configure_logging
+    from stage5_server.cli.serve import configure_logging
+    from stage5_server.server import ServerThread, create_app
 
     configure_logging()
     stats_lines = _StatsLines()

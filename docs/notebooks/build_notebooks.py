@@ -208,22 +208,14 @@ through the real `Scheduler` with token ids only (no model).
         code(SETUP),
         code("""
 from shared import Request
-from stage3_continuous import CacheConfig, Scheduler, SchedulerConfig
+from stage3_continuous import CacheConfig, Scheduler, SchedulerConfig, describe_step, dry_run_step
 
 BUDGET = 6
 sched = Scheduler(SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4), CacheConfig(block_size=4, num_blocks=16))
 params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
-def step(label):
-    out = sched.schedule()
-    parts, sampled = [], {}
-    for req in out.scheduled_reqs:
-        rid, n = req.request_id, out.num_scheduled_tokens[req.request_id]
-        kind = "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode"
-        parts.append(f"{rid} {kind} {n}")
-        sampled[rid] = [99] if req.num_computed_tokens + n >= req.num_tokens else []  # mid-prefill: no token
-    print(f"{label}: {', '.join(parts)}; used {out.total_num_scheduled_tokens}/{BUDGET}")
-    sched.update_from_output(out, sampled)
+def step(label):  # a made-up token (99) for each request that finishes its prompt; mid-prefill: none
+    print(f"{label}: {describe_step(dry_run_step(sched, token=99), BUDGET)}")
 
 sched.add_request(Request("R0", [1, 2, 3, 4, 5, 6, 7, 8], params))       # A..H
 while sched.requests["R0"].num_output_tokens < 2:

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
 
 from shared import Request, SamplingParams  # noqa: E402
-from stage3_continuous import SchedulerConfig  # noqa: E402
+from stage3_continuous import SchedulerConfig, describe_step, dry_run_step  # noqa: E402
 
 if "--apc" in sys.argv:
     from stage4_prefix_cache import CacheConfig, Scheduler
@@ -25,16 +25,7 @@ BUDGET = 6
 
 
 def step(sched: Scheduler, label: str) -> None:
-    out = sched.schedule()
-    parts, sampled = [], {}
-    for req in out.scheduled_reqs:
-        rid, n = req.request_id, out.num_scheduled_tokens[req.request_id]
-        kind = "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode"
-        parts.append(f"{rid} {kind} {n}")
-        finishes_prompt = req.num_computed_tokens + n >= req.num_tokens
-        sampled[rid] = [99] if finishes_prompt else []  # mid-prefill: no token yet
-    print(f"{label}: {', '.join(parts)}; used {out.total_num_scheduled_tokens}/{BUDGET}")
-    sched.update_from_output(out, sampled)
+    print(f"{label}: {describe_step(dry_run_step(sched, token=99), BUDGET)}")
 
 
 sched = Scheduler(SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4),

@@ -27,11 +27,11 @@ import sys
 import time
 from typing import Any
 
-from stage5_server.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from stage5_server.bench.datasets import DATASETS, DatasetConfig
 from stage5_server.bench.goodput import SLO
 from stage5_server.bench.report import format_result, format_sweep_table, plot_results, save_result, summarize_run
 from stage5_server.bench.serve import ServeConfig, run_serve
+from stage5_server.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def _rate(text: str) -> float:
@@ -196,8 +196,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def bench_sweep(args: argparse.Namespace) -> int:
     """Per (max_num_batched_tokens, max_num_seqs): a fresh engine and server, every rate, then stop it."""
     from shared import default_model
-    from stage5_server.api_server import ServerThread, create_app
     from stage5_server.llm import LLM
+    from stage5_server.server import ServerThread, create_app
 
     model = args.model or str(default_model())
     api_key = secrets.token_urlsafe(24)  # the in-process server is on loopback, and still needs a key

@@ -9,7 +9,7 @@ requests in flight. Every request streams (``stream: true`` with
 
 Each request also asks for the server's own timeline (``X-Stagedserve-Timeline: 1``); a
 stagedserve server puts it in the final chunk, and the record keeps it as ``server_timeline``
-(front-end, queue, prefill, decode and output-path seconds: ``server_metrics.request_phases``).
+(front-end, queue, prefill, decode and output-path seconds: ``server.metrics.request_phases``).
 Other servers ignore the header and the field stays None.
 
 A chunk is the unit the client can see: when the server coalesces several tokens into one
@@ -38,7 +38,7 @@ from shared.metrics import RequestTimeline
 from stage5_server.bench.datasets import BenchRequest, DatasetConfig, build_dataset
 from stage5_server.bench.goodput import SLO
 
-TIMELINE_HEADER = "X-Stagedserve-Timeline"  # the server's opt-in header (api_server.TIMELINE_HEADER)
+TIMELINE_HEADER = "X-Stagedserve-Timeline"  # the server's opt-in header (server.serving.TIMELINE_HEADER)
 
 
 @dataclass

@@ -16,6 +16,7 @@ vLLM: ``vllm/v1/engine/core.py`` over ``vllm/v1/executor/multiproc_executor.py``
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +24,11 @@ from shared.config import ModelConfig
 from shared.llm_base import DEFAULT_KV_CACHE_MEMORY, kv_bytes_per_token
 from shared.model_runner import prepare_inputs
 from shared.sampler import sample
-from stage3_continuous.engine import EngineCore, StatsLogger
-from stage3_continuous.scheduler import SchedulerOutput
-from stage5_server.attention_backends import resolve_attention_backend
+from stage2_paged.llm import check_block_size, check_pool_holds_one_sequence
+from stage3_continuous.engine import kv_layout, scheduled_batch
+from stage3_continuous.llm import check_budget_takes_a_whole_prompt
+from stage4_prefix_cache import EngineCore, Scheduler, SchedulerOutput, StatsLogger
+from stage5_server.attention.memory import profiled_kv_memory
 from stage5_server.parallel.executor import MultiprocExecutor
 from stage5_server.parallel.parallel_state import resolve_interface, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import rank_config
@@ -35,8 +38,8 @@ logger = logging.getLogger("stagedserve")
 
 
 class TensorParallelEngineCore(EngineCore):
-    def __init__(self, executor: MultiprocExecutor, scheduler, block_size: int, seed: int = 0,
-                 log_stats_interval: float | None = None):
+    def __init__(self, executor: MultiprocExecutor, scheduler: Scheduler, block_size: int, seed: int = 0,
+                 stats_logger: StatsLogger | None = None):
         # Not EngineCore.__init__: there is no model in this process to install a backend on.
         self.executor = executor
         self.scheduler = scheduler
@@ -44,19 +47,13 @@ class TensorParallelEngineCore(EngineCore):
         self.max_model_len = scheduler.max_model_len
         self.device = torch.device("cpu")  # where the step is prepared and sampled
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests, as ModelRunner
-        self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval else None
+        self.stats_logger = stats_logger
         self.step_trace: list[dict[str, int]] | None = None
 
     def execute_model(self, output: SchedulerOutput) -> dict[str, int]:
-        batch = [(r, output.num_scheduled_tokens[r.request_id]) for r in output.scheduled_reqs]
+        batch = scheduled_batch(output)
         inputs = prepare_inputs(batch)
-        slots, tables = [], []
-        for request, num_new in batch:
-            table = output.block_tables[request.request_id]
-            start = request.num_computed_tokens
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(start, start + num_new))
-            tables.append(table)
+        slots, tables = kv_layout(batch, output.block_tables, self.block_size)
         step = StepBatch(inputs.input_ids.tolist(), inputs.positions.tolist(), slots, inputs.query_start_loc,
                          inputs.seq_lens, tables, [inputs.query_start_loc[r + 1] - 1 for r in inputs.sample_rows])
         logits = self.executor.execute_model(step)
@@ -74,45 +71,34 @@ def kv_bytes_per_token_per_rank(config: ModelConfig, world_size: int, dtype: tor
     return kv_bytes_per_token(rank_config(config, tensor_parallel_shape(config, world_size)), dtype)
 
 
-def build_tensor_parallel_engine(llm) -> TensorParallelEngineCore:
-    """Start the ranks, size the KV cache per rank, build the scheduler; mirrors stage3's ``_build_engine``."""
+def build_tensor_parallel_engine(llm, make_scheduler: Callable[[int, int], Scheduler],
+                                 stats_logger: StatsLogger | None) -> TensorParallelEngineCore:
+    """Start the ranks, size the KV cache per rank, build the scheduler with
+    ``make_scheduler(block_size, num_blocks)``; the same checks as the one-device engine."""
     args, world_size = llm.args, llm.tensor_parallel_size
-    block_size = args["block_size"]
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
-    backend = resolve_attention_backend(args["attention_backend"], llm.device)
+    block_size = check_block_size(args["block_size"])
     interface = resolve_interface(args["distributed_interface"])
     executor = MultiprocExecutor(llm.model_path, world_size, llm.dtype, llm.device.type, interface)
     try:
         num_blocks = args["num_kv_blocks"] or _kv_cache_tokens(llm, executor) // block_size
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
-        if num_blocks * block_size < llm.max_model_len:
-            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                             f"max_model_len={llm.max_model_len} sequence; lower max_model_len or add blocks")
-        if not args["enable_chunked_prefill"] and args["max_num_batched_tokens"] < llm.max_model_len:
-            raise ValueError("max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
-                             f"({llm.max_model_len}), or long prompts could never be scheduled")
-        scheduler = llm._make_scheduler(llm._cache_config(block_size, num_blocks))
-        executor.collective_rpc("init_kv_cache", num_blocks, block_size, backend)
+        check_pool_holds_one_sequence(num_blocks, block_size, llm.max_model_len)
+        check_budget_takes_a_whole_prompt(args, llm.max_model_len)
+        scheduler = make_scheduler(block_size, num_blocks)
+        executor.collective_rpc("init_kv_cache", num_blocks, block_size, llm.attention_backend_name)
     except BaseException:
         executor.shutdown()
         raise
-    llm.attention_backend_name = backend
     logger.info("tensor parallel: %d ranks, attention backend %s, KV cache %d blocks of %d tokens on each rank",
-                world_size, backend, num_blocks, block_size)
-    return TensorParallelEngineCore(executor, scheduler, block_size, args["seed"], args["log_stats_interval"])
+                world_size, llm.attention_backend_name, num_blocks, block_size)
+    return TensorParallelEngineCore(executor, scheduler, block_size, args["seed"], stats_logger)
 
 
 def _kv_cache_tokens(llm, executor: MultiprocExecutor) -> int:
     per_token = kv_bytes_per_token_per_rank(llm.model_config, llm.tensor_parallel_size, llm.dtype)
     memory = llm.args["kv_cache_memory"]
-    if memory is None and llm.device.type == "cuda":
-        utilization = llm.args["gpu_memory_utilization"]
-        if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-        num_tokens = min(llm.args["max_num_batched_tokens"], llm.max_model_len)
-        memory = min(executor.collective_rpc("profile_kv_memory", num_tokens, utilization))  # the tightest rank
+    if memory is None and llm.device.type == "cuda":  # the tightest rank decides
+        memory = profiled_kv_memory(llm.args, llm.max_model_len,
+                                    lambda n, u: min(executor.collective_rpc("profile_kv_memory", n, u)))
     memory = memory or DEFAULT_KV_CACHE_MEMORY
     if not isinstance(memory, int) or memory <= 0:
         raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")

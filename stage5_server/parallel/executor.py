@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from stage5_server.async_llm import EngineDeadError
+from stage5_server.engine.errors import EngineDeadError
 from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S
 from stage5_server.parallel.worker import StepBatch, WorkerSettings, worker_main
 

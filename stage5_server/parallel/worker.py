@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from stage2_paged.attention import build_paged_metadata
 from stage2_paged.kv_cache import PagedKVCache
-from stage5_server.attention_backends import ATTENTION_BACKENDS
+from stage5_server.attention import ATTENTION_BACKENDS
+from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.parallel.parallel_state import init_tensor_parallel, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import load_sharded_model
 
@@ -67,8 +68,6 @@ class Worker:
                 "num_heads": self.shape.num_heads, "num_kv_heads": self.shape.num_kv_heads}
 
     def profile_kv_memory(self, num_tokens: int, utilization: float) -> int:
-        from stage5_server.llm import profile_free_kv_memory
-
         return profile_free_kv_memory(self.model, self.device, num_tokens, utilization)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, attention_backend: str) -> None:

@@ -18,8 +18,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stage5_server.api_server import create_app
-from stage5_server.protocol import NOOP_VALUES
+from stage5_server.server import create_app
+from stage5_server.server.protocol import NOOP_VALUES
 from tests.reliability.figures import count
 from tests.reliability.settings import DERANDOMIZE
 from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until

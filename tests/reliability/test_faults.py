@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from shared import SamplingParams
-from stage5_server.api_server import create_app
+from stage5_server.server import create_app
 from tests.reliability.figures import count
 from tests.stage5.server_fixtures import auth, engine_runner, make_llm, metric, running_server, wait_until
 

@@ -9,8 +9,9 @@ import re
 import httpx
 import pytest
 
-from stage5_server.api_server import APIKeys, CacheSalter, create_app
-from stage5_server.async_llm import AsyncLLM
+from stage5_server.engine import AsyncLLM
+from stage5_server.server import create_app
+from stage5_server.server.auth import APIKeys, CacheSalter
 from tests.reliability.figures import count
 from tests.stage5.server_fixtures import EngineCallRecorder, auth, fail_execute, make_llm, metric, running_server
 

@@ -29,8 +29,8 @@ import pytest
 
 from shared import SamplingParams
 from shared.request import Request
-from stage5_server.api_server import create_app
-from stage5_server.core_client import make_async_llm
+from stage5_server.engine import make_async_llm
+from stage5_server.server import create_app
 from tests.invariants.prompts import PROMPTS as INVARIANT_PROMPTS
 from tests.reliability.figures import count
 from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, wait_until

@@ -16,8 +16,7 @@ def test_stats_line_reports_rates_over_the_interval():
                            num_generation_tokens=50)
     line = format_stats_line(before, after, 2.0)
     assert line == ("Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
-                    "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%, "
-                    "Preemptions: 1")
+                    "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Preemptions: 1")
 
 
 def test_engine_logs_stats_lines_and_counts_tokens(tiny_llama, caplog):

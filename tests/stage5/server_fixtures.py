@@ -21,7 +21,7 @@ from typing import IO, Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from stage5_server import LLM
-from stage5_server.api_server import ServerThread
+from stage5_server.server import ServerThread
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,30 +108,32 @@ def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1) -> dict[
 
 
 class EngineCallRecorder:
-    """Wraps ``llm.add_request`` / ``step`` / ``abort`` to record cache salts and calling threads."""
+    """Wraps the engine core's ``add_request`` / ``step`` / ``finish_requests`` to record each request's
+    cache salt and the threads that call the core."""
 
     def __init__(self, llm):
-        self.llm = llm
+        self.core = llm.engine
         self.salts: dict[str, str | None] = {}
         self.threads: set[str] = set()
         self._lock = threading.Lock()
-        self._originals = {name: getattr(llm, name) for name in ("add_request", "step", "abort")}
+        self._originals = {name: getattr(self.core, name) for name in ("add_request", "step", "finish_requests")}
         for name, original in self._originals.items():
-            setattr(llm, name, self._wrap(name, original))
+            setattr(self.core, name, self._wrap(name, original))
 
     def _wrap(self, name: str, original: Callable) -> Callable:
         def wrapper(*args, **kwargs):
             with self._lock:
                 self.threads.add(threading.current_thread().name)
                 if name == "add_request":
-                    self.salts[kwargs.get("request_id") or args[2]] = kwargs.get("cache_salt")
+                    request = args[0]
+                    self.salts[request.request_id] = request.cache_salt
             return original(*args, **kwargs)
 
         return wrapper
 
     def restore(self) -> None:
         for name in self._originals:
-            delattr(self.llm, name)  # back to the class's method
+            delattr(self.core, name)  # back to the class's method
 
 
 def spawn_serve(model, log: IO, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared import SamplingParams
-from stage5_server.attention_backends import resolve_attention_backend
+from stage5_server.attention import resolve_attention_backend
 from tests.invariants.prompts import PROMPTS
 
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from stage5_server.api_server import ServerThread, create_app
 from stage5_server.bench.cli import main
 from stage5_server.llm import LLM
+from stage5_server.server import ServerThread, create_app
 
 pytestmark = pytest.mark.slow
 API_KEY = "bench-test-key"

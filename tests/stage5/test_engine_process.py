@@ -15,20 +15,23 @@ import pytest
 from openai import OpenAI
 
 from shared import SamplingParams
-from shared.metrics import RequestTimeline
+from shared.metrics import RequestTimeline, SchedulerStats
 from shared.request import Request
-from stage5_server.api_server import TIMELINE_HEADER, create_app
-from stage5_server.async_llm import AsyncLLM, EngineDeadError, RequestAborted
-from stage5_server.core_client import MPAsyncLLM, make_async_llm
-from stage5_server.engine_core_proc import (
-    EngineCoreProc,
-    decode,
-    encode,
-    output_to_wire,
-    request_from_wire,
-    request_to_wire,
+from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
+from stage5_server.engine.core_proc import ZmqCoreLoop
+from stage5_server.engine.messages import (
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FailedRequests,
+    encoder,
+    input_decoder,
+    output_decoder,
 )
-from stage5_server.server_metrics import request_phases
+from stage5_server.server import create_app
+from stage5_server.server.metrics import request_phases
+from stage5_server.server.serving import TIMELINE_HEADER
 from tests.stage5.server_fixtures import (
     ENGINE_KWARGS,
     auth,
@@ -56,6 +59,10 @@ async def final(engine, prompt, params):
     return outputs[-1]
 
 
+def outputs_of(request: Request, num_sent: int) -> EngineCoreOutputs:
+    return EngineCoreOutputs([EngineCoreOutput.from_request(request, num_sent)], SchedulerStats())
+
+
 def process_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -71,7 +78,8 @@ def test_a_request_crosses_the_wire_as_token_ids_with_its_id_and_parameters():
     params = SamplingParams(temperature=0.5, top_k=3, max_tokens=7, stop=["x"], stop_token_ids=[4], seed=11,
                             logprobs=2)
     request = Request("cmpl-1", [5, 6, 7], params, arrival_time=12.5, priority=2, cache_salt="s", eos_token_ids=(2,))
-    copy = request_from_wire(request_to_wire(request))
+    message = input_decoder.decode(encoder.encode(AddRequest(EngineCoreRequest.from_request(request))))
+    copy = message.request.to_request()
     assert (copy.request_id, copy.prompt_token_ids, copy.sampling_params, copy.arrival_time, copy.priority,
             copy.cache_salt, copy.eos_token_ids) == ("cmpl-1", [5, 6, 7], params, 12.5, 2, "s", (2,))
 
@@ -80,8 +88,18 @@ def test_an_output_carries_only_the_tokens_not_sent_yet():
     request = Request("r", [1, 2], SamplingParams(max_tokens=5))
     for i, token in enumerate([10, 11, 12]):
         request.append_output_token(token, now=100.0 + i)
-    wire = output_to_wire(request, num_sent=1)
-    assert (wire["id"], wire["tokens"], wire["times"], wire["finish"]) == ("r", [11, 12], [101.0, 102.0], None)
+    wire = EngineCoreOutput.from_request(request, num_sent=1)
+    assert (wire.request_id, wire.new_token_ids, wire.new_token_times, wire.finish_reason) == \
+        ("r", [11, 12], [101.0, 102.0], None)
+
+
+def test_the_front_ends_copy_rebuilt_from_outputs_equals_the_cores_request():
+    core, mirror = (Request("r", [1, 2], SamplingParams(max_tokens=3)) for _ in range(2))
+    for i, token in enumerate([10, 11, 12]):  # one token a step, each output sent over the wire
+        num_sent = core.num_output_tokens
+        core.append_output_token(token, now=100.0 + i)
+        output_decoder.decode(encoder.encode(outputs_of(core, num_sent))).outputs[0].apply_to(mirror)
+    assert (mirror.output_token_ids, mirror.timeline.token_times) == ([10, 11, 12], [100.0, 101.0, 102.0])
 
 
 def test_request_phases_split_the_first_token_at_the_process_boundary():
@@ -106,38 +124,39 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
         sockets[name].bind(f"inproc://{name}")
         sockets[name + "_peer"] = context.socket(peer)
         sockets[name + "_peer"].connect(f"inproc://{name}")
-    core = EngineCoreProc(llm.engine, sockets["to_core_peer"], sockets["from_core_peer"], os.getppid())
+    core = ZmqCoreLoop(llm.engine, sockets["to_core_peer"], sockets["from_core_peer"], os.getppid())
 
     def add(request_id: str) -> None:
         request = Request(request_id, [5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-        sockets["to_core"].send(encode(["add", request_to_wire(request)]))
-        core.take_messages(1000)
+        sockets["to_core"].send(encoder.encode(AddRequest(EngineCoreRequest.from_request(request))))
+        core.handle(core.receive(1.0))
 
-    def received() -> dict:
+    def received():
         assert sockets["from_core"].poll(5000)
-        return decode(sockets["from_core"].recv())
+        return output_decoder.decode(sockets["from_core"].recv())
 
     try:
         add("a")
         core.step()
         core.step()
         first, second = received(), received()
-        tokens = llm.engine.scheduler.requests["a"].output_token_ids
+        tokens = core.requests["a"].output_token_ids
         assert len(tokens) == 2  # one per step, each sent once
-        assert [o["tokens"] for o in first["outputs"] + second["outputs"]] == [tokens[:1], tokens[1:]]
-        assert second["stats"]["num_running"] == 1
+        assert [o.new_token_ids for o in first.outputs + second.outputs] == [tokens[:1], tokens[1:]]
+        assert second.scheduler_stats.num_running == 1
 
         monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
         core.step()  # an ordinary failure: the requests in flight fail, the loop keeps serving
         failed = received()
-        assert failed["failed"]["ids"] == ["a"] and "RuntimeError" in failed["failed"]["error"]
-        assert not core.stopping and not core.num_sent and failed["stats"]["num_running"] == 0
+        assert failed.failed.request_ids == ["a"] and "RuntimeError" in failed.failed.error
+        assert not failed.failed.engine_dead
+        assert not core.stopping and not core.num_sent and failed.scheduler_stats.num_running == 0
 
         add("b")
         monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(EngineDeadError("rank 1 died")))
         core.step()  # the engine cannot step again: fail, and leave the loop (the process exits non-zero)
         failed = received()
-        assert failed["failed"] == {"ids": ["b"], "error": "rank 1 died"}
+        assert failed.failed == FailedRequests(["b"], "rank 1 died", engine_dead=True)
         assert core.dead and core.stopping
     finally:
         for socket in sockets.values():

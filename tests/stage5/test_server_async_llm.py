@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from shared import SamplingParams
-from stage5_server.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestAborted
+from stage5_server.engine import AsyncLLM, EngineDeadError, EngineError, RequestAborted
 from tests.stage5.server_fixtures import EngineCallRecorder, fail_execute, make_llm, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)

@@ -12,7 +12,9 @@ import types
 import httpx
 import pytest
 
-from stage5_server.cli import ENGINE_ARGS, build_engine_kwargs, main, make_parser, parse_size, resolve_api_keys
+from stage5_server.cli import main, make_parser
+from stage5_server.cli.args import parse_size
+from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys
 from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, wait_until
 
 

@@ -9,7 +9,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from shared import chat_tasks, default_model
-from stage5_server.api_server import create_app
+from stage5_server.server import create_app
 from tests.stage5.server_fixtures import make_llm, running_server
 
 KEY = "test-key-default-model"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from stage5_server.api_server import create_app
+from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, fail_execute, make_llm, metric, running_server, sse_events, wait_until
 
 KEY = "errors-key"

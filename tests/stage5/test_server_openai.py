@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from shared import SamplingParams
-from stage5_server.api_server import create_app
+from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, sse_events
 
 KEY = "test-key-openai"

@@ -10,12 +10,13 @@ from prometheus_client import REGISTRY
 
 from shared import CompletionOutput, RequestOutput, RequestTimeline, SamplingParams
 from shared.metrics import SchedulerStats
-from stage3_continuous.engine import StatsLogger as LoggingStatLogger
-from stage3_continuous.engine import format_stats_line
-from stage5_server.api_server import _DeltaTracker
+from stage4_prefix_cache import StatsLogger as LoggingStatLogger
+from stage4_prefix_cache import format_stats_line
 from stage5_server.demo import histogram_quantile, summarize_metrics
-from stage5_server.protocol import ChatCompletionRequest, CompletionRequest, loc_to_param
-from stage5_server.server_metrics import PrometheusStatLogger, build_1_2_5_buckets
+from stage5_server.server.errors import loc_to_param
+from stage5_server.server.metrics import PrometheusStatLogger, build_1_2_5_buckets
+from stage5_server.server.protocol import ChatCompletionRequest, CompletionRequest
+from stage5_server.server.sse import DeltaTracker
 
 
 def test_stats_line_reports_interval_throughput_and_engine_state():
@@ -70,7 +71,7 @@ def test_prometheus_logger_uses_its_own_registry_and_vllm_names():
 
 
 def test_stop_strings_are_held_back_while_streaming():
-    tracker = _DeltaTracker(SamplingParams(stop=["STOP"]))
+    tracker = DeltaTracker(SamplingParams(stop=["STOP"]))
 
     def out(text: str, finished: bool = False) -> RequestOutput:
         completion = CompletionOutput(0, text, list(range(len(text))), "stop" if finished else None)

@@ -23,10 +23,10 @@ from shared import SamplingParams
 from shared.config import ModelConfig
 from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
-from stage5_server.api_server import create_app
 from stage5_server.parallel import TensorParallelError, tensor_parallel_shape
 from stage5_server.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from stage5_server.parallel.parallel_state import resolve_interface
+from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server, wait_until
 
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, block_size=4, max_num_batched_tokens=16, device="cpu",

@@ -1,4 +1,4 @@
-"""What the server reports: Prometheus metrics under vLLM's names (the periodic stats line is stage3's).
+"""What the server reports: Prometheus metrics under vLLM's names (the periodic stats line is stage4's).
 
 Two kinds of numbers. Engine state (running, waiting, KV usage) and engine counters
 (prefix-cache queries and hits, preemptions, prompt and generation tokens) come from a
@@ -23,7 +23,6 @@ vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLog
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,13 +38,6 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
                          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-
-
-class StatLogger(Protocol):
-    """What an ``AsyncEngine`` tells a stat logger, on the thread that produces outputs."""
-
-    def record_finished(self, output: RequestOutput) -> None: ...
-    def record_aborted(self, reason: str) -> None: ...
 
 
 def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
@@ -114,7 +106,7 @@ class _SchedulerStatsCollector(Collector):
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app. ``render()`` is the Prometheus text format."""
+    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format."""
 
     def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats], max_model_len: int):
         self.model_name = model_name

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request models, the error object, and requests -> SamplingParams.
+"""The OpenAI wire format: request models, and requests -> SamplingParams.
 
 Requests are parsed strictly. An unknown field is a 400 that names it ("Unrecognized
 request argument supplied: foo"), a wrong type is a 400 that names it, and an OpenAI
@@ -11,52 +11,12 @@ vLLM: ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shared.sampling_params import SamplingParams
-
-# ---- the error object -------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    """An error to send as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field."""
-    message = str(exc)
-    field, sep, _ = message.partition(":")
-    param = field if sep and field.isidentifier() else None
-    return APIError(400, message, param=param)
-
-
-def loc_to_param(loc: tuple) -> str | None:
-    """Pydantic's ``("messages", 0, "role")`` -> ``"messages[0].role"``."""
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or None
-
+from stage5_server.server.errors import bad_request_from_value_error
 
 # ---- request models ---------------------------------------------------------------------------
 
@@ -317,16 +277,3 @@ class TokenizeRequest(StrictModel):
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
-
-
-# ---- responses --------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def now() -> int:
-    return int(time.time())

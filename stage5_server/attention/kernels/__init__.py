@@ -10,13 +10,13 @@ vLLM: ``vllm/attention/ops/triton_reshape_and_cache_flash.py``,
 ``vllm/attention/ops/triton_decode_attention.py``, ``vllm/attention/ops/triton_unified_attention.py``.
 """
 
-from stage5_server.kernels.paged_attention import (
+from stage5_server.attention.kernels.paged_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     triton_paged_attention,
 )
-from stage5_server.kernels.reshape_and_cache import reshape_and_cache
+from stage5_server.attention.kernels.reshape_and_cache import reshape_and_cache
 
 __all__ = [
     "choose_num_splits",

@@ -1,7 +1,6 @@
-"""The ``stagedserve`` command: ``serve``, ``make-tiny-model``, and (when present) ``bench``.
+"""``stagedserve serve [MODEL]``: build the engine, wrap it in the app, run uvicorn.
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
-    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small,qwen3-0.6b}]
 
 Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
 flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
@@ -13,15 +12,11 @@ local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
 separates the group); keys in one group share prefix-cache blocks, keys in different
 groups never do, and a key without a group is a group of its own.
 
-``--engine-process`` runs the engine core (scheduler, KV cache, model) in a process of
-its own, with HTTP, tokenization and detokenization in this one (vLLM V1's split;
-``core_client.py``); ``--no-engine-process`` keeps it on a thread of the server process.
+``--engine-process`` (the default) runs the engine core (scheduler, KV cache, model) in a
+process of its own, with HTTP, tokenization and detokenization in this one (vLLM V1's
+split; ``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
 
-``bench`` subcommands live in ``stage5_server/bench/cli.py``: its
-``add_bench_subcommands(subparsers)`` adds parsers that ``set_defaults(func=handler)``,
-where ``handler(args) -> int | None``; this file only calls it when it is importable.
-
-vLLM: ``vllm/entrypoints/cli/main.py`` and ``vllm/entrypoints/cli/serve.py``.
+vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +24,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from typing import Any
 
-from stage5_server.arg_types import fraction, non_negative_float, positive_int
+from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
 
 logger = logging.getLogger("stagedserve")
 
@@ -50,59 +44,16 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
                "attention_backend", "seed", "tensor_parallel_size", "distributed_interface")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
 
 
-# ---- argument types ------------------------------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """``"512MiB"``, ``"2G"``, ``"1.5GiB"``, ``"1048576"`` -> bytes (K/M/G alone are binary)."""
-    match = _SIZE.match(text)
-    unit = (match.group(2) or "").lower() if match else None
-    if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-
-
-def _port(text: str) -> int:
-    value = int(text) if text.isdigit() else -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
-    return value
-
-
-
-
-
-
-# ---- the parser ----------------------------------------------------------------------------
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stagedserve", description="The stagedserve LLM serving engine.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_serve(subparsers)
-    _add_make_tiny_model(subparsers)
-    _add_bench_subcommands(subparsers)
-    return parser
-
-
-def _add_serve(subparsers) -> None:
+def add_serve_subcommand(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve MODEL (a Hugging Face model directory; default: the embedded "
                                           "default model) over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model directory (default: embedded)")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    net.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
+    net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
     net.add_argument("--api-key", action="append", metavar="KEY[:GROUP]",
                      help=f"accept this API key (repeatable); GROUP is its trust group. Default: ${API_KEY_ENV}")
     net.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
@@ -135,33 +86,6 @@ def _add_serve(subparsers) -> None:
                      help="network interface of the ranks' unauthenticated traffic (default: loopback); "
                           "never one reachable from an untrusted network")
     p.set_defaults(func=serve)
-
-
-def _add_make_tiny_model(subparsers) -> None:
-    p = subparsers.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint (for tests)")
-    p.add_argument("dir", metavar="DIR")
-    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
-    p.set_defaults(func=make_tiny_model)
-
-
-def _add_bench_subcommands(subparsers) -> None:
-    """The hook for ``stagedserve bench ...`` (``stage5_server/bench/cli.py``, when it exists)."""
-    try:
-        from stage5_server.bench.cli import add_bench_subcommands
-    except ModuleNotFoundError as exc:
-        if exc.name in ("stage5_server.bench", "stage5_server.bench.cli"):
-            return  # not written (yet): no bench subcommands
-        logger.warning("bench subcommands unavailable: %s", exc)
-        return
-    except ImportError as exc:
-        logger.warning("bench subcommands unavailable: %s", exc)
-        return
-    add_bench_subcommands(subparsers)
-
-
-# ---- serve ---------------------------------------------------------------------------------
 
 
 def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,8 +135,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, create_app
-    from stage5_server.core_client import make_async_llm
+    from stage5_server.engine import make_async_llm
+    from stage5_server.server import create_app
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
 
     engine = None
     try:
@@ -253,7 +178,8 @@ def _exit_after_sigterm(signum, frame) -> None:
 
 def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
                        api_keys: dict[str, str | None] | None) -> None:
-    from stage5_server.api_server import DEFAULT_MAX_BODY_BYTES, describe_routes
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+    from stage5_server.server.openapi import describe_routes
 
     serving = app.state.serving
     logger.info("model: %s (served as %r)", engine.model_path, serving.served_model_name)
@@ -276,25 +202,3 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
                        "set --api-key or %s", args.host, API_KEY_ENV)
     for line in describe_routes(app):
         logger.info("route: %s", line)
-
-
-# ---- make-tiny-model -------------------------------------------------------------------------
-
-
-def make_tiny_model(args: argparse.Namespace) -> int:
-    from shared.tiny_model import SIZES
-    from shared.tiny_model import make_tiny_model as make
-
-    path = make(args.dir, arch=args.arch, seed=args.seed, size=SIZES[args.size])
-    print(path)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Attention backends: which code runs attention over the paged KV cache, and how much KV fits.
+
+The model calls one backend object per step for every layer (``shared/model.py``); stage 5
+chooses that object from a registry instead of always taking stage 2's torch reference:
+
+- ``torch``: stage 2's ``PagedAttentionBackend`` (any device; the readable reference);
+- ``triton``: ``triton_backend.TritonAttentionBackend`` over the kernels in ``kernels/``, on CUDA,
+  or on a CPU under the Triton interpreter (``TRITON_INTERPRET=1``, slow, for tests).
+
+By default the device decides: CUDA gets ``triton``, everything else ``torch``. Asking for
+``triton`` where it cannot run is a clear ``ValueError`` at start-up, not a crash inside a
+kernel launch. ``memory.py`` sizes the KV cache from free GPU memory after a profiling pass.
+
+vLLM: ``vllm/attention/selector.py`` and ``vllm/platforms/`` (backend selection),
+``vllm/v1/attention/backends/triton_attn.py``, and ``determine_available_memory`` in
+``vllm/v1/worker/gpu_worker.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from stage2_paged.attention import PagedAttentionBackend
+from stage5_server.attention.triton_backend import TritonAttentionBackend
+
+ATTENTION_BACKENDS = {"torch": PagedAttentionBackend, "triton": TritonAttentionBackend}
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on ``device``, or None if it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'stagedserve[triton]')"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"device {device.type!r} has no Triton compiler; use CUDA, or set TRITON_INTERPRET=1 to interpret (slow)"
+
+
+def resolve_attention_backend(name: str | None, device: torch.device) -> str:
+    """The registry name to use for ``name`` (None or ``auto``: the device's default) on ``device``."""
+    if name in (None, "auto"):
+        return "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: unknown {name!r}; choose auto or one of {sorted(ATTENTION_BACKENDS)}")
+    if name == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason:
+            raise ValueError(f"attention_backend: triton cannot run here: {reason}")
+    return name
+
+
+__all__ = ["ATTENTION_BACKENDS", "TritonAttentionBackend", "resolve_attention_backend", "triton_unavailable_reason"]

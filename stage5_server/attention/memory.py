@@ -1,0 +1,54 @@
+"""How much GPU memory the KV cache gets: what ``gpu_memory_utilization`` of the card leaves
+after the weights and the activations of the largest step.
+
+One forward pass of ``min(max_num_batched_tokens, max_model_len)`` tokens runs with no KV cache;
+its peak, the weights and other processes' memory come off ``utilization * total``, and the
+rest is the KV budget. With tensor parallelism every rank profiles its own shard and the
+tightest rank decides.
+
+vLLM: ``Worker.determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared.attention import causal_attention
+
+
+def profiled_kv_memory(args: dict[str, Any], max_model_len: int, profile: Callable[[int, float], int]) -> int:
+    """Bytes for the KV cache from ``profile(num_tokens, utilization)``, after checking the arguments."""
+    utilization = args["gpu_memory_utilization"]
+    if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
+    return profile(min(args["max_num_batched_tokens"], max_model_len), utilization)
+
+
+def profile_free_kv_memory(model, device: torch.device, num_tokens: int, utilization: float) -> int:
+    """Run one forward of ``num_tokens`` tokens without a KV cache and give the KV cache what
+    is left of ``utilization * total`` after its peak."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model.set_attention_backend(_NoCacheAttention())
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), None)
+    model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    other_processes = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - peak - max(0, other_processes)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {utilization} leaves no memory for the KV cache "
+                         f"(weights and activations peak at {peak / 2**30:.2f} GiB)")
+    return budget
+
+
+class _NoCacheAttention:
+    """Causal attention over the profiling batch itself (one sequence, nothing stored)."""
+
+    def forward(self, layer_idx, query, key, value, attn_metadata, scale):
+        return causal_attention(query, key, value, scale)

@@ -1,0 +1,36 @@
+"""The ``stagedserve`` command: ``serve``, ``make-tiny-model`` and ``bench``.
+
+Each subcommand lives in its own module and adds its own parser (``serve.py``,
+``tiny_model.py``, and ``stage5_server/bench/cli.py`` for ``bench``); a parser's
+``set_defaults(func=handler)`` names the function that runs it, ``handler(args) -> int | None``.
+
+vLLM: ``vllm/entrypoints/cli/main.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stage5_server.cli.serve import add_serve_subcommand
+from stage5_server.cli.tiny_model import add_make_tiny_model_subcommand
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from stage5_server.bench.cli import add_bench_subcommands
+
+    parser = argparse.ArgumentParser(prog="stagedserve", description="The stagedserve LLM serving engine.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_subcommand(subparsers)
+    add_make_tiny_model_subcommand(subparsers)
+    add_bench_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""``stagedserve make-tiny-model DIR``: a random-weight Hugging Face checkpoint for tests.
+
+    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small,qwen3-0.6b}]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_make_tiny_model_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint (for tests)")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
+    p.set_defaults(func=make_tiny_model)
+
+
+def make_tiny_model(args: argparse.Namespace) -> int:
+    from shared.tiny_model import SIZES
+    from shared.tiny_model import make_tiny_model as make
+
+    print(make(args.dir, arch=args.arch, seed=args.seed, size=SIZES[args.size]))
+    return 0

@@ -1,0 +1,51 @@
+"""The async engine: a front end that speaks asyncio, over an engine core that steps on its own.
+
+The server needs an engine it can call from an event loop while the engine keeps
+stepping. Here that is two halves that talk only in typed messages (``messages.py``):
+
+- the front end (``frontend.AsyncEngine``): checks and tokenizes requests, turns the core's
+  outputs into text, finds stop strings, and streams ``RequestOutput``s to each request;
+- the engine core (stage 4's scheduler, KV cache manager and model runner), driven by one
+  busy loop (``core_loop.py``), on a thread of this process (``AsyncLLM``) or in a process
+  of its own over ZeroMQ (``MPAsyncLLM``, ``core_proc.py``): the same loop, the same
+  messages, so both modes give the same tokens.
+
+vLLM: ``vllm/v1/engine/`` (``async_llm.py``, ``core_client.py``, ``core.py``,
+``output_processor.py``, ``exceptions.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use, so that what needs only ``errors`` (tensor parallelism, ``LLM``) does not
+# load the front end, msgspec or pyzmq.
+_EXPORTS = {
+    "AsyncEngine": "frontend", "StatLogger": "frontend", "RequestStream": "stream", "AsyncLLM": "thread_client",
+    "MPAsyncLLM": "process_client", "EngineError": "errors", "EngineDeadError": "errors",
+    "RequestAborted": "errors",
+}
+
+
+def make_async_llm(model: str | None = None, *, engine_process: bool = False,
+                   log_stats_interval: float | None = 10.0, **engine_args: Any):
+    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process=True``)
+    or on a thread of this process (the default; notebooks and tests)."""
+    if engine_process:
+        from stage5_server.engine.process_client import MPAsyncLLM
+
+        return MPAsyncLLM(model, log_stats_interval=log_stats_interval, **engine_args)
+    from stage5_server.engine.thread_client import AsyncLLM
+    from stage5_server.llm import LLM
+
+    return AsyncLLM(LLM(model=model, **engine_args), log_stats_interval=log_stats_interval)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = [*_EXPORTS, "make_async_llm"]

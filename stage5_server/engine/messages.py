@@ -1,0 +1,161 @@
+"""The typed messages between the front end and the engine core, in both directions.
+
+The engine core never sees text: a request crosses as token ids with its id, sampling
+parameters and arrival time; an output carries only the tokens the front end has not seen
+yet, their timestamps (``time.monotonic``: one clock for every process of the machine) and
+how the request stands. The same ``msgspec`` Structs travel through a queue when the core runs
+on a thread, and as msgpack bytes over ZeroMQ when it runs in a process of its own, so the
+two ends cannot disagree about a field: a rename is one edit that every reader sees.
+
+    front end -> core:  AddRequest | AbortRequests | Shutdown
+    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
+
+vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
+``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.metrics import SchedulerStats
+from shared.outputs import Logprob
+from shared.request import Request, RequestStatus
+from shared.sampling_params import SamplingParams
+
+FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+                 "abort": RequestStatus.FINISHED_ABORTED}
+
+
+# ---- front end -> engine core --------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    """What the core needs of a request: token ids, never text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_request(cls, request: Request) -> EngineCoreRequest:
+        return cls(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                   sampling_params=request.sampling_params, arrival_time=request.arrival_time,
+                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
+                       priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids)
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = AddRequest | AbortRequests | Shutdown
+
+
+# ---- engine core -> front end --------------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True):
+    """One request after a step: its new tokens and how it stands now."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_token_times: list[float]
+    new_logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when logprobs were asked for
+    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    queued: float | None  # when the core took the request in
+    first_scheduled: float | None
+    finished: float | None
+
+    @classmethod
+    def from_request(cls, request: Request, num_sent: int) -> EngineCoreOutput:
+        """The tokens after the first ``num_sent``, and the request's state."""
+        timeline = request.timeline
+        logprobs = request.logprobs[num_sent:] if request.sampling_params.logprobs is not None else None
+        return cls(request_id=request.request_id, new_token_ids=request.output_token_ids[num_sent:],
+                   new_token_times=timeline.token_times[num_sent:], new_logprobs=logprobs,
+                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                   num_cached_tokens=request.num_cached_tokens, queued=timeline.queued,
+                   first_scheduled=timeline.first_scheduled, finished=timeline.finished)
+
+    def apply_to(self, request: Request) -> None:
+        """Bring the front end's copy of the request up to date with this output."""
+        for token_id, when in zip(self.new_token_ids, self.new_token_times):
+            request.append_output_token(token_id, when)
+        if self.new_logprobs is not None:
+            request.logprobs.extend(self.new_logprobs)
+        request.num_cached_tokens = self.num_cached_tokens
+        timeline = request.timeline
+        timeline.queued, timeline.first_scheduled, timeline.finished = self.queued, self.first_scheduled, self.finished
+        if self.finish_reason is not None:
+            request.status = FINISH_STATUS[self.finish_reason]
+            request.stop_reason = self.stop_reason
+        elif request.status == RequestStatus.WAITING:
+            request.status = RequestStatus.RUNNING
+
+
+class FailedRequests(msgspec.Struct):
+    """Requests the core could not run: a failed step (HTTP 500), or ``engine_dead``, an engine
+    that cannot step again (HTTP 503, as for any request that finds no engine)."""
+
+    request_ids: list[str]
+    error: str
+    engine_dead: bool = False
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    failed: FailedRequests | None = None
+
+
+class EngineCoreReady(msgspec.Struct, tag="ready"):
+    """The engine-core process is up; the configuration it resolved."""
+
+    pid: int
+    model_path: str
+    stage: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer: str
+    engine_args: dict[str, Any]
+
+
+class EngineCoreStartupError(msgspec.Struct, tag="startup_error"):
+    error_type: str
+    message: str
+    traceback: str
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError
+
+# ---- bytes on the wire (the engine-core process) ---------------------------------------------------
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+output_decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+
+
+def plain(value: Any) -> Any:
+    """An engine argument as a value every reader can print (a dtype becomes its name)."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)

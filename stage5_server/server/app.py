@@ -1,0 +1,112 @@
+"""``create_app``: the FastAPI app, its middleware, and which routes it has.
+
+    HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
+         -> BodySizeLimitMiddleware (413; limits.py) -> route: parse strictly (protocol.py, 400)
+         -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
+         -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
+
+Every error answers with an OpenAI error object (errors.py); ``/metrics`` is Prometheus text
+under vLLM's names (metrics.py); the OpenAPI schema documents the errors really answered
+(openapi.py). A failed engine step fails only the requests in flight (500) while the server
+keeps serving.
+
+vLLM: ``build_app`` and ``init_app_state`` in ``vllm/entrypoints/openai/api_server.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from stage5_server.engine.frontend import AsyncEngine
+from stage5_server.engine.thread_client import AsyncLLM
+from stage5_server.server import chat, completions, models
+from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
+from stage5_server.server.errors import APIError, install_error_handlers
+from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from stage5_server.server.metrics import PrometheusStatLogger
+from stage5_server.server.openapi import openapi_with_openai_errors
+from stage5_server.server.serving import OpenAIServing
+
+logger = logging.getLogger("stagedserve")
+
+
+def version() -> str:
+    try:
+        return metadata.version("stagedserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] | list[str] | None = None,
+               served_model_name: str | None = None, trust_client_cache_salt: bool = False,
+               metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None) -> FastAPI:
+    """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an in-process
+    ``AsyncLLM``, and shut down with the app).
+
+    ``api_keys``: ``{key: trust group}`` or a list of keys (each its own group); None runs
+    without authentication (keep the server on loopback then). ``log_stats_interval``
+    applies only when an ``LLM`` is wrapped here.
+    """
+    owns_engine = not isinstance(engine, AsyncEngine)
+    if owns_engine:
+        engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
+    keys = APIKeys(api_keys) if api_keys is not None else None
+    model_name = served_model_name or engine.model_path
+    metrics = PrometheusStatLogger(model_name, lambda: engine.stats, engine.max_model_len)
+    engine.stat_loggers.append(metrics)
+    serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt)
+    public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if metrics in engine.stat_loggers:
+            engine.stat_loggers.remove(metrics)
+        if owns_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="stagedserve", version=version(), lifespan=lifespan,
+                  description="An OpenAI-compatible server over the stagedserve engine.")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.serving = serving
+    app.state.api_keys = keys
+    app.state.public_paths = public_paths
+    # Added last = outermost: authentication runs before anything else looks at the request.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths)
+    install_error_handlers(app)
+
+    @app.get("/health", summary="Liveness: 200 while the engine core runs (no API key needed)")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse(APIError(503, "The engine is not running.", code="engine_unavailable").body(),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version()}
+
+    models.add_routes(app, serving)
+    completions.add_routes(app, serving)
+    chat.add_routes(app, serving)
+
+    @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: openapi_with_openai_errors(app, needs_key=keys is not None)
+    return app

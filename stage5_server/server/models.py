@@ -1,0 +1,60 @@
+"""The routes around generation: ``/v1/models`` (what is served) and vLLM's ``/tokenize`` and
+``/detokenize`` (the exact token ids a prompt or a conversation becomes, and back).
+
+vLLM: ``vllm/entrypoints/openai/serving_models.py`` and ``serving_tokenization.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI
+
+from stage5_server.server.protocol import DetokenizeRequest, TokenizeRequest
+from stage5_server.server.serving import OpenAIServing
+
+
+def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    engine = serving.engine
+    created = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {"id": serving.served_model_name, "object": "model", "created": created, "owned_by": "stagedserve",
+                "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        serving.check_model(model)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        tokenizer = engine.tokenizer
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.content} for m in body.messages]
+            ids = await serving.on_engine(tokenizer.apply_chat_template, conversation, body.add_generation_prompt)
+        elif body.add_special_tokens:
+            ids = await serving.on_engine(tokenizer.encode, body.prompt)
+        else:
+            ids = await serving.on_engine(lambda text: tokenizer.hf.encode(text, add_special_tokens=False),
+                                          body.prompt)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        tokenizer = engine.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            vocab = len(tokenizer.hf)
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"tokens: token ids must be in [0, {vocab})")
+            return tokenizer.decode(ids)
+
+        return {"prompt": await serving.on_engine(decode, body.tokens)}
