@@ -66,7 +66,14 @@ def render(hf, messages: list[dict], **kwargs) -> str:
         raise ValueError("messages: this model's tokenizer has no chat template")
     if kwargs.get("tools") is None:
         kwargs.pop("tools", None)
-    return hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    import jinja2
+
+    try:
+        return hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template: not a valid template ({exc})") from None
+    except jinja2.TemplateError as exc:  # the template's own raise_exception("...")
+        raise ValueError(f"messages: the chat template refused this conversation ({exc})") from None
 
 
 def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | None) -> None:
