@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,10 +53,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field."""
+    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field
+    (a path such as ``input[2].role`` or ``structured_outputs.json`` too)."""
     message = str(exc)
     field, sep, _ = message.partition(":")
-    param = field if sep and field.isidentifier() else None
+    param = field if sep and re.fullmatch(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*", field) else None
     return APIError(400, message, param=param)
 
 
