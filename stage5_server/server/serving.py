@@ -38,6 +38,7 @@ from stage5_server.server.sse import (
     sse,
     unless_disconnected,
 )
+from stage5_server.server.tool_calling import ToolCallingOptions
 
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 
@@ -69,12 +70,28 @@ class Responder:
     def response(self, output: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
-        """The chunk for ``text`` (new since the last chunk) and output tokens ``start .. end``."""
+    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
+        """The chunk for ``text`` (new since the last chunk) and output tokens ``start .. end``; None
+        when there is nothing to send yet (text held back to be read as a tool call)."""
         raise NotImplementedError
 
     def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
         return self.body(self.chunk_object, [], usage=usage_of(output))
+
+    # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
+    # Responses API overrides these for its typed events.
+    def opening_frames(self) -> list[str]:
+        return []
+
+    def frames(self, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
+        chunk = self.chunk(output, text, start, end)
+        return [] if chunk is None else [sse(chunk)]
+
+    def closing_frames(self, output: RequestOutput) -> list[str]:
+        return ([sse(self.usage_chunk(output))] if self.include_usage else []) + [SSE_DONE]
+
+    def error_frames(self, error: APIError) -> list[str]:
+        return [sse(error.body()), SSE_DONE]
 
     def body(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -95,11 +112,12 @@ class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool):
+                 trust_client_cache_salt: bool, tool_calling: ToolCallingOptions | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
+        self.tool_calling = tool_calling or ToolCallingOptions()
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
         """Check the model name; return the request's prefix-cache salt (its trust group's)."""
@@ -175,20 +193,21 @@ class OpenAIServing:
         tracker = DeltaTracker(params)
         output = first
         try:
+            for frame in responder.opening_frames():
+                yield frame
             while True:
                 delta = tracker.advance(output)
-                if delta is not None:
-                    yield sse(responder.chunk(output, *delta))
+                for frame in [] if delta is None else responder.frames(output, *delta):
+                    yield frame
                 if output.finished:
                     break
                 output = await stream.get()
         except (EngineError, RequestAborted) as exc:
-            yield sse(api_error(exc).body())
-            yield SSE_DONE
+            for frame in responder.error_frames(api_error(exc)):
+                yield frame
             return
         finally:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
-        if responder.include_usage:
-            yield sse(responder.usage_chunk(output))
-        yield SSE_DONE
+        for frame in responder.closing_frames(output):
+            yield frame
