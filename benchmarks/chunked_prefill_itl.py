@@ -75,8 +75,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = benchmark_parser(__doc__, "chunked_prefill_itl")
-    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
-                    "(the embedded trained model); default: tiny")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / tiny-chat "
+                    "(the small trained one) / default (SmolLM2-135M-Instruct); default: tiny")
     ap.add_argument("--long-prompt-len", type=int, default=1536)
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)

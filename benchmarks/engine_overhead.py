@@ -90,8 +90,8 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = benchmark_parser(__doc__, "engine_overhead")
-    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / default "
-                    "(the embedded trained model); default: tiny")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or tiny / small (random llamas) / tiny-chat "
+                    "(the small trained one) / default (SmolLM2-135M-Instruct); default: tiny")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)

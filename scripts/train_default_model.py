@@ -1,4 +1,4 @@
-"""Train the embedded default model: a small Llama that answers the tasks in ``shared.chat_tasks``.
+"""Train tiny-chat (``shared/assets/tiny-chat``): a small Llama that answers the tasks in ``shared.chat_tasks``.
 
     python scripts/train_default_model.py --out build/tiny-chat-phase1
     python scripts/train_default_model.py --init-from build/tiny-chat-phase1 --steps 1500 --lr 2e-3 --seed 1 \

@@ -4,15 +4,16 @@ types, metrics, tiny checkpoints and workloads. Imports no stage."""
 from shared.config import ModelConfig
 from shared.llm_base import BaseLLM, kv_bytes_per_token
 from shared.metrics import RequestTimeline, goodput, percentile, summarize
+from shared.named_models import default_model, resolve_model, tiny_chat_model
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.request import Request, RequestStatus, check_stop
 from shared.sampling_params import SamplingParams
-from shared.tiny_model import cached_tiny_model, default_model, make_tiny_model, resolve_model
+from shared.tiny_model import cached_tiny_model, make_tiny_model
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "BaseLLM", "CompletionOutput", "IncrementalDetokenizer", "Logprob", "ModelConfig", "Request",
     "RequestOutput", "RequestStatus", "RequestTimeline", "SamplingParams", "Tokenizer", "cached_tiny_model",
     "check_stop", "default_model", "goodput", "kv_bytes_per_token", "make_tiny_model", "percentile", "resolve_model",
-    "summarize",
+    "summarize", "tiny_chat_model",
 ]

@@ -1,4 +1,4 @@
-"""Checkable chat tasks for the embedded default model: generators and exact-answer checks.
+"""Checkable chat tasks for tiny-chat, the small trained model: generators and exact-answer checks.
 
 Five tasks, each a user message with one right answer as an exact string:
 

@@ -6,6 +6,11 @@ loop, detokenization, stop strings) lives here once. The engine core of every st
 offers the same four methods: ``add_request``, ``step``, ``has_unfinished_requests``
 and ``finish_requests``.
 
+``model`` is a checkpoint directory, a ``.gguf`` file or a name (``shared.named_models``); no
+model means the default, SmolLM2-135M-Instruct. Without ``kv_cache_memory`` or an explicit pool
+size the KV cache sizes itself from free memory on CPU, and a ``max_model_len`` the user did not
+set comes down to what that cache holds (``set_kv_cache_capacity``) instead of failing to start.
+
 vLLM: ``vllm/entrypoints/llm.py`` (LLM) over ``vllm/v1/engine/llm_engine.py``.
 """
 
@@ -18,13 +23,15 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.config import ModelConfig
+from shared.host_memory import available_memory
 from shared.metrics import SchedulerStats
+from shared.named_models import default_model, resolve_model
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
+from shared.parallel_sampling import ParentRequest
 from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, tokenize_bad_words
 from shared.structured_output import StructuredOutputManager, check_structured_outputs
-from shared.tiny_model import default_model
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
 
@@ -51,9 +58,10 @@ COMMON_ARGS: dict[str, Any] = {
     "device": None,  # "cpu" unless a later stage picks CUDA
     "max_model_len": None,  # defaults to the model's max_position_embeddings
     "max_num_seqs": 16,
-    "kv_cache_memory": None,  # bytes of K/V; default DEFAULT_KV_CACHE_MEMORY
+    "kv_cache_memory": None,  # bytes of K/V; default: sized from free memory (automatic_kv_cache_tokens)
 }
-DEFAULT_KV_CACHE_MEMORY = 256 << 20
+CPU_KV_CACHE_MEMORY = 4 << 30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+FREE_MEMORY_FRACTION = 0.5  # the automatic KV cache takes at most this share of the available memory
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
@@ -68,11 +76,11 @@ class BaseLLM:
             if name not in accepted:
                 raise ValueError(f"{name}: not an engine argument of {self.stage}; accepted: {sorted(accepted)}")
         self.args = {**accepted, **kwargs}
-        self.model_path = model or default_model()
+        self.model_path = default_model() if model is None else resolve_model(model)  # a name or .gguf: a directory
         self.device = torch.device(self.args["device"] or self.default_device())
         self.dtype = self._resolve_dtype(self.args["dtype"])
         self.model, self.model_config = self._load_model()
-        self.tokenizer = Tokenizer(self.args["tokenizer"] or self.model_path)
+        self.tokenizer = Tokenizer(resolve_model(self.args["tokenizer"]) if self.args["tokenizer"] else self.model_path)
         max_len = self.args["max_model_len"] or self.model_config.max_position_embeddings
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_model_len: must be an integer >= 2, got {max_len!r}")
@@ -110,22 +118,68 @@ class BaseLLM:
         return DTYPES[dtype]
 
     def kv_cache_tokens(self) -> int:
-        """How many tokens of K/V the configured memory budget holds."""
-        memory = self.args["kv_cache_memory"] or DEFAULT_KV_CACHE_MEMORY
-        if not isinstance(memory, int) or memory <= 0:
-            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
+        """How many tokens of K/V the cache holds: ``kv_cache_memory`` bytes when given, else the automatic size."""
+        memory = self.args["kv_cache_memory"]
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        if memory is None:
+            return self.automatic_kv_cache_tokens(per_token)
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
         return memory // per_token
+
+    def automatic_kv_cache_tokens(self, per_token: int, processes: int = 1) -> int:
+        """The CPU default: ``min(4 GiB, half the memory available now)``, shared by ``processes``
+        on this host (tensor-parallel ranks), and no more than ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens fill at once (more would only keep evicted prefixes, and cost a
+        block object each)."""
+        free = available_memory()
+        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free)) // processes
+        tokens = min(memory // per_token, self.args["max_num_seqs"] * self.max_model_len)
+        logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
+                    tokens * per_token / 2**30, free / 2**30)
+        return tokens
+
+    def set_kv_cache_capacity(self, capacity: int, pool_arg: str, error: str) -> None:
+        """Record that the KV cache holds ``capacity`` tokens, and make one ``max_model_len`` sequence
+        fit in it: when the user set neither ``max_model_len`` nor the KV size, lower ``max_model_len``
+        to the capacity with a warning; otherwise (or when not even 2 tokens fit) raise ``ValueError(error)``."""
+        self.kv_cache_capacity = capacity
+        if capacity >= self.max_model_len:
+            return
+        given = [name for name in ("max_model_len", "kv_cache_memory", pool_arg) if self.args.get(name) is not None]
+        if given or capacity < 2:
+            raise ValueError(error)
+        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        logger.warning("max_model_len: lowered from %d to %d tokens, all that the automatically sized KV cache "
+                       "(%.2f GiB) holds; set --max-model-len (max_model_len=) for another length, or "
+                       "--kv-cache-memory (kv_cache_memory=) to give the KV cache more memory",
+                       self.max_model_len, capacity, capacity * per_token / 2**30)
+        self.max_model_len = capacity
 
     # ---- the public API ---------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
-        if request_id is not None and request_id in self.output_processor.states:
+        if request_id is not None and self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        request = self._make_request(prompt, params or SamplingParams(), request_id, priority, cache_salt)
-        self.engine.add_request(request)  # may still refuse it; then nothing is tracked
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-        return request.request_id
+        request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
+                                                           priority, cache_salt)
+        self._add(prompt, parent, requests)
+        return request_id
+
+    def _add(self, prompt: PromptType, parent: ParentRequest | None, requests: list[Request]) -> None:
+        """Hand checked requests (one, or a parent's n children) to the engine and track their outputs."""
+        added = []
+        try:
+            for index, request in enumerate(requests):
+                self.engine.add_request(request)  # may still refuse it; then nothing of it is tracked
+                added.append(request.request_id)
+                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None,
+                                                  parent, index)
+        except BaseException:
+            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            for request_id in added:
+                self.output_processor.remove(request_id)
+            raise
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that changed."""
@@ -141,8 +195,6 @@ class BaseLLM:
             if self.output_processor.update(req):  # a stop string ended it
                 self.engine.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             output = self.output_processor.make_output(req.request_id)
-            if output.finished:
-                self.output_processor.remove(req.request_id)
             if output.finished or not finished_only:
                 outputs.append(output)
         return outputs
@@ -151,8 +203,10 @@ class BaseLLM:
         return self.engine.has_unfinished_requests()
 
     def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests by the ids ``add_request`` returned (a parallel-sampling parent aborts its children)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        engine_ids = [e for rid in ids for e in self.output_processor.engine_request_ids(rid)]
+        self.engine.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.output_processor.remove(rid)
 
@@ -164,26 +218,25 @@ class BaseLLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
+        groups = [self._make_requests(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
         results: dict[str, RequestOutput] = {}
-        bar = _progress(len(requests), use_tqdm)
+        bar = _progress(len(groups), use_tqdm)
         try:
-            for prompt, request in zip(prompts, requests):
-                self.engine.add_request(request)
-                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
-            mine = {r.request_id for r in requests}  # other requests may share the engine
-            while len(results) < len(requests):
+            for prompt, (_, parent, requests) in zip(prompts, groups):
+                self._add(prompt, parent, requests)
+            mine = {request_id for request_id, _, _ in groups}  # other requests may share the engine
+            while len(results) < len(groups):
                 for out in self._step(finished_only=True):
                     if out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            pending = [r.request_id for r in requests if r.request_id not in results]
+            pending = [request_id for request_id, _, _ in groups if request_id not in results]
             self.abort(pending)  # give back their KV before the error propagates
             raise
         finally:
             bar.close()
-        return [results[r.request_id] for r in requests]
+        return [results[request_id] for request_id, _, _ in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -199,21 +252,49 @@ class BaseLLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
-    def _make_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                      priority: int = 0, cache_salt: str | None = None) -> Request:
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
+                       ) -> tuple[str, ParentRequest | None, list[Request]]:
+        """Checked engine requests for one prompt: ``(the caller's id, the parent if n > 1, requests)``.
+
+        With ``n > 1`` the request fans out into n children (``shared/parallel_sampling.py``).
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
+        check_token_ids(params, bad_words, self.model_config.vocab_size)
         if request_id is None:
             request_id = str(next(self._ids))
-            while request_id in self.output_processor.states:  # a caller took this one by hand
+            while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
-        request = Request(request_id, token_ids, params, priority=priority,
-                          cache_salt=cache_salt, eos_token_ids=tuple(self.model_config.eos_token_ids))
-        if request.structured_output_request is not None:
-            check_structured_outputs(request.structured_output_request.params)  # a bad spec fails here
-            self.structured_output_manager.grammar_init(request)  # built in the background
-        return request
+
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
+
+        def make(rid: str, child_params: SamplingParams) -> Request:
+            request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
+                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+            if request.structured_output_request is not None:
+                self.structured_output_manager.grammar_init(request)  # built in the background
+            return request
+
+        if params.n == 1:
+            return request_id, None, [make(request_id, params)]
+        parent = ParentRequest(request_id, params)
+        taken = [cid for cid in parent.child_ids if self.output_processor.has_request(cid)]
+        if taken:
+            raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
+        return request_id, parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
+
+
+def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]], vocab_size: int) -> None:
+    """Token ids in ``params`` index the logits: each must be in ``[0, vocab_size)``."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                      ("bad_words", [t for word in bad_words_token_ids for t in word])):
+        outside = sorted({t for t in ids if not 0 <= t < vocab_size})
+        if outside:
+            raise ValueError(f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})")
 
 
 def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:

@@ -3,12 +3,15 @@
 Every stage hands the runner the same thing: a list of ``(request, num_new_tokens)``.
 Request ``r`` contributes tokens ``r.num_computed_tokens .. + num_new_tokens`` at those
 positions. Only a request whose scheduled tokens reach its last known token gets a
-new token sampled; a request in the middle of a chunked prefill does not.
+new token sampled; a request in the middle of a chunked prefill does not. A request that
+asks for ``prompt_logprobs`` also has every prompt position of its chunk scored against the
+prompt token that follows it, so chunked prefill yields them chunk by chunk.
 How K/V are addressed is the stage's business: it passes its own attention metadata.
 A request with structured output has the tokens its grammar forbids masked out of its logits
 row just before sampling (``shared/structured_output.py``).
 
-vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, ``execute_model``).
+vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, ``execute_model``,
+``_get_prompt_logprobs_dict``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from shared.model import DecoderModel
 from shared.request import Request
-from shared.sampler import sample
+from shared.sampler import gather_logprobs, sample
 from shared.structured_output import apply_grammar_bitmask
 
 ScheduledBatch = list[tuple[Request, int]]
@@ -64,6 +67,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, inputs: StepInputs, attn_metadata: Any) -> dict[str, int]:
         """Run one forward pass; return ``{request_id: sampled token}`` for sampling rows."""
         hidden = self.model(inputs.input_ids, inputs.positions, attn_metadata)
+        score_prompt_tokens(self.model, batch, inputs, hidden)
         if not inputs.sample_rows:
             return {}
         last = torch.tensor([inputs.query_start_loc[r + 1] - 1 for r in inputs.sample_rows], device=hidden.device)
@@ -71,3 +75,31 @@ class ModelRunner:
         requests = [batch[r][0] for r in inputs.sample_rows]
         tokens = sample(apply_grammar_bitmask(logits, requests), requests, self.generator)
         return {req.request_id: tok for req, tok in zip(requests, tokens)}
+
+
+def score_prompt_tokens(model: DecoderModel, batch: ScheduledBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
+    """Append to ``request.prompt_logprobs`` the prompt tokens this step's positions predict.
+
+    Position p of the prompt predicts prompt token p + 1. A position scored before (the request
+    was preempted and recomputed) is not scored again.
+    """
+    rows, targets, num_top, owners = [], [], [], []
+    for row, (request, num_new) in enumerate(batch):
+        k = request.sampling_params.prompt_logprobs
+        if k is None or len(request.prompt_logprobs) == request.num_prompt_tokens:
+            continue
+        start = request.num_computed_tokens
+        first = len(request.prompt_logprobs) - 1  # the first position still to score
+        assert start <= first, "prompt positions were skipped (a prefix-cache hit?) before they were scored"
+        last = min(start + num_new, request.num_prompt_tokens - 1)
+        for position in range(first, last):
+            rows.append(inputs.query_start_loc[row] + position - start)
+            targets.append(request.prompt_token_ids[position + 1])
+            num_top.append(k)
+            owners.append(request)
+    if not rows:
+        return
+    logits = model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+    logprobs = logits.to("cpu", torch.float32).log_softmax(dim=-1)
+    for request, entry in zip(owners, gather_logprobs(logprobs, torch.tensor(targets), num_top)):
+        request.prompt_logprobs.append(entry)

@@ -37,3 +37,5 @@ class RequestOutput:
     finished: bool
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

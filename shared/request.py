@@ -46,7 +46,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -62,10 +62,14 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] = []
+        # Entry i: prompt token i's logprob and top alternatives; the first token has none (None).
+        wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None] if wants_prompt_logprobs else []
+        self.bad_words_token_ids = [list(w) for w in bad_words_token_ids or ()]  # the output must not end with one
         self.timeline = RequestTimeline(arrival=self.arrival_time)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
-        structured = getattr(sampling_params, "structured_outputs", None)  # a SamplingParams field
+        structured = sampling_params.structured_outputs
         self.structured_output_request = None if structured is None else StructuredOutputRequest(structured)
 
     @property
@@ -96,6 +100,17 @@ class Request:
         so = self.structured_output_request
         return so is not None and so.is_ready and so.error is not None
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request that wants prompt logprobs needs the logits of every prompt position, which
+        only a full prefill computes: a prefix-cache hit would skip them (vLLM does the same)."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def stop_token_ids_for_min_tokens(self) -> set[int]:
+        """The ids ``min_tokens`` holds back: stop tokens and EOS (even with ``ignore_eos``, as in vLLM)."""
+        return {*self.sampling_params.stop_token_ids, *self.eos_token_ids}
+
     def max_output_tokens(self, max_model_len: int) -> int:
         room = max_model_len - self.num_prompt_tokens
         limit = self.sampling_params.max_tokens
@@ -118,11 +133,12 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     token = request.output_token_ids[-1]
     params = request.sampling_params
     grammar = request.structured_output_request
+    may_stop = request.num_output_tokens >= params.min_tokens  # before min_tokens only the length ends it
     if grammar is not None and grammar.failed:
         request.status = RequestStatus.FINISHED_ABORTED  # its grammar hit a resource limit
-    elif not params.ignore_eos and token in request.eos_token_ids:
+    elif may_stop and not params.ignore_eos and token in request.eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
-    elif token in params.stop_token_ids:
+    elif may_stop and token in params.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = token
     elif grammar is not None and grammar.is_terminated(request.output_token_ids):

@@ -91,6 +91,15 @@ class StructuredOutputsParams:
         if not isinstance(self.any_whitespace, bool):
             raise ValueError("structured_outputs.any_whitespace: must be a bool")
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> StructuredOutputsParams:
+        """From a request body's object; an unknown field is a ``ValueError`` naming it."""
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]}: unknown field; accepted: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**fields)
+
     @property
     def kind(self) -> str:
         return next(name for name in ("json", "regex", "choice", "grammar", "json_object")

@@ -4,7 +4,7 @@ Nothing can be downloaded in tests, so the parity tests and the benchmarks build
 checkpoints here: a byte-level BPE tokenizer trained offline on the text below, a chat
 template, and random weights from ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` with a fixed seed, saved with ``save_pretrained`` (safetensors).
-The demo and the notebooks use ``default_model()`` instead: a trained, committed checkpoint.
+The default model and the other named ones are in ``shared.named_models``.
 The result is an ordinary Hugging Face model directory: transformers, this project and
 peers such as vLLM all load it the same way. Head dim is 32 so vLLM's CPU build accepts it.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -154,11 +155,18 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
     target = cache_dir() / f"{arch}-{size_name}-seed{seed}-v1"
     if (target / "config.json").is_file():
         _refresh_chat_template(target)
+    return build_once(target, lambda tmp: make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name]))
+
+
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """``target``, a checkpoint directory that ``build(directory)`` writes, built only if no run has
+    yet: into a temporary directory beside it, then renamed (atomic, safe across processes)."""
+    if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name])
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
@@ -176,28 +184,3 @@ def _refresh_chat_template(checkpoint: Path) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(CHAT_TEMPLATE)
         tmp.replace(path)
-
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-chat"
-
-
-def default_model() -> str:
-    """Path of the embedded default checkpoint: a trained 0.9M-parameter Llama that answers
-    simple checkable questions ("Add 4 and 5." -> "9"); see ``assets/tiny-chat/README.md``.
-    ``scripts/train_default_model.py`` reproduces it."""
-    return str(DEFAULT_MODEL_DIR)
-
-
-NAMED_MODELS = ("default", "tiny", "small")
-
-
-def resolve_model(name: str | None) -> str:
-    """A checkpoint directory for ``name``: ``default`` (the embedded trained model), ``tiny`` or
-    ``small`` (random Llamas built on first use, for parity tests and benchmarks), or a path."""
-    if name == "default":
-        return default_model()
-    if name in ("tiny", "small"):
-        return str(cached_tiny_model("llama", seed=0, size_name=name))
-    if not name:
-        raise ValueError("model: empty name; give a checkpoint directory or one of " + ", ".join(NAMED_MODELS))
-    return str(name)

@@ -19,8 +19,8 @@ class Tokenizer:
         self._backend_decode = None if getattr(self.hf, "clean_up_tokenization_spaces", False) else \
             getattr(backend, "decode", None)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend_decode is not None:

@@ -8,6 +8,10 @@ merges it with free neighbours. The accounting below is what stage2 improves on:
 - used slots: actually written with a token's K/V;
 - internal fragmentation: reserved but never written (a short answer in a long reservation);
 - external fragmentation: free slots in extents too small for the next reservation.
+
+On CPU the slab is an anonymous memory map (``shared.host_memory.kv_zeros``): the operating
+system backs only the slots that get written, so the reserved-but-unwritten waste above is
+waste of the pool's capacity, not of RAM.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from shared.host_memory import kv_zeros
 
 
 @dataclass
@@ -31,8 +37,8 @@ class ContiguousKVCache:
         self.num_slots = num_slots
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         # Tensors are optional so the allocator can be studied without a model.
-        self.key = torch.zeros(shape, dtype=dtype, device=device) if num_layers else None
-        self.value = torch.zeros(shape, dtype=dtype, device=device) if num_layers else None
+        self.key = kv_zeros(shape, dtype, device) if num_layers else None
+        self.value = kv_zeros(shape, dtype, device) if num_layers else None
         self.free_extents: list[Extent] = [Extent(0, num_slots)]  # sorted by start
         self.reservations: dict[str, Extent] = {}
         self.written: dict[str, int] = {}  # slots written per request

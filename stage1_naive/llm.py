@@ -17,9 +17,10 @@ class LLM(BaseLLM):
 
     def _build_engine(self) -> NaiveEngineCore:
         num_slots = self.args["num_kv_slots"] or self.kv_cache_tokens()
-        if not isinstance(num_slots, int) or num_slots < self.max_model_len:
-            raise ValueError(f"num_kv_slots: the slab ({num_slots}) must hold one max_model_len "
-                             f"reservation ({self.max_model_len})")
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_kv_slots: must be a positive integer, got {num_slots!r}")
+        self.set_kv_cache_capacity(num_slots, "num_kv_slots", f"num_kv_slots: the slab ({num_slots}) must hold "
+                                   f"one max_model_len reservation ({self.max_model_len})")
         cfg = self.model_config
         cache = ContiguousKVCache(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                   self.dtype, self.device)

@@ -22,7 +22,7 @@ def resolve_num_blocks(llm: BaseLLM) -> tuple[int, int]:
     """(block_size, num_blocks) from the engine arguments, checked."""
     block_size = check_block_size(llm.args["block_size"])
     num_blocks = llm.args["num_kv_blocks"] or llm.kv_cache_tokens() // block_size
-    check_pool_holds_one_sequence(num_blocks, block_size, llm.max_model_len)
+    check_pool_holds_one_sequence(llm, num_blocks, block_size)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size)
     return block_size, num_blocks
 
@@ -33,13 +33,15 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def check_pool_holds_one_sequence(num_blocks, block_size: int, max_model_len: int) -> None:
-    """A pool smaller than one ``max_model_len`` sequence could never finish that sequence."""
+def check_pool_holds_one_sequence(llm: BaseLLM, num_blocks, block_size: int) -> None:
+    """A pool smaller than one ``max_model_len`` sequence could never finish that sequence: refused,
+    unless neither was set by the user, when ``max_model_len`` comes down to the pool
+    (``BaseLLM.set_kv_cache_capacity``)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
-    if num_blocks * block_size < max_model_len:
-        raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                         f"max_model_len={max_model_len} sequence; lower max_model_len or add blocks")
+    llm.set_kv_cache_capacity(num_blocks * block_size, "num_kv_blocks",
+                              f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
+                              f"max_model_len={llm.max_model_len} sequence; lower max_model_len or add blocks")
 
 
 def make_paged_cache(llm: BaseLLM, block_size: int, num_blocks: int) -> PagedKVCache:

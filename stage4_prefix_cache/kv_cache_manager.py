@@ -39,7 +39,7 @@ from stage4_prefix_cache.kv_cache_utils import (
 
 
 class CacheableRequest(Protocol):
-    """What the manager reads from a request (``lora_name`` is optional)."""
+    """What the manager reads from a request (``lora_name`` and ``skip_reading_prefix_cache`` are optional)."""
 
     request_id: str
     all_token_ids: list[int]  # prompt + tokens generated so far
@@ -142,8 +142,12 @@ class KVCacheManager:
         output is the logits the next token is sampled from. The cap is
         rounded down to whole blocks, so a fully cached prompt of 8 tokens
         with block size 4 reuses 4 tokens and recomputes the last block.
+
+        A request with ``skip_reading_prefix_cache`` set (it wants prompt
+        logprobs, which need every prompt position's logits) gets no hit and
+        counts no lookup, as in vLLM; its blocks still enter the cache.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return [], 0
         block_hashes = self._get_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

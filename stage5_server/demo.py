@@ -1,17 +1,18 @@
-"""``make demo``: serve the embedded default model and drive it the way the course's lab does.
+"""``make demo``: serve the default model, ask it real questions, then drive the lab's two-phase load.
 
-Starts the OpenAI-compatible server in this process (uvicorn on a thread, a free
-loopback port, a freshly generated API key), then runs the two-phase load from the
-vLLM-internals lab through the official ``openai`` client (``AsyncOpenAI``):
+Starts the OpenAI-compatible server in this process (uvicorn on a thread, a free loopback
+port, a freshly generated API key) on the default model, SmolLM2-135M-Instruct, and talks to it
+through the official ``openai`` client (``AsyncOpenAI``):
 
-- phase 1: a burst of short chat requests that share one long system prompt, so the
-  prefix cache serves the shared blocks after the first request has computed them;
-- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
-  long prefills with decodes, and a small KV pool may force preemptions.
+- questions: a few facts, a short instruction and a multi-turn follow-up, each reply streamed
+  to the terminal as its tokens arrive, marked right or wrong against the expected word;
+- phase 1: a burst of chat requests that share one long system prompt, so the prefix cache
+  serves the shared blocks after the first request has computed them;
+- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the long
+  prefills with decodes, and a small KV pool may force preemptions.
 
-It prints the questions with the model's answers next to the right ones (the embedded
-default model was trained on exactly these kinds of question), the periodic stats lines,
-and key numbers scraped from ``/metrics``; then it shuts down and exits 0.
+Then it prints the stats lines logged during the run, key numbers scraped from ``/metrics``,
+and what a 135M-parameter 4-bit model gets wrong; it shuts down and exits 0.
 
 vLLM: the lab in the course's "vLLM internals" chapter (``vllm serve`` + ``load.py``).
 """
@@ -22,20 +23,48 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import secrets
 import sys
 import time
+from contextlib import contextmanager
 
-from shared.chat_tasks import SYSTEM_PROMPT  # the long system prompt the default model was trained with
-
-LONG_USER = "Summarize the following ({}). " + "data point. " * 60  # ~770 tokens of load (two distinct ones)
 SERVED_MODEL_NAME = "stagedserve-demo"
 ENGINE_KWARGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, block_size=16,
                      num_kv_blocks=96)  # 1,536 tokens of KV: tight enough that phase 2 can run out
+# (conversation so far, question, words a right reply contains); the last two are ones it gets wrong.
+FRANCE = [{"role": "user", "content": "What is the capital of France?"},
+          {"role": "assistant", "content": "The capital of France is Paris."}]
+QUESTIONS = [
+    ([], "What is the capital of France?", ["Paris"]),
+    (FRANCE, "And what is the capital of Germany?", ["Berlin"]),
+    ([], "Give me one word that means the opposite of hot.", ["cold"]),
+    ([], "Name three primary colors.", ["red"]),
+    ([], "What is 12 + 30?", ["42"]),
+    ([], "What is the largest planet in the solar system?", ["Jupiter"]),
+]
+SHOP = ("You answer questions for Wheelhouse, a small bicycle shop in Leeds. The shop opens at nine in the "
+        "morning and closes at six in the evening, Monday to Saturday; on Sunday it is closed. It sells city "
+        "bikes, folding bikes and children's bikes, and repairs any bicycle, electric ones included. A basic "
+        "service costs forty pounds and takes one day; a puncture is fixed while you wait. Rentals cost fifteen "
+        "pounds a day, helmet and lock included. The shop is on Mill Street, next to the station. Answer in one "
+        "or two short sentences, politely, and never invent prices or services that are not listed here.")
+SHOP_QUESTIONS = ["When does the shop open?", "Is the shop open on Sunday?", "How much is a basic service?",
+                  "Do you repair electric bikes?", "How much does it cost to rent a bike?",
+                  "Where is the shop?", "Do you sell folding bikes?", "How long does a service take?"]
+LONG_USER = ("Summarize the following notes ({}). " + "The engine keeps the keys and values of earlier tokens "
+             "in fixed-size blocks, and a scheduler decides every step which requests run. " * 12)
+WHAT_IT_GETS_WRONG = """\
+What a 135M-parameter model quantized to 4 bits gets wrong (greedy decoding, the answers above):
+  - it states wrong facts and sums with confidence ("12 + 30 = 32"; the largest planet is "Neptune");
+  - it often runs past the answer into filler, so replies are cut by max_tokens;
+  - in longer conversations it loses track of who said what.
+  On a fixed question set it gets 14 of 28 right (docs/default-model.md, benchmarks/default_model_quality.py).
+  The serving engine is the point here: every token is the one transformers computes for this checkpoint."""
 
 
 class _StatsLines(logging.Handler):
-    """Keeps the periodic stats lines so the summary can print them again."""
+    """Keeps the periodic stats lines so the summary can print them after the run."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -47,45 +76,82 @@ class _StatsLines(logging.Handler):
             self.lines.append(f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {message}")
 
 
-def expected_answer(user: str) -> str | None:
-    """The right answer to one of the demo's short questions (None for the long prompts)."""
-    words = user.rstrip(".?").split()
-    if user.startswith("Add "):
-        return str(int(words[1]) + int(words[3]))
-    if user.endswith(" squared?"):
-        return str(int(words[2]) ** 2)
-    return None
+@contextmanager
+def engine_log_collected():
+    """While the demo runs, the engine's log goes to a collector (its stats lines are printed after
+    the run) and only its warnings to the terminal, which stays free for the streamed answers."""
+    log = logging.getLogger("stagedserve")
+    lines, console = _StatsLines(), logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    saved = log.level, log.propagate
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(lines)
+    log.addHandler(console)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(lines)
+        log.removeHandler(console)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
 
 
-async def run_load(base_url: str, api_key: str, max_tokens: int) -> list[tuple[str, object]]:
-    from openai import AsyncOpenAI
+def idle_core_threads() -> int:
+    """One torch thread per core that is idle now (at least one): with more threads than free
+    cores, every parallel op waits for a descheduled thread (ten times slower on a busy machine)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, cores - round(os.getloadavg()[0])))
 
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
-    async def ask(user: str, tokens: int):
-        response = await client.chat.completions.create(
-            model=SERVED_MODEL_NAME, max_tokens=tokens, temperature=0.0,
-            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}])
+def is_right(reply: str, words: list[str]) -> bool:
+    return any(word.lower() in reply.lower() for word in words)
+
+
+async def ask_questions(client, max_tokens: int) -> list[tuple[str, str, bool]]:
+    """Each question in turn, its reply printed as the tokens stream in."""
+    results = []
+    for history, question, words in QUESTIONS:
+        for turn in history:
+            print(f"{'you' if turn['role'] == 'user' else 'model':>5}: {turn['content']}")
+        print(f"  you: {question}\nmodel: ", end="", flush=True)
+        stream = await client.chat.completions.create(
+            model=SERVED_MODEL_NAME, max_tokens=max_tokens, temperature=0.0, stream=True,
+            messages=[*history, {"role": "user", "content": question}])
+        pieces = []
+        async for chunk in stream:
+            text = chunk.choices[0].delta.content if chunk.choices else None
+            if text:
+                pieces.append(text)
+                print(text, end="", flush=True)
+        reply = "".join(pieces)
+        right = is_right(reply, words)
+        print(f"\n       [{'right' if right else f'wrong: expected {words[0]}'}]\n")
+        results.append((question, reply, right))
+    return results
+
+
+async def run_load(client, max_tokens: int) -> list[tuple[str, object]]:
+    async def ask(user: str, tokens: int, system: str | None = SHOP):
+        messages = [{"role": "system", "content": system}] if system else []
+        response = await client.chat.completions.create(model=SERVED_MODEL_NAME, max_tokens=tokens,
+                                                        temperature=0.0,
+                                                        messages=[*messages, {"role": "user", "content": user}])
         return user, response
 
-    answers = []
-    try:
-        t0 = time.monotonic()
-        # Phase 1: one request computes the shared system prompt, then a burst of 11 reuses it.
-        answers.append(await ask("Add 0 and 1.", max_tokens))
-        answers += await asyncio.gather(*[ask(f"Add {i} and {i + 1}.", max_tokens) for i in range(1, 12)])
-        print(f"phase 1: 12 chat requests sharing a {len(SYSTEM_PROMPT)}-character system prompt "
-              f"in {time.monotonic() - t0:.2f} s")
-        await asyncio.sleep(1.0)
-        # Phase 2: two long prompts concurrent with eight short ones.
-        t0 = time.monotonic()
-        answers += await asyncio.gather(ask(LONG_USER.format("A"), 2 * max_tokens),
-                                        ask(LONG_USER.format("B"), 2 * max_tokens),
-                                        *[ask(f"What is {i} squared?", max_tokens) for i in range(8)])
-        print(f"phase 2: 2 long + 8 short chat requests in {time.monotonic() - t0:.2f} s")
-        await asyncio.sleep(1.0)  # let one more stats line be logged
-    finally:
-        await client.close()
+    t0 = time.monotonic()
+    # Phase 1: one request computes the shared system prompt, then a burst reuses it.
+    answers = [await ask(SHOP_QUESTIONS[0], max_tokens)]
+    answers += await asyncio.gather(*[ask(q, max_tokens) for q in SHOP_QUESTIONS[1:]])
+    print(f"phase 1: {len(SHOP_QUESTIONS)} chat requests sharing a {len(SHOP)}-character system prompt "
+          f"in {time.monotonic() - t0:.2f} s")
+    # Phase 2: two long prompts concurrent with six short ones.
+    t0 = time.monotonic()
+    answers += await asyncio.gather(ask(LONG_USER.format("A"), max_tokens, None),
+                                    ask(LONG_USER.format("B"), max_tokens, None),
+                                    *[ask(q, max_tokens // 2) for q in SHOP_QUESTIONS[2:8]])
+    print(f"phase 2: 2 long + 6 short chat requests in {time.monotonic() - t0:.2f} s")
+    await asyncio.sleep(1.0)  # let one more stats line be logged
     return answers
 
 
@@ -138,52 +204,70 @@ def summarize_metrics(text: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stage5_server.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per short answer (default: 16)")
-    parser.add_argument("--log-stats-interval", type=float, default=0.5, help="seconds between stats lines")
+    parser.add_argument("--model", default=None, help="a chat model: directory, .gguf file or name "
+                                                       "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per streamed answer (default: 32)")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats lines")
     args = parser.parse_args(argv)
+    import torch
 
+    threads = torch.get_num_threads()  # the default, or what OMP_NUM_THREADS asked for
+    torch.set_num_threads(min(threads, idle_core_threads()))
+    try:
+        with engine_log_collected() as stats_lines:
+            return _run(args, stats_lines)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, stats_lines: _StatsLines) -> int:
     import httpx
+    import torch
+    from openai import AsyncOpenAI
 
-    from shared import default_model
+    from shared import default_model, resolve_model
     from stage5_server import LLM
-    from stage5_server.cli.serve import configure_logging
     from stage5_server.server import ServerThread, create_app
 
-    configure_logging()
-    stats_lines = _StatsLines()
-    logging.getLogger("stagedserve").addHandler(stats_lines)
     started = time.monotonic()
-    model = args.model or default_model()
+    print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...",
+          flush=True)
+    model = resolve_model(args.model) if args.model else default_model()
     llm = LLM(model=model, **ENGINE_KWARGS)
     api_key = secrets.token_urlsafe(32)
     app = create_app(llm, api_keys={api_key: "demo"}, served_model_name=SERVED_MODEL_NAME,
                      log_stats_interval=args.log_stats_interval)
+
+    async def talk(url: str):
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=300)
+        try:
+            t0 = time.monotonic()
+            results = await ask_questions(client, args.max_tokens)
+            print(f"{len(results)} questions, streamed one at a time, in {time.monotonic() - t0:.1f} s\n")
+            return results, await run_load(client, 16)
+        finally:
+            await client.close()
+
     with ServerThread(app) as server:
-        print(f"\nserving {model} as {SERVED_MODEL_NAME!r} on {server.url} (API key generated for this run)\n")
-        answers = asyncio.run(run_load(server.url, api_key, args.max_tokens))
+        print(f"serving {llm.model_config.family} model from {model} as {SERVED_MODEL_NAME!r} on {server.url} "
+              f"(ready after {time.monotonic() - started:.1f} s, {torch.get_num_threads()} torch thread(s); "
+              "API key generated for this run)\n")
+        results, answers = asyncio.run(talk(server.url))
         headers = {"Authorization": f"Bearer {api_key}"}
         unauthenticated = httpx.get(f"{server.url}/v1/models").status_code
         metrics_text = httpx.get(f"{server.url}/metrics", headers=headers).text
     summary = summarize_metrics(metrics_text)
 
-    print("\nAnswers (greedy), against the right ones:")
-    short = [(user, response) for user, response in answers if expected_answer(user) is not None]
-    right = 0
-    for user, response in short:
-        reply, want = response.choices[0].message.content, expected_answer(user)
-        right += reply == want
-        print(f"  {user:22} -> {reply!r:8} {'right' if reply == want else f'wrong (expected {want!r})'}")
-    print(f"  {right} of {len(short)} right")
-    print("\nToken counts of three requests (the long one is load for the scheduler, not a task the model knows):")
-    for user, response in [answers[0], answers[5], answers[12]]:
+    print(f"\n{sum(right for _, _, right in results)} of {len(results)} questions answered right.")
+    print("\nThree requests of the load, with their token counts:")
+    for user, response in [answers[0], answers[3], answers[len(SHOP_QUESTIONS)]]:
         usage = response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        print(f"  {user[:40]!r:44} -> {response.choices[0].message.content!r:.60} "
-              f"[prompt {usage.prompt_tokens} tokens, {cached} from the prefix cache; "
+        print(f"  {user[:36]!r:40} -> {response.choices[0].message.content!r:.70}\n"
+              f"  {'':40}    [prompt {usage.prompt_tokens} tokens, {cached} from the prefix cache; "
               f"{usage.completion_tokens} generated, finish={response.choices[0].finish_reason}]")
     print("\nStats lines logged during the run:")
-    for line in stats_lines.lines or ["  (none: the run was shorter than one interval)"]:
+    for line in stats_lines.lines or ["(none: the run was shorter than one interval)"]:
         print(f"  {line}")
     print("\nFrom /metrics:")
     print(f"  prefix cache hit rate   {100 * summary['prefix_cache_hit_rate']:.1f}% "
@@ -196,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  requests completed      {summary['requests_ok']:.0f}")
     print(f"  KV cache usage at end   {100 * summary['kv_cache_usage']:.1f}%")
     print(f"\n/v1/models without the API key: HTTP {unauthenticated}")
-    print(f"done in {time.monotonic() - started:.1f} s; server shut down")
-    ok = summary["requests_ok"] == len(answers) and unauthenticated == 401
+    if args.model is None:
+        print(f"\n{WHAT_IT_GETS_WRONG}")
+    print(f"\ndone in {time.monotonic() - started:.1f} s; server shut down")
+    ok = summary["requests_ok"] == len(answers) + len(results) and unauthenticated == 401
     return 0 if ok else 1
 
 

@@ -19,6 +19,12 @@ import pytest
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("STAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "stagedserve"))
+# Under xdist, share the cores among the workers: with more torch threads than cores, every
+# parallel op waits on a descheduled thread (a decode step of the 135M default model ran 9x slower).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,10 @@ STAGES = [
     StageSpec(2, "stage2_paged", {"block_size": 4}),
     StageSpec(3, "stage3_continuous", {"block_size": 4, "max_num_batched_tokens": 16}),
     StageSpec(4, "stage4_prefix_cache", {"block_size": 4, "max_num_batched_tokens": 16}),
+    # stage5 on its CPU defaults (the cpu attention backend, the fused model), in float32: the
+    # dtype the invariants are stated in ("auto" may be bfloat16 on a CPU with bf16 units).
     StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
-                                   "attention_backend": "torch"}),
+                                   "dtype": "float32"}),
 ]
 
 

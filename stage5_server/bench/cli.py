@@ -120,7 +120,7 @@ def add_bench_subcommands(subparsers) -> None:
 
     w = sub.add_parser("sweep", help="start the server in-process per scheduler setting; goodput vs rate",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    w.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
+    w.add_argument("--model", default=None, help="model directory, .gguf file or name (default: SmolLM2-135M-Instruct)")
     w.add_argument("--request-rates", "--request-rate", dest="request_rate", type=_rate, nargs="+",
                    default=[1.0, 4.0, math.inf])
     w.add_argument("--max-num-batched-tokens", type=positive_int, nargs="+", default=[256, 2048],

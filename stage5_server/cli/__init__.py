@@ -1,7 +1,7 @@
-"""The ``stagedserve`` command: ``serve``, ``make-tiny-model`` and ``bench``.
+"""The ``stagedserve`` command: ``serve``, ``chat``, ``complete``, ``make-tiny-model`` and ``bench``.
 
-Each subcommand lives in its own module and adds its own parser (``serve.py``,
-``tiny_model.py``, and ``stage5_server/bench/cli.py`` for ``bench``); a parser's
+Each subcommand lives in its own module and adds its own parser (``serve.py``, ``client.py``
+for ``chat`` and ``complete``, ``tiny_model.py``, and ``stage5_server/bench/cli.py`` for ``bench``); a parser's
 ``set_defaults(func=handler)`` names the function that runs it, ``handler(args) -> int | None``.
 
 vLLM: ``vllm/entrypoints/cli/main.py``.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stage5_server.cli.client import add_client_subcommands
 from stage5_server.cli.serve import add_serve_subcommand
 from stage5_server.cli.tiny_model import add_make_tiny_model_subcommand
 
@@ -22,6 +23,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagedserve", description="The stagedserve LLM serving engine.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_subcommand(subparsers)
+    add_client_subcommands(subparsers)
     add_make_tiny_model_subcommand(subparsers)
     add_bench_subcommands(subparsers)
     return parser

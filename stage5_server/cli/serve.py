@@ -43,14 +43,17 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
-               "attention_backend", "seed", "tensor_parallel_size", "distributed_interface")
+               "attention_backend", "seed", "tensor_parallel_size", "distributed_interface", "enforce_eager",
+               "cpu_threads")
 
 
 def add_serve_subcommand(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve MODEL (a Hugging Face model directory; default: the embedded "
-                                          "default model) over an OpenAI-compatible HTTP API.")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model directory (default: embedded)")
+                              description="Serve MODEL (a Hugging Face model directory, a .gguf file, or one of "
+                                          "the names default, tiny-chat, tiny, small; default: SmolLM2-135M-Instruct) "
+                                          "over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory, .gguf file or name (default: the default model, SmolLM2-135M-Instruct)")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
@@ -79,7 +82,11 @@ def add_serve_subcommand(subparsers) -> None:
     eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
     eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
     eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
-    eng.add_argument("--attention-backend", default=None, help="torch or triton")
+    eng.add_argument("--attention-backend", default=None, help="torch, triton or cpu (default: the device's)")
+    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the model eagerly (the default); --no-enforce-eager compiles it with torch.compile")
+    eng.add_argument("--cpu-threads", type=positive_int, default=None,
+                     help="torch threads of the engine on a CPU (default: one per physical core)")
     eng.add_argument("--seed", type=int, default=None)
     eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
@@ -136,9 +143,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from stage5_server.engine import make_async_llm
+    from stage5_server.engine.cpu_threads import configure_frontend_threads
     from stage5_server.server import create_app
     from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
 
+    if args.engine_process:
+        configure_frontend_threads()  # the model runs in the engine process: its threads get the cores
     engine = None
     try:
         engine = make_async_llm(args.model, engine_process=args.engine_process,

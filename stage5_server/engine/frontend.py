@@ -28,12 +28,12 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from shared.llm_base import PromptType, prompt_token_ids
+from shared.llm_base import PromptType, check_token_ids, prompt_token_ids
 from shared.metrics import SchedulerStats
 from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, tokenize_bad_words
 from shared.tokenizer import Tokenizer
 from stage4_prefix_cache import StatsLogger
 from stage5_server.engine.errors import EngineDeadError, EngineError, RequestAborted
@@ -137,12 +137,16 @@ class AsyncEngine:
         self._check_running()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if params.n > 1:
+            raise ValueError("n: this engine runs one sample per request; send n requests (seeds seed + i)")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
+            bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
+            check_token_ids(params, bad_words, self.vocab_size)  # ids outside the vocabulary would fail a step
             request = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                              eos_token_ids=self.eos_token_ids)
+                              eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words)
             request.timeline.received = received_time
             stream = RequestStream(request_id, asyncio.get_running_loop())
             self._requests[request_id] = (request, stream)
@@ -262,8 +266,8 @@ class AsyncEngine:
 
     def _decode_logprob_tokens(self, output: RequestOutput) -> None:
         """Fill ``Logprob.decoded_token`` (the caller holds the tokenizer's lock)."""
-        for entry in output.outputs[0].logprobs or ():
-            for token_id, logprob in entry.items():
+        for entry in [*(output.outputs[0].logprobs or ()), *(output.prompt_logprobs or ())]:
+            for token_id, logprob in (entry or {}).items():
                 if logprob.decoded_token is None:
                     logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 

@@ -42,16 +42,19 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
         return cls(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids)
+                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids,
+                   bad_words_token_ids=request.bad_words_token_ids)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
-                       priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids)
+                       priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids,
+                       bad_words_token_ids=self.bad_words_token_ids)
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -79,6 +82,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     new_token_ids: list[int]
     new_token_times: list[float]
     new_logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when logprobs were asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, when asked for
     finish_reason: str | None  # "stop" | "length" | "abort", None while running
     stop_reason: int | str | None
     num_cached_tokens: int
@@ -91,8 +95,11 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
         """The tokens after the first ``num_sent``, and the request's state."""
         timeline = request.timeline
         logprobs = request.logprobs[num_sent:] if request.sampling_params.logprobs is not None else None
+        # Prefill scores the whole prompt before the first token is sampled: send them with that token.
+        first = num_sent == 0 and request.num_output_tokens > 0 and request.sampling_params.prompt_logprobs is not None
         return cls(request_id=request.request_id, new_token_ids=request.output_token_ids[num_sent:],
                    new_token_times=timeline.token_times[num_sent:], new_logprobs=logprobs,
+                   prompt_logprobs=request.prompt_logprobs if first else None,
                    finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                    num_cached_tokens=request.num_cached_tokens, queued=timeline.queued,
                    first_scheduled=timeline.first_scheduled, finished=timeline.finished)
@@ -103,6 +110,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
             request.append_output_token(token_id, when)
         if self.new_logprobs is not None:
             request.logprobs.extend(self.new_logprobs)
+        if self.prompt_logprobs is not None:
+            request.prompt_logprobs = list(self.prompt_logprobs)
         request.num_cached_tokens = self.num_cached_tokens
         timeline = request.timeline
         timeline.queued, timeline.first_scheduled, timeline.finished = self.queued, self.first_scheduled, self.finished

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from shared.tiny_model import default_model
+from shared.named_models import default_model, resolve_model
 from shared.tokenizer import Tokenizer
 from stage5_server.engine.core_proc import run_engine_core
 from stage5_server.engine.errors import EngineDeadError
@@ -68,7 +68,8 @@ class MPAsyncLLM(AsyncEngine):
     def __init__(self, model: str | None = None, *, log_stats_interval: float | None = 10.0,
                  stat_loggers: list[StatLogger] | None = None,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_args: Any):
-        model_path = str(model or default_model())  # resolved once here, so both processes agree
+        # Resolved (a name or .gguf to its directory) once here, so both processes agree.
+        model_path = resolve_model(model) if model else default_model()
         self._input_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
         self._ipc_dir = tempfile.mkdtemp(prefix="stagedserve-")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"

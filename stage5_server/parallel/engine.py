@@ -8,7 +8,8 @@ one device, so the tokens are the same as with ``tensor_parallel_size=1``.
 
 The KV budget is per rank: a rank stores only its own KV heads, so a token costs
 ``2 * layers * kv_heads_per_rank * head_dim * bytes`` on each device; ``kv_cache_memory``
-(and, on CUDA, ``gpu_memory_utilization``) is what each device gives.
+(and, on CUDA, ``gpu_memory_utilization``) is what each device gives. On CPU without it, the
+ranks split the automatic host budget (``BaseLLM.automatic_kv_cache_tokens``).
 
 vLLM: ``vllm/v1/engine/core.py`` over ``vllm/v1/executor/multiproc_executor.py``.
 """
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from shared.config import ModelConfig
-from shared.llm_base import DEFAULT_KV_CACHE_MEMORY, kv_bytes_per_token
+from shared.llm_base import kv_bytes_per_token
 from shared.model_runner import prepare_inputs
 from shared.sampler import sample
 from stage2_paged.llm import check_block_size, check_pool_holds_one_sequence
@@ -81,7 +82,7 @@ def build_tensor_parallel_engine(llm, make_scheduler: Callable[[int, int], Sched
     executor = MultiprocExecutor(llm.model_path, world_size, llm.dtype, llm.device.type, interface)
     try:
         num_blocks = args["num_kv_blocks"] or _kv_cache_tokens(llm, executor) // block_size
-        check_pool_holds_one_sequence(num_blocks, block_size, llm.max_model_len)
+        check_pool_holds_one_sequence(llm, num_blocks, block_size)
         check_budget_takes_a_whole_prompt(args, llm.max_model_len)
         scheduler = make_scheduler(block_size, num_blocks)
         executor.collective_rpc("init_kv_cache", num_blocks, block_size, llm.attention_backend_name)
@@ -99,7 +100,8 @@ def _kv_cache_tokens(llm, executor: MultiprocExecutor) -> int:
     if memory is None and llm.device.type == "cuda":  # the tightest rank decides
         memory = profiled_kv_memory(llm.args, llm.max_model_len,
                                     lambda n, u: min(executor.collective_rpc("profile_kv_memory", n, u)))
-    memory = memory or DEFAULT_KV_CACHE_MEMORY
-    if not isinstance(memory, int) or memory <= 0:
+    if memory is None:  # CPU: the ranks share this host's free memory
+        return llm.automatic_kv_cache_tokens(per_token, processes=llm.tensor_parallel_size)
+    if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
         raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
     return memory // per_token

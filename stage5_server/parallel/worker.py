@@ -25,6 +25,7 @@ from stage2_paged.attention import build_paged_metadata
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
+from stage5_server.model import fuse_projections
 from stage5_server.parallel.parallel_state import init_tensor_parallel, tensor_parallel_shape
 from stage5_server.parallel.sharded_model import load_sharded_model
 
@@ -58,8 +59,9 @@ class Worker:
         self.rank = rank
         self.device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")
         self.dtype = settings.dtype
-        self.model, self.config = load_sharded_model(settings.model_path, rank, settings.world_size, settings.dtype,
-                                                     self.device)
+        model, self.config = load_sharded_model(settings.model_path, rank, settings.world_size, settings.dtype,
+                                                self.device)
+        self.model = fuse_projections(model)  # this rank's q/k/v (gate/up) shards fused: its slice of the fused GEMM
         self.shape = tensor_parallel_shape(self.config, settings.world_size)
         self.kv_cache: PagedKVCache | None = None
 

@@ -66,7 +66,8 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     model_name = served_model_name or engine.model_path
     metrics = PrometheusStatLogger(model_name, lambda: engine.stats, engine.max_model_len)
     engine.stat_loggers.append(metrics)
-    serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt)
+    serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
+                            version())
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager

@@ -41,22 +41,25 @@ class ChatResponder(Responder):
     def __init__(self, *args: Any, top_logprobs: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
-        self.first_chunk = True  # the first delta carries the role
+        self.started: set[int] = set()  # choices whose first delta (carrying the role) went out
 
-    def response(self, output: RequestOutput) -> dict[str, Any]:
+    def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": chat_logprobs(output, 0, len(c.token_ids), self.top_logprobs),
-                  "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
-        return self.whole(output, choice)
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(output, 0, len(c.token_ids), self.top_logprobs),
+                "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
 
-    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": text} if text or self.first_chunk else {}
-        if self.first_chunk:
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+        first = index not in self.started
+        self.started.add(index)
+        delta: dict[str, Any] = {"content": text} if text or first else {}
+        if first:
             delta = {"role": "assistant", **delta}
-            self.first_chunk = False
-        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(output, start, end, self.top_logprobs),
-                  "finish_reason": finish_reason(output) if output.finished else None}
+        finished = output.finished
+        choice = {"index": index, "delta": delta,
+                  "logprobs": chat_logprobs(output, start, end, self.top_logprobs),
+                  "finish_reason": finish_reason(output) if finished else None,
+                  "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
 
 
@@ -66,8 +69,8 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     token_ids = await serving.on_engine(serving.engine.tokenizer.apply_chat_template, body.conversation())
     serving.check_lengths(len(token_ids), params.max_tokens, "messages")
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
-                              top_logprobs=body.top_logprobs or 0)
-    return await serving.generate(request, token_ids, params, salt, responder, body.stream)
+                              body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0)
+    return await serving.generate(request, [token_ids], params, salt, responder, body.stream)
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -1,11 +1,17 @@
 """``POST /v1/completions``: a prompt (text or token ids) continued, whole or streamed.
 
+``echo`` puts the prompt in front of the text; with ``logprobs`` the prompt's tokens get
+their logprobs too (prompt logprobs, computed in prefill), the first ``null``. ``echo`` with
+``max_tokens: 0`` returns the scored prompt alone: the call evaluation harnesses make for
+log-likelihoods. As in vLLM, the engine then generates one token that is not returned.
+
 vLLM: ``vllm/entrypoints/openai/serving_completion.py``.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,8 +32,22 @@ def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset
     if completion.logprobs is None:
         return None
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
-        chosen = entry[token_id]  # the sampler always records the sampled token
+    _append(result, zip(completion.token_ids[start:end], completion.logprobs[start:end]), text_offset)
+    return result
+
+
+def prompt_logprobs(output: RequestOutput, first_token_text: str) -> dict[str, Any]:
+    """The prompt's tokens in the same format; the first has no logprob (nothing precedes it)."""
+    result: dict[str, list] = {"tokens": [first_token_text], "token_logprobs": [None], "top_logprobs": [None],
+                               "text_offset": [0]}
+    ids, entries = output.prompt_token_ids, output.prompt_logprobs or []
+    _append(result, zip(ids[1:], entries[1:]), len(first_token_text))
+    return result
+
+
+def _append(result: dict[str, list], tokens_and_entries, text_offset: int) -> int:
+    for token_id, entry in tokens_and_entries:
+        chosen = entry[token_id]  # the sampler (or prefill) always records the chosen token
         token = token_text(chosen)
         result["tokens"].append(token)
         result["token_logprobs"].append(chosen.logprob)
@@ -35,39 +55,85 @@ def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset
                                                                                   key=lambda x: x.rank)})
         result["text_offset"].append(text_offset)
         text_offset += len(token)
-    return result
+    return text_offset
+
+
+def _joined(prompt_part: dict[str, list] | None, generated: dict[str, Any] | None) -> dict[str, Any] | None:
+    if prompt_part is None:
+        return generated
+    if generated is None:
+        return prompt_part
+    return {key: prompt_part[key] + generated[key] for key in prompt_part}
 
 
 class CompletionResponder(Responder):
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, echo: list[tuple[str, str]] | None = None, generate: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.text_offset = 0  # characters streamed so far
+        self.echo = echo  # per prompt: (its text, its first token's text), when echoed
+        self.generate = generate  # False: echo with max_tokens 0, the generated token is not returned
+        self.text_offset: dict[int, int] = {}  # per choice: characters streamed so far
 
-    def response(self, output: RequestOutput) -> dict[str, Any]:
+    def _echoed(self, index: int, output: RequestOutput, text: str, logprobs: dict[str, Any] | None,
+                offset: int) -> tuple[str, dict[str, Any] | None]:
+        """``text`` and ``logprobs`` of choice ``index`` with the prompt in front (``offset``: where it starts)."""
+        if not self.generate:
+            text, logprobs = "", None
+        if self.echo is None:
+            return text, logprobs
+        prompt_text, first_token_text = self.echo[index // self.n]
+        prompt_part = None
+        if output.prompt_logprobs is not None:
+            prompt_part = prompt_logprobs(output, first_token_text)
+            prompt_part["text_offset"] = [offset + o for o in prompt_part["text_offset"]]
+        if logprobs is not None:  # the generated part starts after the prompt
+            logprobs = {**logprobs, "text_offset": [o + len(prompt_text) for o in logprobs["text_offset"]]}
+        return prompt_text + text, _joined(prompt_part, logprobs)
+
+    def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        choice = {"index": 0, "text": c.text, "logprobs": completion_logprobs(output, 0, len(c.token_ids), 0),
-                  "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
-        return self.whole(output, choice)
+        text, logprobs = self._echoed(index, output, c.text, completion_logprobs(output, 0, len(c.token_ids), 0), 0)
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason(output) if self.generate else "length",
+                "stop_reason": c.stop_reason if self.generate else None}
 
-    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
-        logprobs = completion_logprobs(output, start, end, self.text_offset)
-        self.text_offset += len(text)
-        choice = {"index": 0, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason(output) if output.finished else None}
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+        first = index not in self.text_offset
+        offset = self.text_offset.get(index, 0)
+        logprobs = completion_logprobs(output, start, end, offset)
+        if first:
+            text, logprobs = self._echoed(index, output, text, logprobs, offset)
+        elif not self.generate:
+            text, logprobs = "", None
+        self.text_offset[index] = offset + len(text)
+        finished = output.finished
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": (finish_reason(output) if self.generate else "length") if finished else None,
+                  "stop_reason": output.outputs[0].stop_reason if finished and self.generate else None}
         return self.chunk_body(output, choice)
 
 
 async def create_completion(serving: OpenAIServing, request: Request, body: CompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
-    prompt = body.prompt
-    token_ids = prompt if isinstance(prompt, list) else await serving.on_engine(serving.engine.tokenizer.encode, prompt)
-    serving.check_lengths(len(token_ids), params.max_tokens, "prompt")
+    generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
+    params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs)
+    prompts, echo = [], []
+    for prompt in body.prompts:
+        encode = serving.engine.tokenizer.encode
+        ids = prompt if isinstance(prompt, list) else await serving.on_engine(encode, prompt)
+        serving.check_lengths(len(ids), params.max_tokens, "prompt")
+        prompts.append(ids)
+        if body.echo:
+            decode = serving.engine.tokenizer.decode
+            text = prompt if isinstance(prompt, str) else await serving.on_engine(decode, ids)
+            echo.append((text, await serving.on_engine(decode, ids[:1], False)))
+    if body.echo and body.logprobs is not None:
+        params = replace(params, prompt_logprobs=body.logprobs)  # vLLM: echo scores the prompt too
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
-                                    body.include_usage)
-    return await serving.generate(request, token_ids, params, salt, responder, body.stream)
+                                    body.include_usage, body.continuous_usage, n=params.n,
+                                    echo=echo if body.echo else None, generate=generate)
+    return await serving.generate(request, prompts, params, salt, responder, body.stream)
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -20,8 +20,15 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:
+        # ``root``: what the model was loaded from (vLLM's bench reads it to find the tokenizer when no
+        # --model is given); ``permission``: OpenAI's legacy field, in vLLM's shape.
+        permission = {"id": f"modelperm-{serving.served_model_name}", "object": "model_permission",
+                      "created": created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
         return {"id": serving.served_model_name, "object": "model", "created": created, "owned_by": "stagedserve",
-                "max_model_len": engine.max_model_len}
+                "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len,
+                "permission": [permission]}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -2,15 +2,26 @@
 
 Requests are parsed strictly. An unknown field is a 400 that names it ("Unrecognized
 request argument supplied: foo"), a wrong type is a 400 that names it, and an OpenAI
-feature this server does not implement (``n > 1``, ``best_of``, ``echo``, ``suffix``,
-``logit_bias``, penalties, tools, JSON mode, ...) is accepted only with the value that
-means "off", so nothing a client asks for is silently ignored. ``NOOP_VALUES`` lists them.
+feature this server does not implement (``suffix``, tools, JSON mode, ...) is accepted
+only with the value that means "off", so nothing a client asks for is silently ignored.
+``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
+``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted with any
+value and logged (``IGNORED_FIELDS``).
+
+The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
+(string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
+``include_stop_str_in_output``, ``n`` (and ``best_of`` equal to it) and ``echo``. Chat
+takes the ``developer`` role and a message ``name`` (both handed to the chat template, as
+vLLM does), joins text parts with a newline, and prefers ``max_completion_tokens`` when
+both token limits are sent.
 
 vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -18,33 +29,30 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from shared.sampling_params import SamplingParams
 from stage5_server.server.errors import bad_request_from_value_error
 
+logger = logging.getLogger("stagedserve")
+
 # ---- request models ---------------------------------------------------------------------------
 
 # OpenAI fields this server does not implement: accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple] = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    "store": (False,),
-    "metadata": ({},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
     "prompt_cache_key": (),
-    "service_tier": ("auto", "default"),
-    "name": (),  # on a chat message: the chat template has no place for it
 }
+
+
+# Fields that change nothing a client can observe here: any value is accepted, and logged.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_LOGGED: set[str] = set()
 
 
 def _is_noop(value: Any, allowed: tuple) -> bool:
@@ -63,7 +71,7 @@ def _is_noop(value: Any, allowed: tuple) -> bool:
 def _check_noop(value: Any, info: ValidationInfo) -> Any:
     allowed = NOOP_VALUES[info.field_name]
     if not _is_noop(value, allowed):
-        hint = f" (only {', '.join(map(repr, allowed))} or null)" if allowed else ""
+        hint = f" (only {', '.join(json.dumps(a) for a in allowed)} or null)" if allowed else ""
         raise ValueError(f"{info.field_name} is not supported by this server{hint}")
     return value
 
@@ -75,6 +83,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only a final one
 
 
 def _check_stop(value: Any) -> list[str] | None:
@@ -98,23 +107,46 @@ class _GenerationRequest(StrictModel):
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the operator's logs; changes nothing
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted with any value; they change nothing a client can observe (logged: IGNORED_FIELDS).
+    user: str | None = None  # an end-user id for the operator's logs
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
     # vLLM's extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     cache_salt: str | None = None
-    # OpenAI features not implemented here: only their "off" values are accepted
-    n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
+    n: int = Field(default=1, ge=1, le=128)  # samples per prompt (parallel sampling)
 
-    _check_noop = field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias", "service_tier",
-                                  "store", "metadata")(_check_noop)
+    @field_validator("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        return float(value) if type(value) is int else value  # 1 is as good as 1.0; strict mode would refuse it
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        """Token ids as strings (JSON keys) -> ints, each bias clamped to [-100, 100] (OpenAI's range)."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must map token ids to numbers")
+        bias = {}
+        for token, amount in value.items():
+            if not (isinstance(token, str) and token.isdigit()):
+                raise ValueError(f"logit_bias: {json.dumps(token)} is not a token id")
+            if type(amount) not in (int, float):
+                raise ValueError(f"logit_bias: the bias of token {token} is not a number")
+            bias[token] = float(min(100.0, max(-100.0, amount)))
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -137,13 +169,21 @@ class _GenerationRequest(StrictModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``APIError(400)`` naming the field for values SamplingParams rejects."""
+        for name in IGNORED_FIELDS:
+            if name in type(self).model_fields and getattr(self, name) is not None and name not in _LOGGED:
+                _LOGGED.add(name)  # once per field and process: this is not a per-request log
+                logger.info("request field %r is accepted and changes nothing here", name)
+        pick = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, seed=self.seed, logprobs=logprobs)
+                n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+                top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids or [], include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos, seed=self.seed, logprobs=logprobs,
+                presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
 
@@ -151,31 +191,50 @@ class _GenerationRequest(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's ``continuous_usage_stats``, which takes ``include_usage`` too)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt (text or token ids)."""
+    """``POST /v1/completions``: a prompt (text or token ids), or a batch of them (one choice per
+    prompt and sample, prompt i's sample j at index ``i * n + j``)."""
 
     prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Any = None
+    best_of: int | None = None
+    echo: bool = False  # the prompt in front of the text (and of the logprobs)
     suffix: Any = None
-    best_of: Any = None
 
-    _check_noop_completion = field_validator("echo", "suffix", "best_of")(_check_noop)
+    _check_noop_completion = field_validator("suffix")(_check_noop)
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]  # a batch of one
-        if isinstance(value, str):
+    def _prompt(cls, value: Any) -> str | list[int] | list[str | list[int]]:
+        def one(p: Any) -> bool:
+            return (isinstance(p, str) and p != "") or (isinstance(p, list) and bool(p)
+                                                       and all(type(t) is int for t in p))
+
+        if one(value):
             return value
-        if isinstance(value, list) and value and all(type(t) is int for t in value):
+        if isinstance(value, list) and value and all(one(p) for p in value):
             return value
-        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+        raise ValueError("prompt must be a non-empty string, a non-empty list of token ids, or a list of those")
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        # best_of > n would return the n best of best_of samples; silently returning n samples
+        # instead (what vLLM 0.32 does) would change the answer, so it is refused.
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of = n ({self.n}) is supported, got {self.best_of}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        single = isinstance(self.prompt, str) or all(type(t) is int for t in self.prompt)
+        return [self.prompt] if single else list(self.prompt)
 
 
 class TextPart(StrictModel):
@@ -184,16 +243,14 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: Any
-    name: Any = None
-
-    _check_noop = field_validator("name")(_check_noop)
+    name: str | None = None  # handed to the chat template, which may use it
 
     @field_validator("content")
     @classmethod
     def _content(cls, value: Any) -> str:
-        """A string, or a list of text parts (joined); images and audio are refused."""
+        """A string, or a list of text parts (joined with a newline, as vLLM); images and audio are refused."""
         if isinstance(value, str):
             return value
         if isinstance(value, list):
@@ -202,7 +259,7 @@ class ChatMessage(StrictModel):
                 if not (isinstance(part, dict) and part.get("type") == "text"):
                     raise ValueError("content: only text parts are supported")
                 texts.append(TextPart.model_validate(part).text)
-            return "".join(texts)
+            return "\n".join(texts)
         raise ValueError("content must be a string or a list of text parts")
 
 
@@ -216,7 +273,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    parallel_tool_calls: Any = None  # meaningless without tools, which are refused; accepted, logged
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -238,16 +295,9 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
-        other = info.data.get("max_tokens")
-        if value is not None and other is not None and value != other:
-            raise ValueError("max_completion_tokens and max_tokens disagree; send one of them")
-        return value
-
     @property
     def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` when sent (it replaces the deprecated ``max_tokens``; vLLM takes it too)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
@@ -255,7 +305,8 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
+                for m in self.messages]
 
 
 class TokenizeRequest(StrictModel):

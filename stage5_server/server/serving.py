@@ -14,8 +14,12 @@ vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from fastapi import Request
@@ -43,10 +47,13 @@ from stage5_server.server.tool_calling import ToolCallingOptions
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 
 
-def usage_of(output: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+def usage_of(outputs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """Usage of one response: each prompt counted once (outputs come n per prompt), every sample's tokens."""
+    firsts = outputs[::n]
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
 def finish_reason(output: RequestOutput) -> str | None:
@@ -55,68 +62,89 @@ def finish_reason(output: RequestOutput) -> str | None:
 
 
 class Responder:
-    """How one request's bodies are written: the whole response, or stream chunks and a usage chunk."""
+    """How one request's bodies are written: the whole response, or stream chunks and a usage chunk.
+
+    A response has one choice per engine request: prompt i's sample j is choice ``i * n + j``
+    (vLLM's order), and the outputs arrive in that order.
+    """
 
     object: ClassVar[str]  # the ``object`` of a whole response
     chunk_object: ClassVar[str]  # the ``object`` of a stream chunk
 
-    def __init__(self, request_id: str, model: str, http_request: Request, include_usage: bool):
+    def __init__(self, request_id: str, model: str, http_request: Request, include_usage: bool,
+                 continuous_usage: bool = False, n: int = 1):
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage so far in every chunk
+        self.n = n  # samples per prompt
+        self.system_fingerprint: str | None = None  # set by ``OpenAIServing.generate``
         self.with_timeline = http_request.headers.get(TIMELINE_HEADER) == "1"
 
-    def response(self, output: RequestOutput) -> dict[str, Any]:
+    def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        """The whole response's choice ``index``."""
         raise NotImplementedError
 
-    def chunk(self, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
-        """The chunk for ``text`` (new since the last chunk) and output tokens ``start .. end``; None
-        when there is nothing to send yet (text held back to be read as a tool call)."""
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
+        """Choice ``index``'s chunk for ``text`` (new since its last chunk) and output tokens ``start .. end``;
+        None when there is nothing to send yet (text held back to be read as a tool call)."""
         raise NotImplementedError
 
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        return self.body(self.chunk_object, [], usage=usage_of(output))
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return self.body(self.object, [self.choice(i, o) for i, o in enumerate(outputs)],
+                         usage=usage_of(outputs, self.n), **self.timeline(outputs[0]))
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return self.body(self.chunk_object, [], usage=usage_of(outputs, self.n))
 
     # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
     # Responses API overrides these for its typed events.
     def opening_frames(self) -> list[str]:
         return []
 
-    def frames(self, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
-        chunk = self.chunk(output, text, start, end)
+    def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
+        chunk = self.chunk(index, output, text, start, end)
         return [] if chunk is None else [sse(chunk)]
 
-    def closing_frames(self, output: RequestOutput) -> list[str]:
-        return ([sse(self.usage_chunk(output))] if self.include_usage else []) + [SSE_DONE]
+    def closing_frames(self, outputs: list[RequestOutput]) -> list[str]:
+        return ([sse(self.usage_chunk(outputs))] if self.include_usage else []) + [SSE_DONE]
 
     def error_frames(self, error: APIError) -> list[str]:
         return [sse(error.body()), SSE_DONE]
 
     def body(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def whole(self, output: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
-        return self.body(self.object, [choice], usage=usage_of(output), **self.timeline(output))
+                "system_fingerprint": self.system_fingerprint, "choices": choices, **extra}
 
     def chunk_body(self, output: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
-        return self.body(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}),
+        usage = usage_of([output]) if self.continuous_usage else None
+        return self.body(self.chunk_object, [choice], **({"usage": usage} if self.include_usage else {}),
                          **(self.timeline(output) if output.finished else {}))
 
     def timeline(self, output: RequestOutput) -> dict[str, Any]:
         return {"server_timeline": request_phases(output.timeline)} if self.with_timeline else {}
 
 
+def system_fingerprint(engine: AsyncEngine, version: str) -> str:
+    """``stagedserve-<version>-<hash8>``: the same answer for the same model and configuration (vLLM's
+    ``full`` fingerprint mode, ``vllm/entrypoints/serve/utils/fingerprint.py``)."""
+    config = {"model": str(getattr(engine, "model_path", "")), "stage": getattr(engine, "stage", ""),
+              "engine_args": getattr(engine, "engine_args", {})}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return f"stagedserve-{version}-{digest[:8]}"
+
+
 class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool, tool_calling: ToolCallingOptions | None = None):
+                 trust_client_cache_salt: bool, version: str = "0", tool_calling: ToolCallingOptions | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
+        self.system_fingerprint = system_fingerprint(engine, version)
         self.tool_calling = tool_calling or ToolCallingOptions()
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
@@ -156,58 +184,86 @@ class OpenAIServing:
                            f"({max_tokens} > {limit} - {num_prompt_tokens}).", param="max_tokens",
                            code="context_length_exceeded")
 
-    async def generate(self, request: Request, token_ids: list[int], params: SamplingParams, salt: str,
+    async def generate(self, request: Request, prompts: list[list[int]], params: SamplingParams, salt: str,
                        responder: Responder, stream: bool) -> Response:
-        """Start the request in the engine and answer with its JSON body or its SSE stream."""
-        with engine_errors():
-            request_stream = await self.engine.add_request(token_ids, params, responder.request_id, cache_salt=salt,
-                                                           received_time=request.scope.get(RECEIVED_SCOPE_KEY))
-        return await self.respond(request, request_stream, params, responder, stream)
+        """Start one engine request per prompt and sample and answer with a JSON body or an SSE stream.
 
-    async def respond(self, request: Request, stream: RequestStream, params: SamplingParams, responder: Responder,
-                      streaming: bool) -> Response:
-        """Non-streaming: wait for the final output. Streaming: wait for the first, then SSE events.
+        ``n > 1`` fans out here into requests with seeds ``seed + j``, as vLLM's ``ParentRequest``
+        does; with prefix caching they share the prompt's blocks.
+        """
+        responder.system_fingerprint = self.system_fingerprint
+        streams: list[RequestStream] = []
+        received = request.scope.get(RECEIVED_SCOPE_KEY)
+        try:
+            for i, token_ids in enumerate(prompts):
+                for j in range(params.n):
+                    one = params if params.n == 1 else replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + j)
+                    request_id = responder.request_id if len(prompts) * params.n == 1 else \
+                        f"{responder.request_id}-{i}-{j}"
+                    with engine_errors():
+                        streams.append(await self.engine.add_request(token_ids, one, request_id, cache_salt=salt,
+                                                                     received_time=received))
+        except BaseException:
+            self.engine.abort([s.request_id for s in streams])
+            raise
+        return await self.respond(request, streams, params, responder, stream)
 
-        Waiting for the first output before sending headers lets an engine failure in
+    async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,
+                      responder: Responder, streaming: bool) -> Response:
+        """Non-streaming: wait for the final outputs. Streaming: wait for each first output, then SSE events.
+
+        Waiting for the first outputs before sending headers lets an engine failure in
         the first step still answer with a 500 status rather than an error event.
         """
+        ids = [s.request_id for s in streams]
         try:
             if not streaming:
-                output = await unless_disconnected(request, final_output(stream))
-                return JSONResponse(responder.response(output))
-            first = await unless_disconnected(request, stream.get())
-            return SSEResponse(self.events(first, stream, params, responder))
+                outputs = await unless_disconnected(request, asyncio.gather(*map(final_output, streams)))
+                return JSONResponse(responder.response(list(outputs)))
+            firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
+            return SSEResponse(self.events(list(firsts), streams, params, responder))
         except ClientDisconnected:
-            self.engine.abort(stream.request_id)
+            self.engine.abort(ids)
             return Response(status_code=499)  # nobody is listening
         except (EngineError, RequestAborted) as exc:
-            self.engine.abort(stream.request_id)
+            self.engine.abort(ids)
             raise api_error(exc) from None
         except BaseException:
-            self.engine.abort(stream.request_id)
+            self.engine.abort(ids)
             raise
 
-    async def events(self, first: RequestOutput, stream: RequestStream, params: SamplingParams,
+    async def events(self, firsts: list[RequestOutput], streams: list[RequestStream], params: SamplingParams,
                      responder: Responder) -> AsyncIterator[str]:
-        """SSE events of one request; closing this generator early aborts the request."""
-        tracker = DeltaTracker(params)
-        output = first
+        """SSE events of every choice as its outputs arrive; closing this generator early aborts them all."""
+        trackers = [DeltaTracker(params) for _ in streams]
+        latest = list(firsts)
+        waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished choice
         try:
             for frame in responder.opening_frames():
                 yield frame
+            ready = list(enumerate(firsts))
             while True:
-                delta = tracker.advance(output)
-                for frame in [] if delta is None else responder.frames(output, *delta):
-                    yield frame
-                if output.finished:
+                for index, output in ready:
+                    latest[index] = output
+                    delta = trackers[index].advance(output)
+                    for frame in [] if delta is None else responder.frames(index, output, *delta):
+                        yield frame
+                    if not output.finished:
+                        waiting[asyncio.ensure_future(streams[index].get())] = index
+                if not waiting:
                     break
-                output = await stream.get()
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ready = [(waiting.pop(task), task.result()) for task in done]
         except (EngineError, RequestAborted) as exc:
             for frame in responder.error_frames(api_error(exc)):
                 yield frame
             return
         finally:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
-        for frame in responder.closing_frames(output):
+            for task in waiting:
+                task.cancel()
+            unfinished = [s.request_id for s in streams if not s.finished]
+            if unfinished:
+                self.engine.abort(unfinished)
+        for frame in responder.closing_frames(latest):
             yield frame

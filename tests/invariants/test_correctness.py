@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -38,12 +39,22 @@ def test_token_id_prompts_and_text_prompts_agree(stage, tiny_llama):
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(stage, tiny_llama):
     llm = stage.make_llm(tiny_llama)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    # Every other sampling rule too, so that each is shown to stay within its own row.
+    processed = SamplingParams(temperature=1.1, min_p=0.05, top_k=80, max_tokens=16, seed=99, repetition_penalty=1.2,
+                               presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0, 9: -4.0},
+                               bad_words=["the"], min_tokens=10, logprobs=2)
     alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    alone_processed = llm.generate(PROMPTS[3], processed, use_tqdm=False)[0].outputs[0]
     others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
-    crowd = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[1]]
-    params = [others, seeded, others, SamplingParams(temperature=0.7, max_tokens=5, seed=7)]
-    in_batch = llm.generate(crowd, params, use_tqdm=False)[1].outputs[0].token_ids
-    assert alone == in_batch
+    crowd = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[3], PROMPTS[4]]
+    params = [others, seeded, others, SamplingParams(temperature=0.7, max_tokens=5, seed=7), processed,
+              SamplingParams(temperature=0, max_tokens=9, repetition_penalty=0.5, logit_bias={5: 9.0}, logprobs=1)]
+    in_batch = llm.generate(crowd, params, use_tqdm=False)
+    assert alone == in_batch[1].outputs[0].token_ids
+    assert alone_processed.token_ids == in_batch[4].outputs[0].token_ids
+    for lone, batched in zip(alone_processed.logprobs, in_batch[4].outputs[0].logprobs):  # from the raw logits
+        assert {t: lp.rank for t, lp in lone.items()} == {t: lp.rank for t, lp in batched.items()}
+        assert all(abs(lp.logprob - batched[t].logprob) < 1e-4 for t, lp in lone.items())
     different_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
     assert llm.generate(PROMPTS[1], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
     greedy = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -64,6 +75,15 @@ def test_stop_token_id_finishes_with_stop_and_reports_the_token(stage, tiny_llam
     out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free_run[: stop_at + 1]
     assert out.finish_reason == "stop" and out.stop_reason == free_run[stop_at]
+    # As in vLLM, the stop token's text is not part of the output unless asked for.
+    assert out.text == llm.tokenizer.decode(free_run[:stop_at])
+    kept = llm.generate(PROMPTS[1], replace(params, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(free_run[: stop_at + 1]) and kept.token_ids == out.token_ids
+    # min_tokens holds the stop token back until that many tokens exist.
+    late = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free_run[stop_at]],
+                          min_tokens=stop_at + 2)
+    held = llm.generate(PROMPTS[1], late, use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= stop_at + 2 and free_run[stop_at] not in held.token_ids[:stop_at + 1]
 
 
 def test_stop_string_cuts_text_before_it(stage, tiny_llama):
@@ -76,6 +96,28 @@ def test_stop_string_cuts_text_before_it(stage, tiny_llama):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[: full.text.find(stop)]
     assert len(out.token_ids) < len(full.token_ids)
+    kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: full.text.find(stop) + len(stop)] and kept.token_ids == out.token_ids
+    # Text made by the first min_tokens tokens holds no stop string (vLLM's rule).
+    guard = len(full.token_ids) - 2
+    late = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                   min_tokens=guard), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > guard and late.text.startswith(full.text[: full.text.find(stop) + len(stop)])
+
+
+def test_streamed_text_never_shows_what_a_stop_string_later_takes_back(stage, tiny_llama):
+    llm = stage.make_llm(tiny_llama)
+    full = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3)
+                if "\ufffd" not in full[i:i + 3] and full.find(full[i:i + 3]) == i)
+    request_id = llm.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                            stop=[stop, "never-generated"]))
+    texts = []
+    while llm.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in llm.step() if o.request_id == request_id]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative text only ever grows
+    assert texts[-1] == full[: full.find(stop)] and not any(stop in t for t in texts)
 
 
 def test_eos_finishes_with_stop_unless_ignored(stage, tiny_llama, tmp_path):

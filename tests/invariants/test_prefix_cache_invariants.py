@@ -56,3 +56,36 @@ def test_repeated_prompt_is_served_from_cache_with_identical_output(stage, tiny_
     second = llm.generate(SYSTEM, params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_blocks_and_cost_one_prefill(stage, tiny_llama):
+    """n = 8 children of one prompt: child 0 computes the prompt and caches its full blocks; each of
+    the other seven finds them and computes only the last block, which must run for its logits."""
+    llm = stage.make_llm(tiny_llama)
+    block = llm.args["block_size"]
+    prompt = llm.tokenizer.encode(SYSTEM)
+    length = len(prompt)
+    [out] = llm.generate(prompt, SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=0), use_tqdm=False)
+    assert len(out.outputs) == 8
+    stats = llm.engine.stats()
+    cached = (length - 1) // block * block  # a hit never covers the last prompt token
+    assert stats.prefix_cache_queries == 8 * length
+    assert stats.prefix_cache_hits == 7 * cached
+    assert stats.num_prompt_tokens_computed == length + 7 * (length - cached)
+    assert stats.num_prompt_tokens_computed < 2 * length
+
+
+def test_prompt_logprobs_skip_the_cache_read_and_are_the_same_as_uncached(stage, tiny_llama):
+    """A cache hit keeps K/V, not the logits of the prompt positions it skips: a request that wants
+    prompt logprobs does not read the cache (as vLLM's ``skip_reading_prefix_cache``)."""
+    llm = stage.make_llm(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    first = llm.generate(SYSTEM, params, use_tqdm=False)[0]
+    before = llm.engine.stats()
+    second = llm.generate(SYSTEM, params, use_tqdm=False)[0]
+    after = llm.engine.stats()
+    assert second.num_cached_tokens == 0 and after.prefix_cache_queries == before.prefix_cache_queries
+    assert second.prompt_logprobs == first.prompt_logprobs and len(first.prompt_logprobs) == len(first.prompt_token_ids)
+    plain = llm.generate(SYSTEM, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert plain.num_cached_tokens > 0  # its blocks entered the cache all the same
+    assert plain.outputs[0].token_ids == first.outputs[0].token_ids

@@ -80,10 +80,35 @@ def test_bad_prompt_is_a_value_error_and_the_engine_keeps_serving(stage, tiny_ll
     ({"stop": [""]}, "stop"),
     ({"logprobs": 100}, "logprobs"),
     ({"seed": "x"}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": 2, "temperature": 0}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_before_they_reach_the_sampler(stage, tiny_llama, kwargs,
+                                                                                     field):
+    llm = stage.make_llm(tiny_llama)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, SamplingParams(max_tokens=4, **kwargs)], use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    assert_serves(llm)
 
 
 def test_unknown_engine_argument_is_named(stage, tiny_llama):

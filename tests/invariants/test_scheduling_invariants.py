@@ -21,11 +21,17 @@ def test_token_budget_and_sequence_caps_hold_every_step(stage, tiny_llama):
 
 def test_preemption_is_transparent_to_greedy_outputs(stage, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = stage.make_llm(tiny_llama).generate(list(PROMPTS), params, use_tqdm=False)
+    scored = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)  # recomputed prefill
+    roomy = stage.make_llm(tiny_llama).generate(list(PROMPTS), [params, scored] * 2 + [params], use_tqdm=False)
     tight = stage.make_llm(tiny_llama, num_kv_blocks=24, max_num_batched_tokens=32, max_model_len=96)
-    squeezed = tight.generate(list(PROMPTS), params, use_tqdm=False)
+    squeezed = tight.generate(list(PROMPTS), [params, scored] * 2 + [params], use_tqdm=False)
     assert tight.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    for a, b in zip(squeezed, roomy):  # a preempted request's prompt is not scored twice
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        if a.prompt_logprobs is not None:
+            assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
+            assert [list(e) if e else e for e in a.prompt_logprobs] == [list(e) if e else e for e in b.prompt_logprobs]
     assert tight.engine.kv_cache_usage() == 0
 
 

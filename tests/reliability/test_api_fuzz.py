@@ -87,6 +87,20 @@ def make_it_reach_the_engine(body: dict) -> None:
         body.pop("stop")
     if isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = max(1, body["max_tokens"] % 16)
+    # The sampling fields, brought into their ranges: n a few samples, a bias on real token ids.
+    if isinstance(body.get("n"), int):
+        body["n"] = 1 + body["n"] % 3
+    body.pop("best_of", None)
+    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+        if isinstance(body.get(name), (int, float)) and not isinstance(body[name], bool):
+            body[name] = min(high, max(low, body[name]))
+    if isinstance(body.get("repetition_penalty"), (int, float)) and not isinstance(body["repetition_penalty"], bool):
+        body["repetition_penalty"] = 0.5 + abs(body["repetition_penalty"]) % 1.5
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(i % 100): v for i, v in enumerate(body["logit_bias"].values())}
+    if isinstance(body.get("min_tokens"), int):
+        limit = body["max_tokens"] if isinstance(body.get("max_tokens"), int) else 16
+        body["min_tokens"] = body["min_tokens"] % (limit + 1)  # min_tokens <= max_tokens
 
 
 def check_response(response: requests.Response, documented: set[str]) -> None:

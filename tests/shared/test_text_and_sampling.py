@@ -76,3 +76,73 @@ def test_decode_equals_transformers_decode_including_special_tokens(checkpoints)
         ids = tok.encode("Hello, world! Café 東京") + [0, 1, 2] + tok.encode(" more text")
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_min_p_top_k_and_top_p_keep_the_tokens_transformers_warpers_keep():
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from shared.sampler import apply_min_p, apply_top_k_top_p
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    kept = lambda x: torch.isfinite(x)  # noqa: E731
+    for min_p in (0.01, 0.1, 0.5):
+        ours = apply_min_p(logits, torch.full((6,), min_p))
+        assert torch.equal(kept(ours), kept(MinPLogitsWarper(min_p)(ids, logits.clone())))
+    for top_k in (1, 5, 50):
+        ours = apply_top_k_top_p(logits, torch.full((6,), top_k), None)
+        assert torch.equal(kept(ours), kept(TopKLogitsWarper(top_k)(ids, logits.clone())))
+    for top_p in (0.05, 0.5, 0.9):
+        ours = apply_top_k_top_p(logits, None, torch.full((6,), top_p))
+        assert torch.equal(kept(ours), kept(TopPLogitsWarper(top_p)(ids, logits.clone())))
+    # Per row: a row at top_k = vocab and top_p = 1 keeps everything.
+    mixed = apply_top_k_top_p(logits[:2], torch.tensor([3, 300]), torch.tensor([1.0, 1.0]))
+    assert kept(mixed).sum(dim=-1).tolist() == [3, 300]
+
+
+def test_penalties_follow_the_openai_and_repetition_formulas():
+    from shared.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    req = _request(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
+    req.prompt_token_ids = [0]
+    for token in (1, 1, 2):
+        req.append_output_token(token)
+    out = apply_penalties(logits, [req])[0].tolist()
+    # 0: prompt only -> 2 / 2; 1: output twice -> -1 * 2 - 2 * 0.5 - 0.25; 2: output once -> 0.5 / 2 - 0.5 - 0.25
+    assert out == pytest.approx([1.0, -3.25, -0.5, 3.0, -2.0])
+
+
+def test_min_tokens_bias_and_bad_words_act_before_the_argmax():
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0  # the greedy choice
+    min_tokens = Request("a", [1], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4]), eos_token_ids=(0,))
+    bias = Request("b", [1], SamplingParams(temperature=0, logit_bias={7: 6.0}))
+    bad = Request("c", [1], SamplingParams(temperature=0), bad_words_token_ids=[[9, 4], [4]])
+    tokens = sample(logits, [min_tokens, bias, bad], torch.Generator())
+    assert tokens[0] not in (0, 4) and tokens[1] == 7 and tokens[2] != 4
+
+
+def test_a_bad_word_is_banned_as_written_and_after_a_space(tiny_llama):
+    from shared.sampler import banned_by_bad_words
+    from shared.sampling_params import tokenize_bad_words
+
+    tok = Tokenizer(tiny_llama)
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    for word in ("the", "cache", "blocks"):
+        plain, spaced = encode(word), encode(" " + word)
+        expected = [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
+        assert tokenize_bad_words([word], encode) == expected
+    word = encode("blocks")
+    req = Request("r", [5, 6], SamplingParams(), bad_words_token_ids=[word])
+    for token in word[:-1]:
+        req.append_output_token(token)
+    assert banned_by_bad_words(req) == [word[-1]]
+    fresh = Request("s", word[:-1], SamplingParams(), bad_words_token_ids=[word])  # prefix in the prompt only
+    assert banned_by_bad_words(fresh) == []
+
+
+def test_a_batch_of_plain_greedy_rows_is_the_argmax_of_the_logits_as_given():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2), dtype=torch.bfloat16)
+    reqs = [_request(SamplingParams(temperature=0), str(i)) for i in range(4)]
+    assert sample(logits, reqs, torch.Generator()) == logits.argmax(-1).tolist()

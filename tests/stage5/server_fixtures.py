@@ -137,12 +137,14 @@ class EngineCallRecorder:
 
 
 def spawn_serve(model, log: IO, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """``python -m stage5_server serve MODEL --port P *args`` as a process of its own, writing to ``log``;
-    returns the process and its URL (wait for it with ``serving_or_exited``)."""
+    """``python -m stage5_server serve MODEL --port P *args`` as a process of its own, writing to ``log``
+    (no MODEL when ``model`` is None: the default); returns the process and its URL (wait for it
+    with ``serving_or_exited``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "stage5_server", "serve", str(model), "--port", str(port), *args],
+    model_arg = [] if model is None else [str(model)]
+    process = subprocess.Popen([sys.executable, "-m", "stage5_server", "serve", *model_arg, "--port", str(port), *args],
                                cwd=REPO, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
                                stdout=log, stderr=subprocess.STDOUT)
     return process, f"http://127.0.0.1:{port}"

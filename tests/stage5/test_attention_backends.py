@@ -12,9 +12,15 @@ from stage5_server.attention import resolve_attention_backend
 from tests.invariants.prompts import PROMPTS
 
 
-def test_auto_picks_torch_on_a_cpu():
-    assert resolve_attention_backend(None, torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_picks_the_cpu_backend_on_a_cpu():
+    assert resolve_attention_backend(None, torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+
+
+def test_the_cpu_backend_on_another_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention_backend: cpu runs on a CPU only"):
+        resolve_attention_backend("cpu", torch.device("cuda"))
 
 
 def test_unknown_backend_is_named():

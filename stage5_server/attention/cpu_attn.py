@@ -1,0 +1,121 @@
+"""Paged attention for a CPU: one batched SDPA call per layer for the decodes and one for the prefills.
+
+stage2's torch reference is written to be read: a Python loop over prefilling sequences (one
+attention call each), GQA by ``repeat_interleave`` (a copy of K/V per query head), and K/V
+written with advanced-index assignment. On a CPU those three cost more than the attention
+math itself. This backend keeps the reference's KV layout and metadata and changes how the
+work is batched:
+
+- **Once per step, not per layer**: the first layer turns the step's metadata into a plan
+  (which cache blocks each sequence reads, the additive masks, where each query row goes);
+  every later layer reuses it.
+- **One call per group**: decodes (one query each) form one padded batch, prefills and prefill
+  chunks another; each group is a single ``scaled_dot_product_attention`` over the group's
+  blocks gathered with ``index_select`` (whole blocks, not token by token), padding masked out.
+- **GQA without copying K/V**: the ``H / Hkv`` query heads that share a KV head are folded into
+  the query-length axis (``[B, Hkv, group * q_len, D]``), so SDPA runs over the ``Hkv`` heads
+  that exist; the causal mask repeats per folded head.
+
+vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (its CPU backend; it calls C++ kernels in
+``csrc/cpu/``) and ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stage2_paged.attention import PagedAttentionMetadata
+
+
+@dataclass
+class _Group:
+    """A batch of sequences attended in one SDPA call."""
+
+    blocks: torch.Tensor  # [B * num_blocks] int64: the cache blocks to gather, sequence after sequence
+    num_blocks: int  # blocks per sequence (padded to the group's longest)
+    mask: torch.Tensor  # [B, 1, group * Q | 1, num_blocks * block_size]: 0 where visible, -inf elsewhere
+    query_rows: torch.Tensor  # [B * Q] int64: packed query row of each padded position (0 for padding)
+    valid: torch.Tensor | None  # [B * Q] bool, None when every position is real (decodes)
+    q_len: int  # Q: the group's longest query
+
+
+class CPUAttentionBackend:
+    """Writes this step's K/V, then attends each group of sequences in one call."""
+
+    def __init__(self, kv_cache):
+        self.kv_cache = kv_cache
+        self._plan_for: PagedAttentionMetadata | None = None
+        self._plan: list[_Group] = []
+
+    def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
+        self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
+        key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
+        num_kv_heads = key_cache.shape[2]
+        if meta is not self._plan_for:  # the first layer of a step
+            self._plan = plan_groups(meta, key_cache.shape[1], query.shape[1] // num_kv_heads, query.dtype)
+            self._plan_for = meta
+        return grouped_paged_attention(query, key_cache, value_cache, self._plan, scale)
+
+
+def plan_groups(meta: PagedAttentionMetadata, block_size: int, group: int, dtype: torch.dtype) -> list[_Group]:
+    """The step's decodes and prefills as (at most) two padded groups."""
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    return [_plan_group(rows, starts, q_lens, seq_lens, meta.block_tables, block_size, group, dtype)
+            for rows in (decodes, prefills) if rows]
+
+
+def _plan_group(rows, starts, q_lens, seq_lens, block_tables, block_size, group, dtype) -> _Group:
+    num_blocks = -(-max(seq_lens[i] for i in rows) // block_size)
+    index = torch.tensor(rows)
+    blocks = block_tables[index, :num_blocks].long().flatten()
+    key_pos = torch.arange(num_blocks * block_size)
+    seq = torch.tensor([seq_lens[i] for i in rows])
+    first = torch.tensor([starts[i] for i in rows])
+    q_len = max(q_lens[i] for i in rows)
+    if q_len == 1:
+        visible = key_pos[None, :] < seq[:, None]  # [B, L]
+        mask = _additive(visible, dtype)[:, None, None, :]
+        return _Group(blocks, num_blocks, mask, first, None, 1)
+    lens = torch.tensor([q_lens[i] for i in rows])
+    offset = torch.arange(q_len)
+    valid = offset[None, :] < lens[:, None]  # [B, Q]
+    q_pos = (seq - lens)[:, None] + offset[None, :]  # absolute position of each query
+    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, :, None]  # [B, Q, L]
+    visible[:, :, 0] |= ~valid  # a padding row sees one key, so its softmax stays finite
+    mask = _additive(visible, dtype)[:, None].repeat(1, 1, group, 1)  # folded heads: group-major
+    query_rows = torch.where(valid, first[:, None] + offset[None, :], 0).flatten()
+    return _Group(blocks, num_blocks, mask, query_rows, valid.flatten(), q_len)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+def grouped_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            plan: list[_Group], scale: float) -> torch.Tensor:
+    """``query [T, H, D]`` over ``key_cache/value_cache [num_blocks, block_size, Hkv, D]``, as planned."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for g in plan:
+        batch, length = g.blocks.numel() // g.num_blocks, g.num_blocks * block_size
+        key = key_cache.index_select(0, g.blocks).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+        value = value_cache.index_select(0, g.blocks).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+        q = query.index_select(0, g.query_rows).view(batch, g.q_len, num_kv_heads, group, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * g.q_len, head_dim)
+        o = F.scaled_dot_product_attention(q, key, value, attn_mask=g.mask, scale=scale)
+        o = o.view(batch, num_kv_heads, group, g.q_len, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.reshape(batch * g.q_len, num_heads, head_dim)
+        if g.valid is None:
+            out.index_copy_(0, g.query_rows, o)
+        else:
+            out.index_copy_(0, g.query_rows[g.valid], o[g.valid])
+    return out

@@ -1,0 +1,61 @@
+"""How many threads torch gets on a CPU: every physical core for the engine, one for a front end.
+
+torch's default is one thread per logical CPU. With hyper-threads that is two threads per
+core fighting over one core's matrix units, and a server that runs its HTTP front end in
+another process (``stagedserve serve`` by default) would otherwise start a full thread pool
+there too, which then competes with the engine for the same cores. So:
+
+- the process that runs the model uses as many threads as there are physical cores it may
+  run on (``os.sched_getaffinity``, counted by core, not by hyper-thread), or what the user
+  asked for (``cpu_threads``, or ``OMP_NUM_THREADS`` set in the environment);
+- a process that only tokenizes and serves HTTP uses one.
+
+The choice is logged at start-up. vLLM: ``vllm/platforms/cpu.py`` and
+``vllm/v1/worker/cpu_worker.py`` (``VLLM_CPU_OMP_THREADS_BIND``, one OpenMP thread per core,
+cores reserved for the front end).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("stagedserve")
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (logical CPUs where topology is unknown)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def configure_engine_threads(cpu_threads: int | None = None) -> str:
+    """Give torch one thread per physical core (or ``cpu_threads``); returns the line it logged."""
+    if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+        raise ValueError(f"cpu_threads: must be a positive integer, got {cpu_threads!r}")
+    source = "cpu_threads"
+    if cpu_threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        cpu_threads, source = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    if cpu_threads is None:
+        cpu_threads, source = physical_cores(), "physical cores"
+    torch.set_num_threads(cpu_threads)
+    line = (f"CPU threads: torch uses {torch.get_num_threads()} ({source}; {os.cpu_count()} logical CPUs, "
+            f"{physical_cores()} physical cores available)")
+    logger.info(line)
+    return line
+
+
+def configure_frontend_threads() -> None:
+    """A process that runs no model (the HTTP front end of a split server) keeps one torch thread."""
+    torch.set_num_threads(1)

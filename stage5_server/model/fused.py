@@ -1,0 +1,120 @@
+"""Fused projections and a once-per-step rotary table: the shared model, rearranged for speed.
+
+``shared/model.py`` is the model the course reads: seven matrix multiplies per layer (q, k, v,
+o, gate, up, down) and RoPE's cos/sin recomputed in every layer. Here, after the weights are
+loaded, each layer is rearranged in place:
+
+- q, k and v become one ``[hidden -> (H + 2 Hkv) * D]`` GEMM whose output is split, and gate and
+  up one ``[hidden -> 2 * intermediate]`` GEMM: four GEMMs per layer instead of seven, each
+  larger, which a CPU (and a GPU) runs closer to its peak;
+- the cos/sin table of the step's positions is built once and reused by every layer.
+
+The weights are the same, their rows concatenated; each output element is the same dot
+product, so float32 outputs stay token-identical to the plain model (bit-identical on the
+CPUs tested). Under tensor parallelism each rank fuses its own shards:
+its q, k and v (and gate, up) are whole heads (whole columns) of its slice, so concatenating
+them gives the rank's slice of the fused layer; o and down stay row-parallel.
+
+vLLM: ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` in
+``vllm/model_executor/layers/linear.py``, used by ``vllm/model_executor/models/llama.py``
+(there the checkpoint's tensors are loaded straight into the fused weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model import Attention, DecoderModel, RotaryEmbedding
+
+
+def _merged(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output rows are the given Linears' rows, in order (biases alike)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    merged.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        merged.bias = nn.Parameter(bias, requires_grad=False)
+    return merged
+
+
+class FusedAttention(nn.Module):
+    """``shared.model.Attention`` with q, k and v in one GEMM; same backend seam."""
+
+    def __init__(self, attn: Attention):
+        super().__init__()
+        self.layer_idx, self.scale = attn.layer_idx, attn.scale
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.qkv_proj = _merged(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        if hasattr(attn, "q_norm"):
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim]
+        self.backend = attn.backend
+
+    def forward(self, positions, hidden, attn_metadata, rope):
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = self.backend.forward(self.layer_idx, q, k, v, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up in one GEMM."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.intermediate = mlp.gate_proj.out_features
+        self.gate_up_proj = _merged(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class StepRotaryEmbedding(RotaryEmbedding):
+    """RoPE whose cos/sin for a step's ``positions`` are computed by the first layer only."""
+
+    def __init__(self, rope: RotaryEmbedding):
+        nn.Module.__init__(self)
+        self.register_buffer("inv_freq", rope.inv_freq, persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions is not self._positions or self._cos_sin[0].dtype != q.dtype:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos_sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
+            self._positions = positions  # held, so its address cannot be reused by a new step's tensor
+        cos, sin = self._cos_sin
+        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face layout's rotation, as in ``shared/model.py``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:
+    """Rearrange a loaded model in place (see the module docstring); returns it.
+
+    ``step_rope=False`` keeps the per-layer RoPE (a compiled forward fuses it into its loops)."""
+    for layer in model.layers:
+        if not isinstance(layer.self_attn, FusedAttention):
+            layer.self_attn = FusedAttention(layer.self_attn)
+            layer.mlp = FusedMLP(layer.mlp)
+    if step_rope and not isinstance(model.rotary_emb, StepRotaryEmbedding):
+        model.rotary_emb = StepRotaryEmbedding(model.rotary_emb)
+    return model

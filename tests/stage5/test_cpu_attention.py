@@ -1,0 +1,96 @@
+"""The CPU attention backend agrees with the torch reference (stage2's ``paged_attention``).
+
+Ragged batches with blocks scattered through a shuffled pool (garbage in the unused ones):
+decodes only, prefills only, prefill chunks over cached context, and all of them mixed; MHA
+and GQA; float32 to 1e-5 and bfloat16 to the Triton tests' 2e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage2_paged.attention import PagedAttentionBackend, paged_attention
+from stage2_paged.kv_cache import PagedKVCache
+from stage5_server.attention.cpu_attn import CPUAttentionBackend, grouped_paged_attention, plan_groups
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+BATCHES = {
+    "decodes": ([1, 17, 70, 33, 5], [1, 1, 1, 1, 1]),
+    "prefills": ([9, 40, 23], [9, 40, 23]),
+    "chunks_over_context": ([50, 31, 64], [12, 31, 3]),
+    "mixed": ([1, 90, 17, 41, 8, 26], [1, 1, 17, 5, 1, 26]),
+}
+
+
+def make_paged_batch(seq_lens, q_lens, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """Random caches and queries; each sequence's blocks come from a shuffled pool, tables padded with 0."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return query, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc
+
+
+def _metadata(block_tables, seq_lens, query_start_loc, q_lens):
+    from stage2_paged.attention import PagedAttentionMetadata
+
+    return PagedAttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+                                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+                                  max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()))
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype", [
+    (16, 4, 4, 32, torch.float32),
+    (8, 9, 3, 64, torch.float32),  # SmolLM2's GQA ratio
+    (16, 8, 2, 32, torch.bfloat16),
+])
+def test_grouped_attention_matches_reference(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    seq_lens, q_lens = BATCHES[batch]
+    query, key_cache, value_cache, tables, seq_lens_t, qsl = make_paged_batch(
+        seq_lens, q_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype)
+    expected = paged_attention(query, key_cache, value_cache, tables, seq_lens_t, qsl, 0.3)
+    plan = plan_groups(_metadata(tables, seq_lens_t, qsl, q_lens), block_size, num_heads // num_kv_heads, dtype)
+    assert len(plan) == len({n == 1 for n in q_lens})  # one call for the decodes, one for the rest
+    actual = grouped_paged_attention(query, key_cache, value_cache, plan, 0.3)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_backend_writes_the_same_cache_and_output_as_the_reference_backend_over_layers_and_steps():
+    """Two layers, two steps: the plan made by a step's first layer must not leak into the next step."""
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 8
+    caches = [PagedKVCache(12, block_size, 2, num_kv_heads, head_dim) for _ in range(2)]
+    backends = [PagedAttentionBackend(caches[0]), CPUAttentionBackend(caches[1])]
+    from stage2_paged.attention import build_paged_metadata
+
+    tables = [[5, 2, 9], [7, 0]]
+    steps = [  # (seq_lens after the step, new tokens per sequence): a prefill step, then a decode step
+        ([19, 11], [19, 11]),
+        ([20, 12], [1, 1]),
+    ]
+    for seq_lens, q_lens in steps:
+        slots, qsl = [], [0]
+        for table, end, n in zip(tables, seq_lens, q_lens):
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(end - n, end)]
+            qsl.append(qsl[-1] + n)
+        meta = build_paged_metadata(slots, qsl, seq_lens, tables, "cpu")
+        for layer in range(2):
+            q = torch.randn(qsl[-1], num_heads, head_dim, generator=gen)
+            k, v = (torch.randn(qsl[-1], num_kv_heads, head_dim, generator=gen) for _ in range(2))
+            expected, actual = (b.forward(layer, q, k, v, meta, 0.2) for b in backends)
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    for layer in range(2):
+        torch.testing.assert_close(caches[1].key[layer], caches[0].key[layer], atol=0, rtol=0)
+        torch.testing.assert_close(caches[1].value[layer], caches[0].value[layer], atol=0, rtol=0)
