@@ -120,8 +120,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.timeline.token_times.append(time.monotonic() if now is None else now)
-        if self.structured_output_request is not None:
-            self.structured_output_request.sync(self.output_token_ids)
+        if self.structured_output_request is not None and self.structured_output_request.grammar is not None:
+            self.structured_output_request.sync(self.output_token_ids)  # a front end's copy has no grammar
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "

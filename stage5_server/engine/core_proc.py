@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from shared.llm_base import EngineCore
+from shared.structured_output import StructuredOutputManager
 from stage5_server.engine.core_loop import EngineCoreLoop
 from stage5_server.engine.messages import (
     EngineCoreInput,
@@ -46,8 +47,9 @@ SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: th
 class ZmqCoreLoop(EngineCoreLoop):
     """The core loop over two connected sockets, watching that its parent is still there."""
 
-    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int):
-        super().__init__(core)
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int,
+                 grammars: StructuredOutputManager | None = None):
+        super().__init__(core, grammars=grammars)
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
@@ -112,7 +114,7 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
             vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
             tokenizer=str(llm.args["tokenizer"] or llm.model_path),
             engine_args={k: plain(v) for k, v in llm.args.items()})))
-        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid)
+        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid, llm.structured_output_manager)
         loop.run()
         logger.info("engine core process exiting")
         if loop.dead:

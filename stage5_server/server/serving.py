@@ -31,6 +31,7 @@ from stage5_server.engine.errors import EngineError, RequestAborted
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.stream import RequestStream
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
+from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
 from stage5_server.server.metrics import request_phases
 from stage5_server.server.sse import (
@@ -42,7 +43,6 @@ from stage5_server.server.sse import (
     sse,
     unless_disconnected,
 )
-from stage5_server.server.tool_calling import ToolCallingOptions
 
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 
@@ -139,13 +139,13 @@ class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool, version: str = "0", tool_calling: ToolCallingOptions | None = None):
+                 trust_client_cache_salt: bool, version: str = "0", chat_options: ChatOptions | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
         self.system_fingerprint = system_fingerprint(engine, version)
-        self.tool_calling = tool_calling or ToolCallingOptions()
+        self.chat_options = chat_options or ChatOptions()
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
         """Check the model name; return the request's prefix-cache salt (its trust group's)."""
