@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.server import chat, completions, models
+from stage5_server.server import chat, completions, models, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
@@ -107,6 +107,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     models.add_routes(app, serving)
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
+    responses.add_routes(app, serving)
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:
