@@ -56,7 +56,7 @@ def llm(tiny_llama):
 
 @pytest.mark.slow
 def test_every_completion_under_a_random_schema_parses_and_validates(llm):
-    @settings(max_examples=40, deadline=None, derandomize=DERANDOMIZE, database=None,
+    @settings(max_examples=25, deadline=None, derandomize=DERANDOMIZE, database=None,
               suppress_health_check=list(HealthCheck))
     @given(schema=schemas(), seed=st.integers(0, 2**31))
     def check(schema, seed):
