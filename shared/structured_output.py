@@ -94,6 +94,12 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, fields: dict) -> StructuredOutputsParams:
         """From a request body's object; an unknown field is a ``ValueError`` naming it."""
+        fields = dict(fields)
+        if "disable_any_whitespace" in fields:  # vLLM's spelling of the inverse
+            disable = fields.pop("disable_any_whitespace")
+            if not isinstance(disable, bool):
+                raise ValueError("structured_outputs.disable_any_whitespace: must be a bool")
+            fields.setdefault("any_whitespace", not disable)
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"structured_outputs.{unknown[0]}: unknown field; accepted: "

@@ -3,7 +3,7 @@
 With ``tools``, ``tool_choice`` decides how calls come about:
 
 - ``none``: the tools are not shown to the model (vLLM shows them unless
-  ``--exclude-tools-when-tool-choice-none``; a model shown tools it may not call tends to call them).
+  ``--exclude-tools-when-tool-choice-none``): a prompt should not offer calls the answer may not make.
 - ``auto``: the model sees the tools and may write calls, which the server's
   ``--tool-call-parser`` reads back out of its text (``tool_parsers.py``); needs
   ``--enable-auto-tool-choice``.

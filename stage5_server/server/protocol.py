@@ -5,8 +5,8 @@ request argument supplied: foo"), a wrong type is a 400 that names it, and an Op
 feature this server does not implement (``suffix``, the legacy ``functions``, ...) is accepted
 only with the value that means "off", so nothing a client asks for is silently ignored.
 ``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
-``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted with any
-value and logged (``IGNORED_FIELDS``).
+``metadata``, ``store``, ``service_tier``) are accepted with any value and logged
+(``IGNORED_FIELDS``).
 
 The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
 (string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
@@ -55,7 +55,7 @@ NOOP_VALUES: dict[str, tuple] = {
 
 
 # Fields that change nothing a client can observe here: any value is accepted, and logged.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 _LOGGED: set[str] = set()
 
 
