@@ -1,7 +1,8 @@
 """The Responses API through real clients, unchanged: the openai client's ``responses.create``
 (text and message input, instructions, function tools and a tool result sent back, a JSON
 schema output) and its stream helper; the OpenAI Agents SDK with its Responses model and its
-chat model, a function tool and an output type."""
+chat model, a function tool and an output type; pydantic-ai (on chat), whose structured output
+is a call of its output tool with tool_choice required."""
 
 from __future__ import annotations
 
@@ -169,3 +170,20 @@ def test_agents_sdk_streamed_run_with_an_output_type(tools_server):
 
     final, kinds = asyncio.run(run())
     assert isinstance(final, Forecast) and "raw_response_event" in kinds
+
+
+# ---- pydantic-ai -------------------------------------------------------------------------------------
+
+def pydantic_ai_agent(tools_server):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{tools_server}/v1", api_key=KEY))
+    return Agent(model, output_type=Forecast, model_settings={"max_tokens": 200, "temperature": 0})
+
+
+def test_pydantic_ai_structured_output_comes_through_its_output_tool(tools_server):
+    result = pydantic_ai_agent(tools_server).run_sync(ASK)  # a final_result tool with tool_choice required
+    assert isinstance(result.output, Forecast)
+
