@@ -81,7 +81,8 @@ def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | No
     def name_of(item) -> str | None:
         return (item.get("function") or {}).get("name") if isinstance(item, dict) else None
 
-    advice = "; start the server with a --chat-template that does"
+    advice = ("; send a chat_template that does (a server started with --trust-request-chat-template "
+              "takes one), or force the call with tool_choice \"required\" or a named function")
     for tool in tools or []:
         if name_of(tool) and name_of(tool) not in text:
             raise ValueError(f"tools: this model's chat template does not render tools ({name_of(tool)!r} is not "
