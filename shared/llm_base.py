@@ -31,6 +31,7 @@ from shared.outputs import RequestOutput
 from shared.parallel_sampling import ParentRequest
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams, tokenize_bad_words
+from shared.structured_output import StructuredOutputManager, check_structured_outputs
 from shared.tokenizer import Tokenizer
 from shared.weights import load_model
 
@@ -87,6 +88,9 @@ class BaseLLM:
         if not isinstance(self.args["max_num_seqs"], int) or self.args["max_num_seqs"] < 1:
             raise ValueError(f"max_num_seqs: must be an integer >= 1, got {self.args['max_num_seqs']!r}")
         self.engine: EngineCore = self._build_engine()
+        # Compiles structured-output grammars off the engine loop; the engine schedules a request once it is ready.
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("%s engine ready: model=%s device=%s dtype=%s max_model_len=%d", self.stage,
@@ -253,9 +257,15 @@ class BaseLLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the chat template (the model's, or ``chat_template``);
+        a control-token string inside a message stays text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, tools=tools,
+                                                      chat_template=chat_template,
+                                                      chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
@@ -276,9 +286,15 @@ class BaseLLM:
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
 
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
+
         def make(rid: str, child_params: SamplingParams) -> Request:
-            return Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
-                           eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+            request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
+                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+            if request.structured_output_request is not None:
+                self.structured_output_manager.grammar_init(request)  # built in the background
+            return request
 
         if params.n == 1:
             return request_id, None, [make(request_id, params)]

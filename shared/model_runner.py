@@ -7,6 +7,8 @@ new token sampled; a request in the middle of a chunked prefill does not. A requ
 asks for ``prompt_logprobs`` also has every prompt position of its chunk scored against the
 prompt token that follows it, so chunked prefill yields them chunk by chunk.
 How K/V are addressed is the stage's business: it passes its own attention metadata.
+A request with structured output has the tokens its grammar forbids masked out of its logits
+row just before sampling (``shared/structured_output.py``).
 
 vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, ``execute_model``,
 ``_get_prompt_logprobs_dict``).
@@ -22,6 +24,7 @@ import torch
 from shared.model import DecoderModel
 from shared.request import Request
 from shared.sampler import gather_logprobs, sample
+from shared.structured_output import apply_grammar_bitmask
 
 ScheduledBatch = list[tuple[Request, int]]
 
@@ -70,7 +73,7 @@ class ModelRunner:
         last = torch.tensor([inputs.query_start_loc[r + 1] - 1 for r in inputs.sample_rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[last])
         requests = [batch[r][0] for r in inputs.sample_rows]
-        tokens = sample(logits, requests, self.generator)
+        tokens = sample(apply_grammar_bitmask(logits, requests), requests, self.generator)
         return {req.request_id: tok for req, tok in zip(requests, tokens)}
 
 

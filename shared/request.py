@@ -3,7 +3,9 @@
 Every stage tracks the same things per request: prompt and output token ids, how many of
 those tokens already have K/V in the cache (``num_computed_tokens``), a lifecycle status
 and a timeline. Stop token ids, EOS and ``max_tokens`` are checked here, right after a
-token is sampled; stop *strings* need text, so the front end checks those.
+token is sampled; stop *strings* need text, so the front end checks those. A request with
+structured output also carries its grammar state, advanced with every output token
+(``shared/structured_output.py``); until its grammar is compiled it waits.
 
 vLLM: ``vllm/v1/request.py`` (Request, RequestStatus) and ``vllm/v1/core/sched/utils.py``
 (check_stop).
@@ -19,6 +21,7 @@ import torch
 from shared.metrics import RequestTimeline
 from shared.outputs import Logprob
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +69,8 @@ class Request:
         self.timeline = RequestTimeline(arrival=self.arrival_time)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        structured = sampling_params.structured_outputs
+        self.structured_output_request = None if structured is None else StructuredOutputRequest(structured)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +87,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its structured-output grammar is still compiling: a scheduler passes it over for now."""
+        return self.structured_output_request is not None and not self.structured_output_request.is_ready
+
+    @property
+    def grammar_failed(self) -> bool:
+        """Its grammar failed to compile (the front end checked the spec, so this is rare): a
+        scheduler finishes it as aborted instead of running it."""
+        so = self.structured_output_request
+        return so is not None and so.is_ready and so.error is not None
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
@@ -103,6 +120,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.timeline.token_times.append(time.monotonic() if now is None else now)
+        if self.structured_output_request is not None and self.structured_output_request.grammar is not None:
+            self.structured_output_request.sync(self.output_token_ids)  # a front end's copy has no grammar
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
@@ -113,12 +132,17 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish ``request`` if its newest token ends it; return whether it finished."""
     token = request.output_token_ids[-1]
     params = request.sampling_params
+    grammar = request.structured_output_request
     may_stop = request.num_output_tokens >= params.min_tokens  # before min_tokens only the length ends it
-    if may_stop and not params.ignore_eos and token in request.eos_token_ids:
+    if grammar is not None and grammar.failed:
+        request.status = RequestStatus.FINISHED_ABORTED  # its grammar hit a resource limit
+    elif may_stop and not params.ignore_eos and token in request.eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
     elif may_stop and token in params.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = token
+    elif grammar is not None and grammar.is_terminated(request.output_token_ids):
+        request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (also under ignore_eos)
     elif request.num_output_tokens >= request.max_output_tokens(max_model_len):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     else:

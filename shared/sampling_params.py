@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.structured_output import StructuredOutputsParams
+
 # Below this temperature a request is decoded greedily, as in vLLM (``_SAMPLING_EPS``): dividing
 # logits by a temperature of 1e-300 would overflow to inf and make the softmax NaN.
 SAMPLING_EPS = 1e-5
@@ -37,6 +39,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words the output must never complete
     prompt_logprobs: int | None = None  # top alternatives per prompt token (computed in prefill)
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text)
+    # A grammar the output must follow (``shared/structured_output.py``); a dict is taken as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._check()
 
     def _check(self) -> None:
@@ -97,6 +103,8 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "must be a bool")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 
     @property
     def greedy(self) -> bool:

@@ -19,9 +19,27 @@ from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML. With ``tools``, a system turn lists them (as JSON, inside <tools></tools>); an assistant's
+# tool calls are written as <tool_call>{"name": ..., "arguments": ...}</tool_call> and a tool's
+# result as a "tool" turn inside <tool_response></tool_response> (the Hermes format that
+# ``--tool-call-parser hermes`` reads back). A conversation without tools renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system{{ '\\n' }}{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}{{ '\\n\\n' }}{% endif %}"
+    "You can call these functions, described as JSON inside <tools></tools>:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "To call one, answer with <tool_call>{\"name\": <its name>, \"arguments\": <a JSON object>}</tool_call>."
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|im_start|>{{ message['role'] }}{{ '\\n' }}"
+    "{% if message['role'] == 'tool' %}<tool_response>{{ '\\n' }}{{ message['content'] }}{{ '\\n' }}</tool_response>"
+    "{% else %}{{ message['content'] if message['content'] is not none else '' }}"
+    "{% for call in message['tool_calls'] or [] %}{{ '\\n' }}<tool_call>{{ '\\n' }}"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson }}}{{ '\\n' }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Own text for the tokenizer to learn from, with some non-ASCII so multi-byte
@@ -135,6 +153,8 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
     if size_name not in SIZES:
         raise ValueError(f"size: unknown {size_name!r}; choose one of {sorted(SIZES)}")
     target = cache_dir() / f"{arch}-{size_name}-seed{seed}-v1"
+    if (target / "config.json").is_file():
+        _refresh_chat_template(target)
     return build_once(target, lambda tmp: make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name]))
 
 
@@ -155,3 +175,12 @@ def build_once(target: Path, build: Callable[[Path], object]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
+
+def _refresh_chat_template(checkpoint: Path) -> None:
+    """The template learned to render tools after checkpoints were first cached; weights and
+    tokenizer did not change, so an older cached checkpoint gets the new template in place."""
+    path = checkpoint / "chat_template.jinja"
+    if path.is_file() and path.read_text() != CHAT_TEMPLATE:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(CHAT_TEMPLATE)
+        tmp.replace(path)

@@ -1,10 +1,13 @@
-"""Text in and out: transformers' tokenizer, the chat template, incremental detokenization."""
+"""Text in and out: transformers' tokenizer, the chat template (``shared/chat_template.py``),
+incremental detokenization."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from transformers import AutoTokenizer
+
+from shared.chat_template import apply_chat_template
 
 
 class Tokenizer:
@@ -27,11 +30,16 @@ class Tokenizer:
             return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self.hf.encode(text, add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None,
+                            control_tokens_in_messages: bool = False) -> list[int]:
+        """The conversation's token ids. Control tokens come only from the template: a control-token
+        string inside a message stays text (``shared/chat_template.py``), unless
+        ``control_tokens_in_messages`` (for trusted callers)."""
+        return apply_chat_template(self.hf, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   chat_template=chat_template, template_kwargs=chat_template_kwargs,
+                                   control_tokens_in_messages=control_tokens_in_messages)
 
     @property
     def vocab_size(self) -> int:

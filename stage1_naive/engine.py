@@ -47,11 +47,10 @@ class NaiveEngineCore:
         return bool(self.waiting or self.batch)
 
     def step(self) -> list[Request]:
-        if not self.batch:
-            self._admit_batch()
+        rejected = [] if self.batch else self._admit_batch()
         live = [r for r in self.batch if not r.is_finished]
         if not live:
-            return []
+            return rejected
         scheduled = [(r, r.num_tokens - r.num_computed_tokens) for r in live]
         inputs = prepare_inputs(scheduled, self.device)
         sampled = self.runner.execute(scheduled, inputs, self._attention_metadata(scheduled, inputs))
@@ -69,7 +68,7 @@ class NaiveEngineCore:
                 self._finish(request, request.status)
         self.counters.observe_step(step_tokens)
         self._end_batch_if_done()
-        return live
+        return rejected + live
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         ids = set(request_ids)
@@ -91,16 +90,24 @@ class NaiveEngineCore:
                        kv_cache_usage=self.kv_cache_usage())
 
     # ---- batching ------------------------------------------------------------------------
-    def _admit_batch(self) -> None:
+    def _admit_batch(self) -> list[Request]:
+        """Form the next batch; return the requests refused instead (their grammar failed to compile)."""
         now = time.monotonic()
-        while self.waiting and len(self.batch) < self.max_num_seqs:
-            request = self.waiting[0]
-            if not self._reserve(request):
-                break  # first come, first served: nobody jumps the queue
-            self.waiting.popleft()
+        rejected = []
+        while len(self.batch) < self.max_num_seqs:
+            # First come, first served, past requests whose grammar is still compiling.
+            request = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+            if request is None or not (request.grammar_failed or self._reserve(request)):
+                break  # nobody jumps the queue for memory
+            self.waiting.remove(request)
+            if request.grammar_failed:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                rejected.append(request)
+                continue
             request.status = RequestStatus.RUNNING
             request.timeline.first_scheduled = now
             self.batch.append(request)
+        return rejected
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -58,7 +58,7 @@ class EngineCore:
         if self.step_trace is not None:
             self.step_trace.append(dict(output.num_scheduled_tokens))
         if output.total_num_scheduled_tokens == 0:
-            return []
+            return output.aborted_reqs
         try:
             sampled = self.execute_model(output)
         except Exception:
@@ -67,7 +67,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(output, {rid: [t] for rid, t in sampled.items()})
         if self.stats_logger:
             self.stats_logger.maybe_log(self.stats())
-        return updated
+        return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
 
     def execute_model(self, output: SchedulerOutput) -> dict[str, int]:
         batch = scheduled_batch(output)

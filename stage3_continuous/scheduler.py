@@ -40,6 +40,7 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]]  # request id -> its physical block ids, in logical order
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the previous step
+    aborted_reqs: list[Request] = field(default_factory=list)  # refused this step: their grammar failed
 
     @property
     def scheduled_reqs(self) -> list[Request]:
@@ -124,9 +125,16 @@ class Scheduler:
                 index += 1
 
         # 2. Waiting requests, with the budget that is left (none if we just had to preempt).
+        aborted: list[Request] = []
         while (self.waiting and budget > 0 and not preempted and len(num_scheduled) < self.config.max_num_seqs
                and len(self.running) < self.config.running_cap):
             request = self._peek_waiting()
+            if request is None:
+                break  # only requests whose grammar is still compiling
+            if request.grammar_failed:
+                self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -153,6 +161,7 @@ class Scheduler:
             block_tables={rid: self.kv_cache_manager.get_block_ids(rid) for rid in num_scheduled},
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
+            aborted_reqs=aborted,
         )
         self.finished_req_ids = set()
         return output
@@ -194,10 +203,13 @@ class Scheduler:
         self.finish_requests(list(output.num_scheduled_tokens), RequestStatus.FINISHED_ABORTED)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _peek_waiting(self) -> Request:
+    def _peek_waiting(self) -> Request | None:
+        """The next waiting request in policy order; one whose grammar is still compiling waits
+        without holding up the others (vLLM's ``WAITING_FOR_FSM``)."""
+        ready = (r for r in self.waiting if not r.waiting_for_grammar)
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
+        return next(ready, None)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -56,6 +56,7 @@ from typing import Any
 
 from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
 from stage5_server.engine.processes import set_process_name
+from stage5_server.server.chat_options import ChatOptions
 
 logger = logging.getLogger("stagedserve")
 
@@ -78,6 +79,7 @@ class APIServerConfig:
     log_stats_interval: float | None
     log_level: str
     shutdown_timeout: float
+    chat_options: ChatOptions = ChatOptions()
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -106,7 +108,8 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     engine = DPAsyncLLM(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
     app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
                      trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
-                     max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret)
+                     max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret,
+                     chat_options=config.chat_options)
     # log_config=None: uvicorn's own lines go through the format above, so each names its API server.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, log_config=None, lifespan="on",
                                            timeout_graceful_shutdown=config.shutdown_timeout))
@@ -202,7 +205,7 @@ def _raise_stop(signum, frame) -> None:
 
 def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
                          api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int) -> int:
-    from stage5_server.cli.serve import log_api_keys
+    from stage5_server.cli.serve import chat_options_from, log_api_keys
     from stage5_server.server.auth import APIKeys
 
     try:  # refuse bad keys here, before any process starts
@@ -218,6 +221,7 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
     try:
         sock = bind_listening_socket(args.host, args.port)
         try:
+            chat_options = chat_options_from(args)
             manager = CoreEngineProcManager(model, engine_kwargs, args.data_parallel_size,
                                             api_server_count=args.api_server_count, routing=args.dp_routing)
         except ValueError as exc:
@@ -231,7 +235,8 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         log_api_keys(args, api_keys, groups)
         config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
                                  args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
-                                 args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout)
+                                 args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout,
+                                 chat_options)
         api_servers = APIServerProcessManager(args.api_server_count, config, sock)
         logger.info("serving on http://%s:%d: %d API server(s) (pids %s) over %d engine core(s)", args.host,
                     args.port, args.api_server_count, ", ".join(map(str, api_servers.pids)),

@@ -81,6 +81,16 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
                      help="run the engine core in a separate process, HTTP and (de)tokenization in this one "
                           f"(default: {'on' if DEFAULT_ENGINE_PROCESS else 'off'}; see docs/serving.md)")
+    chat = p.add_argument_group("chat: tools and the chat template")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='tool_choice "auto": read tool calls out of the model\'s text (needs --tool-call-parser)')
+    chat.add_argument("--tool-call-parser", choices=("hermes",), default=None,  # server.tool_parsers.TOOL_PARSERS
+                      help="the format the model writes tool calls in")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="render a chat_template sent with a request (a template is code the server runs)")
+    chat.add_argument("--allow-control-tokens-in-messages", action="store_true",
+                      help="tokenize control-token strings inside messages as control tokens (trusted callers "
+                           "only: any caller could then forge a system turn or a tool result)")
     eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
     eng.add_argument("--max-model-len", type=positive_int, default=None)
     eng.add_argument("--max-num-seqs", type=positive_int, default=None)
@@ -177,6 +187,15 @@ def configure_logging(level: str = "info") -> None:
     logger.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
 
 
+def chat_options_from(args: argparse.Namespace):
+    """The tool-calling and chat-template flags as the server reads them (a ValueError names a bad one)."""
+    from stage5_server.server.chat_options import ChatOptions
+
+    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       control_tokens_in_messages=args.allow_control_tokens_in_messages)
+
+
 def serve(args: argparse.Namespace) -> int:
     configure_logging(args.uvicorn_log_level)
     try:
@@ -207,10 +226,11 @@ def serve(args: argparse.Namespace) -> int:
         configure_frontend_threads()  # the model runs in the engine process: its threads get the cores
     engine = None
     try:
+        chat_options = chat_options_from(args)
         engine = make_async_llm(args.model, engine_process=args.engine_process,
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
-        app = create_app(engine, api_keys=api_keys, served_model_name=served_model_name,
+        app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:

@@ -25,6 +25,7 @@ import time
 from shared.llm_base import EngineCore
 from shared.metrics import SchedulerStats
 from shared.request import Request, RequestStatus
+from shared.structured_output import StructuredOutputManager
 from stage5_server.engine.errors import EngineDeadError
 from stage5_server.engine.messages import (
     AbortRequests,
@@ -44,8 +45,10 @@ NOTHING_SCHEDULABLE_WAIT_S = 0.005
 
 
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, idle_poll_s: float = IDLE_POLL_S):
+    def __init__(self, core: EngineCore, idle_poll_s: float = IDLE_POLL_S, *,
+                 grammars: StructuredOutputManager | None = None):
         self.core = core
+        self.grammars = grammars  # builds a structured-output request's grammar as it arrives
         self.idle_poll_s = idle_poll_s
         self.requests: dict[str, Request] = {}  # in the core and not finished, by id
         self.num_sent: dict[str, int] = {}  # request id -> output tokens already published
@@ -89,6 +92,8 @@ class EngineCoreLoop:
     def add(self, wire: EngineCoreRequest) -> None:
         request = wire.to_request()
         request.timeline.queued = time.monotonic()
+        if self.grammars is not None:
+            self.grammars.grammar_init(request)  # in the background: the scheduler waits for it, the loop does not
         try:
             self.core.add_request(request)
         except ValueError as exc:  # the front end checked it first; this is the core's last word

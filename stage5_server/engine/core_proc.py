@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from shared.llm_base import EngineCore
+from shared.structured_output import StructuredOutputManager
 from stage5_server.engine.core_loop import EngineCoreLoop
 from stage5_server.engine.messages import (
     AddRequest,
@@ -83,8 +84,9 @@ def drain_inputs(socket: zmq.Socket) -> list[EngineCoreInput]:
 class ZmqCoreLoop(EngineCoreLoop):
     """The core loop over two connected sockets, watching that its parent is still there."""
 
-    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int):
-        super().__init__(core)
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int,
+                 grammars: StructuredOutputManager | None = None):
+        super().__init__(core, grammars=grammars)
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
@@ -107,8 +109,8 @@ class MultiClientCoreLoop(EngineCoreLoop):
     """The core loop of one rank, serving every API server that said hello (see the module docstring)."""
 
     def __init__(self, core: EngineCore, engine_index: int, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 stats_socket: zmq.Socket | None, parent_pid: int):
-        super().__init__(core)
+                 stats_socket: zmq.Socket | None, parent_pid: int, grammars: StructuredOutputManager | None = None):
+        super().__init__(core, grammars=grammars)
         self.engine_index = engine_index
         self.input = input_socket
         self.output = output_socket
@@ -275,7 +277,7 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
         output_socket.send(encoder.encode(handshake))
         if llm is None:
             return
-        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid)
+        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid, llm.structured_output_manager)
         loop.run()
         logger.info("engine core process exiting")
         if loop.dead:
@@ -327,7 +329,8 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
         handshake.send(encoder.encode(ready))
         if llm is None:
             return
-        loop = MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket, parent_pid)
+        loop = MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket, parent_pid,
+                                   llm.structured_output_manager)
         loop.run()
         logger.info("engine core rank %d exiting", engine_index)
         if loop.dead:

@@ -34,6 +34,7 @@ from shared.output_processor import OutputProcessor
 from shared.outputs import RequestOutput
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams, tokenize_bad_words
+from shared.structured_output import check_structured_outputs
 from shared.tokenizer import Tokenizer
 from stage4_prefix_cache import StatsLogger
 from stage5_server.engine.errors import EngineDeadError, EngineError, RequestAborted
@@ -154,6 +155,8 @@ class AsyncEngine:
             token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
             bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
             check_token_ids(params, bad_words, self.vocab_size)  # ids outside the vocabulary would fail a step
+            if params.structured_outputs is not None:
+                check_structured_outputs(params.structured_outputs)  # a spec the grammar engine refuses: a 400
             request = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
                               eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words)
             request.timeline.received = received_time

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 
 from shared.llm_base import BaseLLM, EngineCore
+from shared.structured_output import StructuredOutputManager
 from stage5_server.engine.core_loop import EngineCoreLoop
 from stage5_server.engine.errors import EngineDeadError
 from stage5_server.engine.frontend import AsyncEngine, StatLogger
@@ -32,8 +33,8 @@ class _ThreadCoreLoop(EngineCoreLoop):
     """The core loop fed from a queue; outputs go straight to the front end, on this thread."""
 
     def __init__(self, core: EngineCore, inputs: queue.SimpleQueue, deliver: Callable[[EngineCoreOutputs], None],
-                 tick: Callable[[], None], idle_poll_s: float):
-        super().__init__(core, idle_poll_s)
+                 tick: Callable[[], None], idle_poll_s: float, grammars: StructuredOutputManager | None = None):
+        super().__init__(core, idle_poll_s, grammars=grammars)
         self.inputs = inputs
         self.deliver = deliver
         self.tick = tick
@@ -71,7 +72,8 @@ class AsyncLLM(AsyncEngine):
         self.llm = llm
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look
-        self._loop = _ThreadCoreLoop(llm.engine, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s)
+        self._loop = _ThreadCoreLoop(llm.engine, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s,
+                                     llm.structured_output_manager)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 

@@ -28,8 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.server import chat, completions, models
+from stage5_server.server import chat, completions, models, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
+from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
 from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from stage5_server.server.metrics import PrometheusStatLogger
@@ -49,13 +50,15 @@ def version() -> str:
 def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] | list[str] | None = None,
                served_model_name: str | None = None, trust_client_cache_salt: bool = False,
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None) -> FastAPI:
+               log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
+               chat_options: ChatOptions | None = None) -> FastAPI:
     """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an in-process
     ``AsyncLLM``, and shut down with the app).
 
     ``api_keys``: ``{key: trust group}`` or a list of keys (each its own group); None runs
     without authentication (keep the server on loopback then). ``log_stats_interval``
-    applies only when an ``LLM`` is wrapped here.
+    applies only when an ``LLM`` is wrapped here. ``chat_options``: tool calling and the chat
+    template (``chat_options.py``).
     """
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
@@ -68,7 +71,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                                    engine.cache_configs)
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
-                            version(), metrics)
+                            version(), metrics, chat_options)
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager
@@ -105,6 +108,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     models.add_routes(app, serving)
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
+    responses.add_routes(app, serving)
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:

@@ -1,20 +1,68 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, then generated.
 
+With ``tools``, ``tool_choice`` decides how calls come about:
+
+- ``none``: the tools are not shown to the model (vLLM shows them unless
+  ``--exclude-tools-when-tool-choice-none``): a prompt should not offer calls the answer may not make.
+- ``auto``: the model sees the tools and may write calls, which the server's
+  ``--tool-call-parser`` reads back out of its text (``tool_parsers.py``); needs
+  ``--enable-auto-tool-choice``.
+- ``required`` or a named function: structured output forces the call, so it works on any model,
+  even one whose template cannot show tools: the output is the arguments object (named) or an
+  array of ``{"name", "arguments"}`` (required), each following the tool's parameter schema.
+
+Calls come back as ``tool_calls`` with ``arguments`` the JSON text of an object, ``content``
+null when the text held only calls, and ``finish_reason: "tool_calls"``; streamed, a named call's
+arguments arrive as they are generated, a parsed call whole once its block closes.
+
 vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from shared.outputs import Logprob, RequestOutput
+from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.completions import token_text
-from stage5_server.server.protocol import ChatCompletionRequest
+from stage5_server.server.errors import APIError
+from stage5_server.server.protocol import ChatCompletionRequest, NamedToolChoice
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
+from stage5_server.server.tool_parsers import (
+    TOOL_PARSERS,
+    ForcedToolCalls,
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    parameters_schema,
+    required_calls_schema,
+)
+
+
+class ToolCallStream(Protocol):
+    def feed(self, text: str) -> StreamDelta: ...
+    def finish(self) -> StreamDelta: ...
+
+
+class ToolCallReader:
+    """How one request's text becomes content and tool calls: whole (``parse``) or streamed
+    (``stream()``, one per choice). ``max_calls``: 1 when ``parallel_tool_calls`` is false."""
+
+    def __init__(self, parse: Callable[[str], ParsedOutput], stream: Callable[[], ToolCallStream],
+                 max_calls: int | None = None):
+        self._parse, self.stream, self.max_calls = parse, stream, max_calls
+
+    def parse(self, text: str) -> ParsedOutput:
+        parsed = self._parse(text)
+        if self.max_calls is not None:
+            parsed.tool_calls = parsed.tool_calls[:self.max_calls]
+        return parsed
 
 
 def chat_logprobs(output: RequestOutput, start: int, end: int, top_n: int) -> dict[str, Any] | None:
@@ -38,38 +86,129 @@ def chat_logprobs(output: RequestOutput, start: int, end: int, top_n: int) -> di
 class ChatResponder(Responder):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *args: Any, top_logprobs: int, **kwargs: Any):
+    def __init__(self, *args: Any, top_logprobs: int, tool_calls: ToolCallReader | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
+        self.tool_calls = tool_calls  # None: the text is all content
         self.started: set[int] = set()  # choices whose first delta (carrying the role) went out
+        self.streams: dict[int, ToolCallStream] = {}  # per choice, with tool_calls
+        self.call_index: dict[int, dict[str, int]] = {}  # per choice: call id -> its index in the stream
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = finish_reason(output)
+        if self.tool_calls is not None:
+            parsed = self.tool_calls.parse(c.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message,
                 "logprobs": chat_logprobs(output, 0, len(c.token_ids), self.top_logprobs),
-                "finish_reason": finish_reason(output), "stop_reason": c.stop_reason}
+                "finish_reason": reason, "stop_reason": c.stop_reason}
 
-    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
         first = index not in self.started
         self.started.add(index)
-        delta: dict[str, Any] = {"content": text} if text or first else {}
+        finished = output.finished
+        content, calls = text, []
+        if self.tool_calls is not None:
+            stream = self.streams.setdefault(index, self.tool_calls.stream())
+            got = stream.feed(text)
+            if finished:
+                rest = stream.finish()
+                got = StreamDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
+            content, calls = got.content, self._call_deltas(index, got.tool_calls)
+        delta: dict[str, Any] = {"content": content} if content or first else {}
         if first:
             delta = {"role": "assistant", **delta}
-        finished = output.finished
+        if calls:
+            delta["tool_calls"] = calls
+        if not delta and not finished:
+            return None  # text held back: it may be part of a tool call
+        reason = finish_reason(output) if finished else None
+        if reason == "stop" and self.call_index.get(index):
+            reason = "tool_calls"
         choice = {"index": index, "delta": delta,
                   "logprobs": chat_logprobs(output, start, end, self.top_logprobs),
-                  "finish_reason": finish_reason(output) if finished else None,
+                  "finish_reason": reason,
                   "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
+
+    def _call_deltas(self, index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """A call's first delta carries its id, type and name; later ones (a named call's arguments
+        as they are generated) only the next piece of ``arguments``."""
+        known = self.call_index.setdefault(index, {})
+        deltas = []
+        for call in calls:
+            if call.id in known:
+                deltas.append({"index": known[call.id], "function": {"arguments": call.arguments}})
+                continue
+            limit = self.tool_calls.max_calls
+            if limit is not None and len(known) >= limit:
+                continue
+            known[call.id] = len(known)
+            deltas.append(call.as_openai(known[call.id]))
+        return deltas
+
+
+def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
+              ) -> tuple[ToolCallReader | None, StructuredOutputsParams | None]:
+    """How the request's tool calls are read, and the constraint that forces them (if any)."""
+    tools, choice = body.tool_dicts(), body.effective_tool_choice
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    structured = body.requested_structured_outputs()
+    if not tools or choice == "none":
+        return None, structured
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in tools if t["function"]["name"] == choice.function.name)
+        return (ToolCallReader(ForcedToolCalls(tool["function"]["name"]).parse,
+                               partial(ForcedToolCalls, tool["function"]["name"])),
+                StructuredOutputsParams(json=parameters_schema(tool)))
+    if choice == "required":
+        schema = required_calls_schema(tools)
+        if max_calls is not None:
+            schema = {**schema, "maxItems": max_calls}
+        return (ToolCallReader(ForcedToolCalls(None).parse, partial(ForcedToolCalls, None), max_calls),
+                StructuredOutputsParams(json=schema))
+    options = serving.chat_options
+    if not options.enable_auto_tool_choice:
+        raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
+                       '--tool-call-parser (or send tool_choice "required", "none" or a named function)',
+                       param="tool_choice")
+    parser = TOOL_PARSERS[options.tool_call_parser]([t["function"]["name"] for t in tools])
+    return ToolCallReader(parser.parse, parser.stream, max_calls), structured
+
+
+async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none; a forced call
+    goes on without them when the template cannot show them (the grammar carries the schema)."""
+    options = serving.chat_options
+    if body.chat_template is not None and not options.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
+                       "--trust-request-chat-template to accept one per request)", param="chat_template")
+    tools = None if body.effective_tool_choice == "none" else body.tool_dicts()
+    render = partial(serving.engine.tokenizer.apply_chat_template, body.conversation(), True,
+                     chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+                     control_tokens_in_messages=options.control_tokens_in_messages)
+    try:
+        return await serving.on_engine(partial(render, tools=tools))
+    except APIError as exc:
+        if not (tools and body.forced_tool_choice and str(exc.message).startswith("tools:")):
+            raise
+        return await serving.on_engine(partial(render, tools=None))
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
-    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
-    token_ids = await serving.on_engine(serving.engine.tokenizer.apply_chat_template, body.conversation())
+    tool_calls, structured = tool_plan(serving, body)
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, structured)
+    token_ids = await render_conversation(serving, body)
     serving.check_lengths(len(token_ids), params.max_tokens, "messages")
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
-                              body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0)
+                              body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0,
+                              tool_calls=tool_calls)
     return await serving.generate(request, [token_ids], params, salt, responder, body.stream)
 
 

@@ -7,6 +7,7 @@ end-of-sequence token, a prompt's added start token) takes no characters there, 
 counts its spelling. ``echo`` with
 ``max_tokens: 0`` returns the scored prompt alone: the call evaluation harnesses make for
 log-likelihoods. As in vLLM, the engine then generates one token that is not returned.
+``response_format`` and ``structured_outputs`` constrain the text as on chat.
 
 vLLM: ``vllm/entrypoints/openai/serving_completion.py``.
 """
@@ -136,7 +137,8 @@ class CompletionResponder(Responder):
 async def create_completion(serving: OpenAIServing, request: Request, body: CompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
     generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
-    params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs)
+    params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
+                                  body.requested_structured_outputs())
     prompts, echo = [], []
     for prompt in body.prompts:
         encode = serving.engine.tokenizer.encode

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,11 +52,15 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_PATH = re.compile(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*")
+
+
 def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field."""
+    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field
+    (a path such as ``input[2].role`` or ``structured_outputs.json`` too)."""
     message = str(exc)
     field, sep, _ = message.partition(":")
-    param = field if sep and field.isidentifier() else None
+    param = field if sep and _PATH.fullmatch(field) else None
     return APIError(400, message, param=param)
 
 
@@ -119,6 +124,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"The request body must be a JSON object ({message}).")
     if not message.startswith(param):
         message = f"{param}: {message}"
+    named = message.partition(":")[0]  # a validator's message may name a path inside the field
+    if named.startswith(param) and _PATH.fullmatch(named):
+        param = named
     return APIError(400, message, param=param)
 
 

@@ -44,8 +44,10 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         serving.check_model(body.model)
         tokenizer = engine.tokenizer
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.content} for m in body.messages]
-            ids = await serving.on_engine(tokenizer.apply_chat_template, conversation, body.add_generation_prompt)
+            conversation = [m.as_template_message() for m in body.messages]
+            control = serving.chat_options.control_tokens_in_messages  # as the real prompt would be
+            ids = await serving.on_engine(lambda: tokenizer.apply_chat_template(
+                conversation, body.add_generation_prompt, control_tokens_in_messages=control))
         elif body.add_special_tokens:
             ids = await serving.on_engine(tokenizer.encode, body.prompt)
         else:

@@ -2,15 +2,15 @@
 
 Requests are parsed strictly. An unknown field is a 400 that names it ("Unrecognized
 request argument supplied: foo"), a wrong type is a 400 that names it, and an OpenAI
-feature this server does not implement (``suffix``, tools, JSON mode, ...) is accepted
+feature this server does not implement (``suffix``, the legacy ``functions``, ...) is accepted
 only with the value that means "off", so nothing a client asks for is silently ignored.
 ``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
-``safety_identifier``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
+``safety_identifier``, ``metadata``, ``store``, ``service_tier``,
 the prompt-cache hints ``prompt_cache_key`` and ``prompt_cache_retention``,
 ``stream_options.include_obfuscation``) are accepted with any value and logged once per
 field (``IGNORED_FIELDS``). So are the fields the openai client's own assistant message
 carries when it is sent back in ``messages`` (``refusal``, ``annotations``, ``audio``,
-``tool_calls``, ``function_call``), with the values that add nothing to the prompt.
+``function_call``), with the values that add nothing to the prompt; its ``tool_calls`` are real.
 
 The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
 (string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
@@ -18,6 +18,12 @@ The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logi
 takes the ``developer`` role and a message ``name`` (both handed to the chat template, as
 vLLM does), joins text parts with a newline, and prefers ``max_completion_tokens`` when
 both token limits are sent.
+
+Structured output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on both
+endpoints, one of the two per request. Chat takes ``tools`` and ``tool_choice`` (none, auto,
+required or a named function), assistant ``tool_calls`` and ``tool`` messages (with
+``tool_call_id``), and vLLM's ``chat_template`` / ``chat_template_kwargs``.
 
 vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
@@ -31,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.errors import bad_request_from_value_error
 
 logger = logging.getLogger("stagedserve")
@@ -40,11 +47,8 @@ logger = logging.getLogger("stagedserve")
 # OpenAI fields this server does not implement: accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple] = {
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -53,12 +57,11 @@ NOOP_VALUES: dict[str, tuple] = {
     "verbosity": ("medium",),  # OpenAI's default
     # an assistant message sent back as the openai client returned it
     "refusal": (),
-    "tool_calls": ([],),
 }
 
 
 # Fields that change nothing a client can observe here: any value is accepted, and logged.
-IGNORED_FIELDS = ("user", "safety_identifier", "metadata", "store", "service_tier", "parallel_tool_calls",
+IGNORED_FIELDS = ("user", "safety_identifier", "metadata", "store", "service_tier",
                   "prompt_cache_key", "prompt_cache_retention", "stream_options.include_obfuscation",
                   "messages.annotations")
 _LOGGED: set[str] = set()
@@ -114,6 +117,47 @@ def _check_stop(value: Any) -> list[str] | None:
     return stops
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema: required when type is json_schema")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.schema_ or {"type": "object"})
+        return None
+
+
+def structured_outputs_of(response_format: ResponseFormat | None, structured: dict | None
+                          ) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, from either field; both at once is a 400."""
+    if response_format is not None and response_format.type != "text" and structured is not None:
+        raise bad_request_from_value_error(ValueError(
+            "structured_outputs: send either response_format or structured_outputs, not both"))
+    try:
+        if structured is not None:
+            return StructuredOutputsParams.from_dict(structured)
+        return response_format.structured_outputs() if response_format is not None else None
+    except ValueError as exc:
+        raise bad_request_from_value_error(exc) from None
+
+
 class _GenerationRequest(StrictModel):
     """Fields the two generation endpoints share."""
 
@@ -145,6 +189,8 @@ class _GenerationRequest(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     n: int = Field(default=1, ge=1, le=128)  # samples per prompt (parallel sampling)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's: exactly one of json, regex, choice, grammar, json_object
 
     @field_validator("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", mode="before")
     @classmethod
@@ -187,8 +233,10 @@ class _GenerationRequest(StrictModel):
             raise ValueError("cache_salt must be 1 to 256 characters")
         return value
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ``APIError(400)`` naming the field for values SamplingParams rejects."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """Raises ``APIError(400)`` naming the field for values SamplingParams rejects.
+        ``structured_outputs``: the constraint (``requested_structured_outputs``, or a tool call's)."""
         for name in IGNORED_FIELDS:
             if name in type(self).model_fields and getattr(self, name) is not None:
                 log_ignored(name)
@@ -204,9 +252,13 @@ class _GenerationRequest(StrictModel):
                 ignore_eos=self.ignore_eos, seed=self.seed, logprobs=logprobs,
                 presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
                 repetition_penalty=pick(self.repetition_penalty, 1.0),
-                logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
+                logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+                structured_outputs=structured_outputs)
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
+
+    def requested_structured_outputs(self) -> StructuredOutputsParams | None:
+        return structured_outputs_of(self.response_format, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -263,19 +315,52 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str  # the JSON text of an object
+
+
+class AssistantToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class NamedToolChoiceFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (validated before content)
+    content: Any = Field(default=None, validate_default=True)  # null only beside an assistant's tool_calls
     name: str | None = None  # handed to the chat template, which may use it
-    # What the openai client's assistant message carries (``message.model_dump()`` sent back): accepted
-    # when it adds nothing to the prompt; a refusal, a tool call or audio would, and is refused.
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # What the openai client's assistant message also carries (``message.model_dump()`` sent back):
+    # accepted when it adds nothing to the prompt; a refusal or audio would, and is refused.
     refusal: Any = None
     annotations: Any = None  # citations of the reply, never part of the prompt: any value, logged
     audio: Any = None
-    tool_calls: Any = None
     function_call: Any = None
 
-    _check_noop_message = field_validator("refusal", "audio", "tool_calls", "function_call")(_check_noop)
+    _check_noop_message = field_validator("refusal", "audio", "function_call")(_check_noop)
 
     @field_validator("annotations")
     @classmethod
@@ -284,10 +369,37 @@ class ChatMessage(StrictModel):
             log_ignored("messages.annotations")
         return value
 
+    @model_validator(mode="after")
+    def _by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has tool_calls")
+        for i, call in enumerate(self.tool_calls or []):
+            _arguments_object(call.function.arguments, i)
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: a tool call's ``arguments`` as an object (vLLM
+        parses them too, so a template's ``tojson`` does not quote a string)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments, i)}}
+                for i, c in enumerate(self.tool_calls)]
+        return message
+
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> str:
-        """A string, or a list of text parts (joined with a newline, as vLLM); images and audio are refused."""
+    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
+        """A string, or a list of text parts (joined with a newline, as vLLM); images and audio are refused.
+        Null only in an assistant message with tool_calls."""
+        if value is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return None
+            raise ValueError("content: required, except in an assistant message with tool_calls")
         if isinstance(value, str):
             return value
         if isinstance(value, list):
@@ -300,6 +412,16 @@ class ChatMessage(StrictModel):
         raise ValueError("content must be a string or a list of text parts")
 
 
+def _arguments_object(arguments: str, index: int) -> dict:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"tool_calls[{index}].function.arguments: must be the JSON text of an object")
+    return value
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
@@ -308,12 +430,13 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None  # meaningless without tools, which are refused; accepted, logged
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call
+    chat_template: str | None = None  # vLLM's; only if the server trusts request templates
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (vLLM's)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -321,9 +444,8 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: Any = None
     verbosity: Any = None
 
-    _check_noop_chat = field_validator("tools", "tool_choice", "functions", "function_call", "response_format",
-                                       "modalities", "audio", "prediction", "reasoning_effort",
-                                       "web_search_options", "verbosity")(_check_noop)
+    _check_noop_chat = field_validator("functions", "function_call", "modalities", "audio", "prediction",
+                                       "reasoning_effort", "web_search_options", "verbosity")(_check_noop)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -341,9 +463,51 @@ class ChatCompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
-                for m in self.messages]
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: {choice.function.name!r} is not one of the tools")
+        if choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice: {choice!r} needs tools")
+        constrained = self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text")
+        if self.forced_tool_choice and constrained:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
+                             "response_format or structured_outputs")
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_VARIABLES:
+                raise ValueError(f"chat_template_kwargs: {key!r} is set by the server")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        return self.tools is not None and (self.tool_choice == "required" or isinstance(self.tool_choice,
+                                                                                        NamedToolChoice))
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool parsers read them."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+# Variables the server gives the chat template itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "chat_template",
+                                         "tokenize", "documents"})
 
 
 class TokenizeRequest(StrictModel):

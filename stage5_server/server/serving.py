@@ -31,6 +31,7 @@ from stage5_server.engine.errors import EngineError, RequestAborted
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.stream import RequestStream
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
+from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
 from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
@@ -85,8 +86,9 @@ class Responder:
         """The whole response's choice ``index``."""
         raise NotImplementedError
 
-    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
-        """Choice ``index``'s chunk for ``text`` (new since its last chunk) and output tokens ``start .. end``."""
+    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
+        """Choice ``index``'s chunk for ``text`` (new since its last chunk) and output tokens ``start .. end``;
+        None when there is nothing to send yet (text held back to be read as a tool call)."""
         raise NotImplementedError
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -95,6 +97,21 @@ class Responder:
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return self.body(self.chunk_object, [], usage=usage_of(outputs, self.n))
+
+    # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
+    # Responses API overrides these for its typed events.
+    def opening_frames(self) -> list[str]:
+        return []
+
+    def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
+        chunk = self.chunk(index, output, text, start, end)
+        return [] if chunk is None else [sse(chunk)]
+
+    def closing_frames(self, outputs: list[RequestOutput]) -> list[str]:
+        return ([sse(self.usage_chunk(outputs))] if self.include_usage else []) + [SSE_DONE]
+
+    def error_frames(self, error: APIError) -> list[str]:
+        return [sse(error.body()), SSE_DONE]
 
     def body(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -122,13 +139,15 @@ class OpenAIServing:
     """The steps the generation endpoints share, over one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
-                 trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None):
+                 trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None,
+                 chat_options: ChatOptions | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
         self.trust_client_cache_salt = trust_client_cache_salt
         self.system_fingerprint = system_fingerprint(engine, version)
         self.metrics = metrics  # told of each prompt whose n samples all finished
+        self.chat_options = chat_options or ChatOptions()
 
     def record_parents(self, outputs: list[RequestOutput], n: int) -> None:
         """Prompt i's samples are ``outputs[i * n : (i + 1) * n]`` (the fan-out's order)."""
@@ -230,13 +249,15 @@ class OpenAIServing:
         latest = list(firsts)
         waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished choice
         try:
+            for frame in responder.opening_frames():
+                yield frame
             ready = list(enumerate(firsts))
             while True:
                 for index, output in ready:
                     latest[index] = output
                     delta = trackers[index].advance(output)
-                    if delta is not None:
-                        yield sse(responder.chunk(index, output, *delta))
+                    for frame in [] if delta is None else responder.frames(index, output, *delta):
+                        yield frame
                     if not output.finished:
                         waiting[asyncio.ensure_future(streams[index].get())] = index
                 if not waiting:
@@ -244,8 +265,8 @@ class OpenAIServing:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 ready = [(waiting.pop(task), task.result()) for task in done]
         except (EngineError, RequestAborted) as exc:
-            yield sse(api_error(exc).body())
-            yield SSE_DONE
+            for frame in responder.error_frames(api_error(exc)):
+                yield frame
             return
         finally:
             for task in waiting:
@@ -254,6 +275,5 @@ class OpenAIServing:
             if unfinished:
                 self.engine.abort(unfinished)
         self.record_parents(latest, params.n)
-        if responder.include_usage:
-            yield sse(responder.usage_chunk(latest))
-        yield SSE_DONE
+        for frame in responder.closing_frames(latest):
+            yield frame

@@ -31,9 +31,13 @@ KEY = "fuzz-key-0123456789"
 MODEL = "tiny"
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("GET", "/metrics")]
+              ("POST", "/detokenize"), ("GET", "/metrics"), ("POST", "/v1/responses")]
 # Generating requests run the model, so they get fewer examples than the cheap routes.
-EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40}
+EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40, "/v1/responses": 20}
+# Constraints and tool choices the steered bodies get, so that structured output runs in the engine.
+STRUCTURED = [{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,3}"}, {"json": {"type": "boolean"}}, {"json_object": True}]
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}}}
 DEFAULT_EXAMPLES = 25
 EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25}
 # Operations with inputs are fuzzed with invalid inputs too (the others have nothing to break).
@@ -83,8 +87,26 @@ def make_it_reach_the_engine(body: dict) -> None:
     """Half the valid-by-schema bodies are steered past the checks the schema cannot express (the
     served model's name, the fields accepted only when off, the prompt length), so the engine runs them."""
     body["model"] = MODEL
-    for name in [*NOOP_VALUES, "cache_salt"]:
+    for name in [*NOOP_VALUES, "cache_salt", "chat_template", "chat_template_kwargs", "store", "previous_response_id",
+                 "reasoning", "text", "tool_choice", "parallel_tool_calls"]:
         body.pop(name, None)
+    # Structured output and tools: a valid constraint or tool call in place of a random one.
+    salt = len(json.dumps(body, default=str))
+    if "structured_outputs" in body or "response_format" in body:
+        body.pop("response_format", None)
+        body["structured_outputs"] = STRUCTURED[salt % len(STRUCTURED)]
+    if "tools" in body:
+        body.pop("structured_outputs", None)
+        if "input" in body:  # the Responses API's flat function tools
+            body["tools"] = [{"type": "function", "name": "pick", "parameters": TOOL["function"]["parameters"]}]
+            body["tool_choice"] = ["required", "none", {"type": "function", "name": "pick"}][salt % 3]
+        else:
+            body["tools"] = [TOOL]
+            body["tool_choice"] = ["required", "none", {"type": "function", "function": {"name": "pick"}}][salt % 3]
+    if "input" in body:
+        body["input"] = "Hello" if salt % 2 else [{"role": "user", "content": "Hello"}]
+        if isinstance(body.get("max_output_tokens"), int):
+            body["max_output_tokens"] = max(1, body["max_output_tokens"] % 16)
     if "prompt" in body:
         body["prompt"] = body["prompt"][:40] if isinstance(body["prompt"], str) and body["prompt"] else "Hello"
     if isinstance(body.get("messages"), list):
@@ -123,7 +145,11 @@ def check_response(response: requests.Response, documented: set[str]) -> None:
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
         assert body["error"]["type"] == "invalid_request_error"
     elif "text/event-stream" in response.headers.get("content-type", ""):
-        events = [line[len("data: "):] for line in response.text.splitlines() if line]
+        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        if response.request.url.endswith("/v1/responses"):  # typed events, no [DONE]
+            assert events and json.loads(events[-1])["type"] == "response.completed", response.text[-300:]
+            assert all(json.loads(payload)["type"] != "error" for payload in events), response.text[-300:]
+            return
         assert events and events[-1] == "[DONE]", response.text[-300:]
         for payload in events[:-1]:
             assert "error" not in json.loads(payload), payload

@@ -227,6 +227,19 @@ def test_greedy_outputs_are_identical_in_both_modes(engines):
     assert all(entry[t].decoded_token is not None for t, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs))
 
 
+def test_structured_output_crosses_the_wire_and_the_core_process_builds_its_grammar(engines):
+    split, in_process = engines
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={
+        "json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["n"]}})
+    a, b = run(final(split, "The scheduler runs", params)), run(final(in_process, "The scheduler runs", params))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert 0 <= json.loads(a.outputs[0].text)["n"] <= 99 and a.outputs[0].finish_reason == "stop"
+    bad = SamplingParams(structured_outputs={"regex": "a{2,1}"})
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: "):  # refused in the API server
+        run(split.add_request("x", bad))
+
+
 def test_a_stop_string_found_in_the_api_server_aborts_the_request_in_the_core(engines):
     split, in_process = engines
     reference = run(final(in_process, "The scheduler runs", SamplingParams(temperature=0, max_tokens=8)))

@@ -89,21 +89,20 @@ COMPLETION_CASES = [
 CHAT_CASES = [
     ({"messages": []}, 400, "messages", None),
     ({"messages": "hi"}, 400, "messages", None),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
     ({"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
     ({"messages": [{"role": "user", "content": "x", "name": 7}]}, 400, "messages[0].name", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x"}}]}]},
      400, "messages[0].content", None),
-    ({"messages": OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ({"messages": OK_CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400,
+     "tools[0].function.name", None),
     ({"messages": OK_CHAT, "tool_choice": "auto"}, 400, "tool_choice", None),
     ({"messages": OK_CHAT, "functions": [{"name": "f"}]}, 400, "functions", None),
-    ({"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ({"messages": OK_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type", None),
     ({"messages": OK_CHAT, "verbosity": "low"}, 400, "verbosity", None),  # would change the answer
     ({"messages": OK_CHAT, "reasoning": {"effort": "low"}}, 400, "reasoning", None),  # unknown: refused
     ({"messages": [*OK_CHAT, {"role": "assistant", "content": "", "refusal": "I can't"}]}, 400,
      "messages[1].refusal", None),
-    ({"messages": [*OK_CHAT, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}]},
-     400, "messages[1].tool_calls", None),
     ({"messages": OK_CHAT, "n": 3, "temperature": 0}, 400, "n", None),
     ({"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     ({"messages": OK_CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs", None),
@@ -145,10 +144,9 @@ def test_harmless_defaults_the_openai_clients_may_send_are_accepted(client):
 
 
 def test_an_unsupported_value_is_named_with_the_accepted_ones_in_json(client):
-    response = client.post("/v1/chat/completions", json={"messages": OK_CHAT,
-                                                          "response_format": {"type": "json_object"}})
-    message = assert_error(response, 400, "response_format")["message"]
-    assert message == 'response_format is not supported by this server (only {"type": "text"} or null)'
+    response = client.post("/v1/chat/completions", json={"messages": OK_CHAT, "modalities": ["text", "audio"]})
+    message = assert_error(response, 400, "modalities")["message"]
+    assert message == 'modalities is not supported by this server (only ["text"] or null)'
 
 
 def test_tokenize_and_detokenize_validate_their_input(client):

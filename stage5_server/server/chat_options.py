@@ -1,0 +1,33 @@
+"""The operator's switches for chat: tool calling and the chat template.
+
+``--enable-auto-tool-choice`` with ``--tool-call-parser hermes`` lets ``tool_choice: "auto"``
+read calls out of the model's text (vLLM spells both flags the same). A required or named
+tool choice needs neither: structured output forces the call. ``--trust-request-chat-template``
+lets a request bring its own ``chat_template`` (vLLM's flag: a template is code the server
+runs). ``--allow-control-tokens-in-messages`` tokenizes control-token strings inside messages
+as the control tokens themselves, as transformers and vLLM do; without it a caller cannot forge
+a turn (``shared/chat_template.py``).
+
+vLLM: ``vllm/entrypoints/openai/cli_args.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stage5_server.server.tool_parsers import TOOL_PARSERS
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    enable_auto_tool_choice: bool = False  # ``tool_choice: "auto"`` reads calls out of the text
+    tool_call_parser: str | None = None  # the format it reads them in (``TOOL_PARSERS``)
+    trust_request_chat_template: bool = False  # a request's own ``chat_template`` is rendered
+    control_tokens_in_messages: bool = False  # for trusted callers only: messages may write control tokens
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: unknown {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser")
