@@ -36,6 +36,7 @@ import os
 import random
 import subprocess
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -222,9 +223,20 @@ def profile_stage5(model: str, variant: str, prompts, args, num_requests: int = 
         start = time.perf_counter()
         llm.generate(prompts[:num_requests], params, use_tqdm=False)
         wall = time.perf_counter() - start
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-    return (f"# stage5 {variant}, {num_requests} requests x {max_tokens} tokens, wall {wall:.1f} s under the "
-            f"profiler, load average {os.getloadavg()[0]:.2f}\n{table}")
+    header = (f"stage5 {variant}, {num_requests} requests x {max_tokens} tokens, wall {wall:.1f} s under the "
+              f"profiler, load average {os.getloadavg()[0]:.2f}")
+    return "".join(f"# {line}\n" for line in textwrap.wrap(header, 76)) + operator_table(prof.key_averages())
+
+
+def operator_table(events, rows: int = 20) -> str:
+    """The operators by self CPU time, in four columns narrow enough for a page (torch's own table has ten)."""
+    events = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    lines = [f"{'operator':<44}{'self CPU %':>11}{'self CPU s':>12}{'calls':>9}"]
+    for e in events[:rows]:
+        lines.append(f"{e.key[:43]:<44}{100 * e.self_cpu_time_total / total:>10.1f}%"
+                     f"{e.self_cpu_time_total / 1e6:>12.3f}{e.count:>9}")
+    return "\n".join(lines)
 
 
 # ---- one model ------------------------------------------------------------------------------
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
         text = profile_stage5(model, args.profile, prompts, args)
         info = run_info("benchmarks.cpu_roofline", argv)
         Path(args.markdown).with_name("cpu_roofline_profile.txt").write_text(
-            f"# {info['command']} ({info['date']})\n{text}")
+            "".join(f"# {line}\n" for line in textwrap.wrap(f"{info['command']} ({info['date']})", 76)) + text + "\n")
         print(text)
         return {"profile": text}
     start = time.perf_counter()

@@ -222,8 +222,8 @@ def bench_sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\nGoodput curve (passing completions per second of window; SLO: "
-          f"{rows[0]['result']['slo_text'] if rows else '-'})")
+    print("\nGoodput curve: passing completions per second of window\n"
+          f"SLO: {rows[0]['result']['slo_text'] if rows else '-'}")
     print(format_sweep_table(rows))
     print(_verdict(rows))
     _finish(args, rows, _command_line(), {"model": model, "engine": _engine_kwargs(args)})
