@@ -30,6 +30,7 @@ vLLM: ``vllm/entrypoints/openai/protocol.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any, Literal
@@ -64,14 +65,11 @@ NOOP_VALUES: dict[str, tuple] = {
 IGNORED_FIELDS = ("user", "safety_identifier", "metadata", "store", "service_tier",
                   "prompt_cache_key", "prompt_cache_retention", "stream_options.include_obfuscation",
                   "messages.annotations")
-_LOGGED: set[str] = set()
 
 
+@functools.cache  # once per field and process: this is not a per-request log
 def log_ignored(name: str) -> None:
-    """Once per field and process (this is not a per-request log)."""
-    if name not in _LOGGED:
-        _LOGGED.add(name)
-        logger.info("request field %r is accepted and changes nothing here", name)
+    logger.info("request field %r is accepted and changes nothing here", name)
 
 
 def _is_noop(value: Any, allowed: tuple) -> bool:
