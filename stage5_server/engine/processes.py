@@ -1,6 +1,9 @@
 """Serving processes as a parent sees them: each names itself (``ss-api-0``, ``ss-engine-1``,
 ``ss-coordinator``, ``ss-tp-0``, ...), so ``ps``, ``top`` and psutil show the topology by role, and
-every parent stops a child the same way. A leaf module: the tensor-parallel workers use it too."""
+every parent stops a child the same way. A leaf module: the tensor-parallel workers use it too.
+
+vLLM: ``set_process_title`` in ``vllm/utils/system_utils.py`` (its processes show as
+``VLLM::EngineCore``, ``VLLM::Worker``), and ``shutdown`` in ``vllm/v1/utils.py`` (join, then SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
