@@ -3,7 +3,8 @@
 every parent stops a child the same way. A leaf module: the tensor-parallel workers use it too.
 
 vLLM: ``set_process_title`` in ``vllm/utils/system_utils.py`` (its processes show as
-``VLLM::EngineCore``, ``VLLM::Worker``), and ``shutdown`` in ``vllm/v1/utils.py`` (join, then SIGTERM, then SIGKILL)."""
+``VLLM::EngineCore``, ``VLLM::Worker``), and ``shutdown`` in ``vllm/v1/utils.py`` (SIGTERM, a wait,
+then SIGKILL; here a child may first be given time to exit cleanly)."""
 
 from __future__ import annotations
 
