@@ -211,7 +211,9 @@ def _node_matches(node_id: str, classname: str, name: str) -> bool:
     return name == test or ("[" not in test and name.startswith(test + "["))
 
 
-PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+# --tb=native: pytest's own traceback styles parse the failing source with ``ast``, and a long-lived
+# runner on Python 3.11 can hit CPython's "AST constructor recursion depth mismatch" there.
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--tb=native",
                # The property-test and API-fuzz plugins only slow the start (no task's tests need them).
                "-p", "no:hypothesispytest", "-p", "no:schemathesis", "-o", "junit_family=xunit1"]
 
