@@ -241,6 +241,10 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
     lines = []
     for rate, entries in by_rate.items():
         best = max(entries, key=lambda e: e[0])  # max keeps the first of equals
+        label = "inf" if math.isinf(rate) else format(rate, "g")
+        if best[0] <= 0:  # nothing met the SLO: no setting wins, the rate is past what any can serve
+            lines.append(f"  rate {label}: no setting met the SLO (overloaded)")
+            continue
         wins[best[1]] = wins.get(best[1], 0) + 1
         lines.append(f"  rate {'inf' if math.isinf(rate) else format(rate, 'g')}: best goodput {best[0]:.2f}/s "
                      f"with {best[1]}")
