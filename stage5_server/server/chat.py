@@ -32,7 +32,7 @@ from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.completions import token_text
 from stage5_server.server.errors import APIError
-from stage5_server.server.protocol import ChatCompletionRequest, NamedToolChoice
+from stage5_server.server.protocol import ChatCompletionRequest
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
 from stage5_server.server.tool_parsers import (
     TOOL_PARSERS,
@@ -43,6 +43,7 @@ from stage5_server.server.tool_parsers import (
     parameters_schema,
     required_calls_schema,
 )
+from stage5_server.server.tool_protocol import NamedToolChoice
 
 
 class ToolCallStream(Protocol):
