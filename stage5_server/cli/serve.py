@@ -2,26 +2,16 @@
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
 
-Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
-flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
-own default, so a flag an engine does not know is an error only when it is used.
+Engine flags use vLLM's names; only those given reach ``LLM(...)``, so a flag an engine does not
+know is an error only when it is used. API keys come from ``--api-key`` (repeatable) or else
+``STAGEDSERVE_API_KEY`` (comma-separated; command lines are visible in ``ps``); ``KEY:GROUP``
+puts a key in a trust group, whose keys share prefix-cache blocks.
 
-API keys come from ``--api-key`` (repeatable) or, when no ``--api-key`` is given, from
-``STAGEDSERVE_API_KEY`` (comma-separated; prefer it: command lines are visible to every
-local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
-separates the group); keys in one group share prefix-cache blocks, keys in different
-groups never do, and a key without a group is a group of its own.
-
-``--engine-process`` (the default) runs the engine core (scheduler, KV cache, model) in a
-process of its own, with HTTP, tokenization and detokenization in this one (vLLM V1's
-split; ``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
-
-The serving topology (the seeds' "A + DP + N, plus one coordinator when DP > 1"):
-``--data-parallel-size N`` runs N engine cores, each a whole replica, behind a coordinator
-(``engine/launcher.py``, ``engine/dp_client.py``); ``--api-server-count A`` (default N) runs A
-API-server processes on one port under a supervisor (``cli/api_servers.py``). With A = 1 this
-process is the API server and the engine cores are its children. ``--shutdown-timeout``
-bounds how long SIGTERM / Ctrl-C waits for requests in flight before stopping.
+``--engine-process`` (the default) runs the engine core in a process of its own
+(``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
+``--data-parallel-size N`` runs N engine cores behind a coordinator (``engine/launcher.py``);
+``--api-server-count A`` (default N) runs A API servers on one port (``cli/api_servers.py``).
+``--shutdown-timeout`` bounds how long SIGTERM / Ctrl-C waits for requests in flight.
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """

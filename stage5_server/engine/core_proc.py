@@ -1,33 +1,28 @@
 """The engine core in a process of its own: the core loop between two ZeroMQ sockets.
 
-The API-server process (``process_client.MPAsyncLLM``) owns HTTP, tokenization,
-detokenization and streaming; this process owns the scheduler, the KV cache manager and
-the model, and never sees text. They speak the Structs of ``messages.py``, as msgpack:
+The API-server process (``process_client.MPAsyncLLM``) owns HTTP, tokenization and streaming;
+this one owns the scheduler, the KV cache and the model, and never sees text. They speak the
+Structs of ``messages.py`` as msgpack:
 
     input  (PULL) <- AddRequest | AbortRequests | Shutdown
     output (PUSH) -> EngineCoreReady or EngineCoreStartupError first, then EngineCoreOutputs per step
 
-The loop is ``core_loop.EngineCoreLoop``, the same one the thread mode runs. The process
-exits on ``Shutdown``, on SIGTERM, or when its parent is gone (an orphan would otherwise
-hold the model's memory forever); SIGINT is ignored, because a Ctrl-C in a terminal
-reaches the whole process group and the parent decides how to shut down.
+The loop is ``core_loop.EngineCoreLoop``, the thread mode's too. The process exits on
+``Shutdown``, on SIGTERM, or when its parent is gone; SIGINT is ignored (a terminal's Ctrl-C
+reaches the whole process group, and the parent decides how to shut down).
 
-One data-parallel rank among several, or one core behind several API servers
-(``run_dp_engine_core``, started by ``launcher.CoreEngineProcManager``), binds its sockets
-instead, and every API server connects to it:
+A data-parallel rank, or a core behind several API servers (``run_dp_engine_core``), binds its
+sockets instead, and every API server connects:
 
     input  (PULL, bound)   <- AddRequest (naming its API server) | AbortRequests | ClientGone | Shutdown
     output (ROUTER, bound) <- ClientHello;  -> ClientWelcome, then each API server's own EngineCoreOutputs
     stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
 
-A ROUTER addresses each message to one connected API server by its identity, so a request's
-outputs go back to the API server that sent it. An API server that is gone (the send finds no
-such peer, or its supervisor says ``ClientGone``) has its requests aborted, their KV freed;
-the other API servers notice nothing.
+The ROUTER sends a request's outputs to the API server that sent it; a gone API server's
+requests are aborted and their KV freed.
 
-vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (vLLM also moves socket reads and
-writes, with their serialization, onto two threads so they overlap a GPU step; with several
-API servers it keeps one output socket per client and routes by ``client_index``).
+vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (which also moves socket I/O onto two
+threads to overlap a GPU step).
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """``DPAsyncLLM``: one API server's front end over N engine cores (data parallelism).
 
-The same ``AsyncEngine`` as ``MPAsyncLLM`` (tokenization, the request table, output
-processing, streams); only the transport and the routing differ:
+The same ``AsyncEngine`` as ``MPAsyncLLM``; only the transport and the routing differ:
 
     add_request -> Router picks a live rank (routing.py) -> that rank's input socket (PUSH)
     every rank's output socket (DEALER, this API server's identity) -> _on_outputs, merged
     abort -> only the rank that holds the request
     coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank (``engine`` label)
 
-Several API servers may run against the same ranks (``--api-server-count``): each has its own
-identity, so a rank sends each request's outputs to the API server that sent it.
+Start-up says ``ClientHello`` to every rank and waits for its ``ClientWelcome``. A rank whose
+connection drops (a socket monitor sees it at once) or whose tensor-parallel group broke fails
+only its requests in flight, with ``EngineError`` (HTTP 500), and gets no more; ``/health`` is
+503 only when no rank is left. ``launch`` starts the engine cores as children and stops them on
+``shutdown``; built from a topology (``--api-server-count`` > 1) it only connects.
 
-Start-up: say ``ClientHello`` to every rank and wait for its ``ClientWelcome`` (from then on
-the rank knows where to send this API server's outputs). A rank whose connection drops (its
-process died; a socket monitor sees it at once) fails only the requests in flight on it, with
-``EngineError`` (HTTP 500 ``engine_error``), and gets no more requests; while any rank lives
-the server stays healthy, and ``/health`` answers 503 only when none is left. A rank whose
-tensor-parallel group broke (``FailedRequests(engine_dead=True)``) is treated the same way.
-
-Ownership: ``DPAsyncLLM.launch`` starts the engine cores as children of this process (one API
-server: ``stagedserve serve --data-parallel-size N``) and stops them on ``shutdown``; built from
-a topology alone (``--api-server-count`` > 1), it only connects, and the supervisor owns them.
-
-vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py`` (the
-request-to-engine table for aborts, the stats task on the coordinator's socket).
+vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``.
 """
 
 from __future__ import annotations

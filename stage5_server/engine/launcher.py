@@ -1,23 +1,13 @@
 """Start the engine cores of a data-parallel deployment (and its coordinator), and watch them.
 
-``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` of its own
-(scheduler, KV pool, model replica; its own tensor-parallel workers when
-``--tensor-parallel-size`` > 1). Each rank gets its own slice of the machine before it starts:
-
-- CUDA: rank d sees GPUs ``d*TP .. d*TP+TP-1`` of the visible ones (``CUDA_VISIBLE_DEVICES``),
-  so its ``cuda:0`` (and its TP workers' ``cuda:r``) are its own;
-- CPU: rank d runs ``cores // N`` torch threads (``OMP_NUM_THREADS`` overrides), and its TP
-  workers split those again.
-
-Every rank binds its own two sockets in a private directory (``core_proc.run_dp_engine_core``),
-reports ``EngineCoreReady`` (or its start-up exception) to this process, and from then on
-serves whichever API servers connect. ``EngineTopology`` is what an API server needs to
-connect: addresses and each rank's resolved configuration; it pickles, so the supervisor of
-several API servers hands it to each of them. With N > 1 a coordinator process is started too
-(``coordinator.py``).
-
-The engine processes are not daemons (they may start TP workers); a finalizer stops them,
-and each one also exits by itself when this process is gone.
+``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` (its own
+tensor-parallel workers when TP > 1), each on its own slice of the machine: on CUDA rank d sees
+GPUs ``d*TP .. d*TP+TP-1`` (``CUDA_VISIBLE_DEVICES``); on a CPU it runs ``cores // N`` torch
+threads (``OMP_NUM_THREADS`` overrides). Every rank binds its sockets in a private directory
+(``core_proc.run_dp_engine_core``) and reports ``EngineCoreReady`` or its start-up error.
+``EngineTopology`` (addresses and each rank's config; it pickles) is what an API server needs
+to connect. The processes are not daemons (they may start TP workers): a finalizer stops them,
+and each exits by itself when this process is gone.
 
 vLLM: ``CoreEngineProcManager`` and ``launch_core_engines`` in ``vllm/v1/engine/utils.py``
 (with ``set_device_control_env_var`` for the per-rank devices).

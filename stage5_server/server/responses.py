@@ -11,17 +11,13 @@ A request is turned into the chat request it stands for and runs through chat's 
     text.format              -> response_format (json_schema, json_object)
     max_output_tokens        -> max_completion_tokens
 
-The answer is a ``response`` object whose ``output`` is a ``message`` item (its text as one
-``output_text`` part) and a ``function_call`` item per tool call; ``status`` is
-``incomplete`` (``max_output_tokens``) when the token limit cut it short. Streamed, the typed
-events come in the API's order: ``response.created``, ``response.in_progress``, per item
-``output_item.added``, its deltas (``output_text.delta`` or
-``function_call_arguments.delta``), its ``done`` events and ``output_item.done``, then
-``response.completed`` with the whole response (its status ``incomplete`` when cut short; OpenAI
-sends ``response.incomplete`` then, which the openai client's stream helper does not take); an engine
-failure mid-stream is an ``error`` event. Nothing is stored: ``previous_response_id`` and
-``store: true`` are refused, so a client sends the whole conversation each time (the Agents
-SDK does unless told to chain).
+The answer is a ``response`` whose ``output`` is a ``message`` item (one ``output_text`` part)
+and a ``function_call`` item per call; ``status`` is ``incomplete`` when the token limit cut it
+short. Streamed, the typed events come in the API's order (``response.created``, per item
+``output_item.added``, its deltas and ``done`` events, then ``response.completed``; the openai
+client's stream helper does not take OpenAI's ``response.incomplete``); an engine failure
+mid-stream is an ``error`` event. Nothing is stored: ``previous_response_id`` and ``store: true``
+are refused.
 
 vLLM: ``vllm/entrypoints/openai/serving_responses.py`` and the request model in
 ``vllm/entrypoints/openai/protocol.py`` (``ResponsesRequest``).
