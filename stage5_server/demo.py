@@ -1,18 +1,15 @@
 """``make demo``: serve the default model, ask it real questions, then drive the lab's two-phase load.
 
-Starts the OpenAI-compatible server in this process (uvicorn on a thread, a free loopback
-port, a freshly generated API key) on the default model, SmolLM2-135M-Instruct, and talks to it
-through the official ``openai`` client (``AsyncOpenAI``):
+Starts the server in this process (uvicorn on a thread, a free loopback port, a fresh API key)
+on the default model, SmolLM2-135M-Instruct, and talks to it through ``openai.AsyncOpenAI``:
 
-- questions: a few facts, a short instruction and a multi-turn follow-up, each reply streamed
-  to the terminal as its tokens arrive, marked right or wrong against the expected word;
-- phase 1: a burst of short chat requests that share one long system prompt, so the
-  prefix cache serves the shared blocks after the first request has computed them;
-- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
-  long prefills with decodes.
+- questions: a few facts, an instruction and a multi-turn follow-up, streamed and marked right
+  or wrong against the expected word;
+- phase 1: a burst of chat requests sharing one long system prompt (the prefix cache);
+- phase 2: two long prompts alongside short ones (chunked prefill interleaves them with decodes).
 
-Then it prints the stats lines logged during the run, key numbers scraped from ``/metrics``,
-and what a 135M-parameter 4-bit model gets wrong; it shuts down and exits 0.
+Then it prints the stats lines, key numbers from ``/metrics``, and what a 135M-parameter 4-bit
+model gets wrong, and exits 0.
 
 vLLM: the lab in the course's "vLLM internals" chapter (``vllm serve`` + ``load.py``).
 """

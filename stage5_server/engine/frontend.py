@@ -1,17 +1,14 @@
-"""``AsyncEngine``: the front end of an async engine, the same whether its core runs on a
-thread of this process (``AsyncLLM``) or in a process of its own (``MPAsyncLLM``).
+"""``AsyncEngine``: the front end of an async engine, whether its core runs on a thread
+(``AsyncLLM``) or in a process of its own (``MPAsyncLLM``).
 
     add_request: check the prompt, tokenize, keep a copy of the Request --AddRequest--> core
     core --EngineCoreOutputs--> _on_outputs: update the copies, detokenize, find stop strings
-        (and abort those requests in the core), build cumulative RequestOutputs, hand each
-        to its request's stream on the event loop that is waiting for it
+        (and abort those requests in the core), hand each RequestOutput to its request's stream
 
-A request is tracked here from ``add_request`` until its final output or its error; the
-tokenizer and that table are used only under one lock, so the event loop (tokenizing new
-prompts) and the thread that receives outputs (detokenizing) take turns. Because both
-clients share this class and the core loop, greedy outputs are identical in both modes.
-A failure while processing one request's output (a Rust panic in the tokenizer, say) fails
-that request only.
+The tokenizer and the request table are used under one lock, so the event loop (tokenizing)
+and the thread that receives outputs (detokenizing) take turns. Both clients share this class
+and the core loop, so greedy outputs are identical in both modes. A failure while processing
+one request's output fails that request only.
 
 vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``)
 and ``vllm/v1/engine/output_processor.py``.

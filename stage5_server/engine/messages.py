@@ -1,19 +1,17 @@
 """The typed messages between the front end and the engine core, in both directions.
 
-The engine core never sees text: a request crosses as token ids with its id, sampling
-parameters and arrival time; an output carries only the tokens the front end has not seen
-yet, their timestamps (``time.monotonic``: one clock for every process of the machine) and
-how the request stands. The same ``msgspec`` Structs travel through a queue when the core runs
-on a thread, and as msgpack bytes over ZeroMQ when it runs in a process of its own, so the
-two ends cannot disagree about a field: a rename is one edit that every reader sees.
+The core never sees text: a request crosses as token ids, sampling parameters and arrival
+time; an output carries only the tokens the front end has not seen yet, their timestamps
+(``time.monotonic``, one clock for every process of the machine) and how the request stands.
+The same ``msgspec`` Structs go through a queue (thread mode) or as msgpack over ZeroMQ
+(process mode), so a rename is one edit that every reader sees.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
     core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
 
-With data parallelism (``dp_client.py``) each API server first says ``ClientHello`` to every
-engine core and waits for its ``ClientWelcome``; an ``AddRequest`` names the API server that
-sent it (``client_id``), so the core sends that request's outputs back to it alone; each core
-reports its ``EngineStats`` to the coordinator, which publishes ``EngineStatsUpdate``.
+With data parallelism each API server first says ``ClientHello`` to every core and waits for
+its ``ClientWelcome``; an ``AddRequest`` names its API server (``client_id``); each core reports
+``EngineStats`` to the coordinator, which publishes ``EngineStatsUpdate``.
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).

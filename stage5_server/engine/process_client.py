@@ -4,16 +4,11 @@
     output thread <-- [output socket] <-- EngineCoreOutputs per step
     output thread: the front end's _on_outputs (detokenize, stop strings, streams)
 
-The child (``core_proc.py``) steps while this process parses HTTP and detokenizes, so the
-two no longer take turns under one GIL. Everything but the transport is shared with the
-thread mode (``frontend.py``, ``core_loop.py``).
-
-Lifecycle: start-up waits for the child's ``EngineCoreReady`` (or its exception, or its
-death, or a timeout). The output thread watches the child's process sentinel: when the
-child dies, every in-flight request fails with ``EngineError`` (a 500) and ``is_running``
-turns False (``/health`` answers 503). ``shutdown`` asks the child to exit, then
-terminates and kills it if it must; a finalizer does the same at interpreter exit, and
-the child exits by itself when its parent disappears, so no engine process is orphaned.
+The child (``core_proc.py``) steps while this process parses HTTP and detokenizes, so the two
+no longer take turns under one GIL. Start-up waits for ``EngineCoreReady`` (or the child's
+exception, death or a timeout). When the child dies, every request in flight fails with
+``EngineError`` (a 500) and ``is_running`` turns False (``/health`` 503). ``shutdown`` asks the
+child to exit, then terminates it if it must; a finalizer does the same at exit.
 
 vLLM: ``vllm/v1/engine/core_client.py`` (``MPClient``, ``AsyncMPClient``),
 ``vllm/v1/engine/async_llm.py`` (``output_handler``) and ``vllm/v1/engine/utils.py``

@@ -3,17 +3,14 @@
 With ``tools``, ``tool_choice`` decides how calls come about:
 
 - ``none``: the tools are not shown to the model (vLLM shows them unless
-  ``--exclude-tools-when-tool-choice-none``): a prompt should not offer calls the answer may not make.
-- ``auto``: the model sees the tools and may write calls, which the server's
-  ``--tool-call-parser`` reads back out of its text (``tool_parsers.py``); needs
-  ``--enable-auto-tool-choice``.
-- ``required`` or a named function: structured output forces the call, so it works on any model,
-  even one whose template cannot show tools: the output is the arguments object (named) or an
-  array of ``{"name", "arguments"}`` (required), each following the tool's parameter schema.
+  ``--exclude-tools-when-tool-choice-none``);
+- ``auto``: the model sees the tools and may write calls, which ``--tool-call-parser`` reads
+  back out of its text (``tool_parsers.py``); needs ``--enable-auto-tool-choice``;
+- ``required`` or a named function: structured output forces the call (any model): the output
+  is the arguments object (named) or an array of ``{"name", "arguments"}`` (required).
 
-Calls come back as ``tool_calls`` with ``arguments`` the JSON text of an object, ``content``
-null when the text held only calls, and ``finish_reason: "tool_calls"``; streamed, a named call's
-arguments arrive as they are generated, a parsed call whole once its block closes.
+Calls come back as ``tool_calls``, ``content`` null when the text held only calls, and
+``finish_reason: "tool_calls"``.
 
 vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 """

@@ -4,10 +4,8 @@
     -> check lengths -> ``engine.add_request`` -> a JSON body, or SSE chunks then ``[DONE]``
 
 An endpoint module (``completions.py``, ``chat.py``) parses its request and writes its bodies
-with a ``Responder``; ``OpenAIServing`` does the rest. A request that sends
-``X-Stagedserve-Timeline: 1`` gets its server-side timeline (``metrics.request_phases``) as an
-extra ``server_timeline`` key in the response body, or in the stream's final choice chunk:
-opt-in, so standard clients see standard bodies.
+with a ``Responder``; ``OpenAIServing`` does the rest. ``X-Stagedserve-Timeline: 1`` (opt-in)
+adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``.
 
 vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 """

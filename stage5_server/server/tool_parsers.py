@@ -1,22 +1,18 @@
 """Tool calls read back out of the model's text, whole or as it streams.
 
-``tool_choice: "auto"`` leaves it to the model whether to call a tool; a model trained for tools
-writes each call in its own format, and ``--tool-call-parser`` names the format. Hermes (Qwen,
-Hermes, the tiny models' template) writes::
+With ``tool_choice: "auto"`` a model trained for tools writes each call in its own format,
+named by ``--tool-call-parser``. Hermes (Qwen, Hermes, the tiny models' template) writes::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The parser turns each such block into a tool call and leaves the rest as ``content``. A block is
-a call only if it holds a JSON object with the name of one of the request's tools and arguments
-that are a JSON object (or a JSON string of one); anything else stays text, so a client never
-gets ``arguments`` that are not an object's JSON, nor ``<tool_call>`` markup in ``content``
-beside the calls. Streaming holds back text that may be the start of a block, and sends a call
-whole once its block closes (its ``arguments`` are never partial JSON).
+A block is a call only if it holds a JSON object naming one of the request's tools with
+arguments that are an object (or a JSON string of one); anything else stays ``content``.
+Streaming holds back text that may start a block and sends a call whole once its block closes.
+``required`` or a named tool need no parser: structured output makes the model write the calls
+as JSON (``ForcedToolCalls``).
 
-``tool_choice: "required"`` or a named tool need no parser: structured output makes the model
-write the calls as JSON (``forced_tool_calls``).
 vLLM: ``vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py`` and ``abstract_tool_parser.py``.
 """
 
