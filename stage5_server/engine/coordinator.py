@@ -4,17 +4,12 @@ publishes it to every API server.
     engine core rank d --EngineStats, after each published step--> [PULL] coordinator
     coordinator [PUB] --EngineStatsUpdate, on change, at most every 100 ms--> [SUB] every API server
 
-Why a process of its own: each rank reports once a step to one place, and each API server
-hears one message an interval, however many ranks and API servers there are (without it every
-rank would tell every API server every step: DP x A messages a step). An API server routes on
-the newest publication (up to 100 ms old) together with its own exact count of the requests it
-has in flight on each rank, and its ``/metrics`` shows every rank from it. The coordinator also
-republishes every second, so an API server that connects late (a restarted one) catches up. It
-exits when its parent does, on SIGTERM, and ignores SIGINT (the parent decides).
+A process of its own, so each rank reports once a step to one place and each API server hears
+one message an interval (not DP x A messages a step). It republishes every second, so a late
+(restarted) API server catches up; it exits with its parent or on SIGTERM and ignores SIGINT.
 
-vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py``, which also runs
-the "request wave" protocol that keeps expert-parallel ranks stepping together; the dense models
-here need none of it.
+vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py`` (which also runs
+the "request wave" protocol for expert-parallel ranks; dense models need none of it).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Tensor parallelism: one model split over several devices, one worker process per rank.
 
-``LLM(..., tensor_parallel_size=N)`` (``--tensor-parallel-size N``) starts N workers that each
-hold 1/N of the attention heads, the MLP columns and the vocabulary, and 1/N of the KV cache
-(their own KV heads). Each layer costs two all-reduces (after attention, after the MLP).
-The scheduler stays in the engine process and sends every step to all ranks.
+``LLM(..., tensor_parallel_size=N)`` starts N workers that each hold 1/N of the attention heads,
+the MLP columns, the vocabulary and the KV cache; each layer costs two all-reduces. The
+scheduler stays in the engine process and sends every step to all ranks.
 
 - ``parallel_state.py``: the process group (loopback by default), shapes, collectives
 - ``layers.py``: column/row-parallel linear, vocab-parallel embedding and LM head

@@ -1,18 +1,13 @@
 """The tensor-parallel group: who the ranks are, how they meet, and the two collectives TP needs.
 
-Each worker process joins one ``torch.distributed`` process group: NCCL between GPUs, gloo
-between CPU processes. The ranks meet through a ``FileStore`` in a private temporary
-directory, so the rendezvous opens no TCP port at all (``TCPStore``'s server listens on
-every interface, whatever host it is given). The data connections themselves are bound to
-one network interface, the loopback by default (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``):
-process-group traffic is unauthenticated, so it must never be reachable from the network.
-
-A model layer calls ``all_reduce`` or ``all_gather`` without knowing the group; outside a
-process group (one rank) both return their input unchanged.
+Each worker joins one ``torch.distributed`` group (NCCL between GPUs, gloo between CPU
+processes). The ranks meet through a ``FileStore`` in a private directory, so the rendezvous
+opens no TCP port, and the data connections are bound to the loopback by default
+(``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``): process-group traffic is unauthenticated.
+Outside a process group (one rank) ``all_reduce`` and ``all_gather`` return their input.
 
 vLLM: ``vllm/distributed/parallel_state.py`` (``init_distributed_environment``,
-``get_tp_group``) and ``vllm/distributed/communication_op.py``
-(``tensor_model_parallel_all_reduce``, ``tensor_model_parallel_all_gather``).
+``get_tp_group``) and ``vllm/distributed/communication_op.py``.
 """
 
 from __future__ import annotations

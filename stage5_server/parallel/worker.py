@@ -1,15 +1,11 @@
 """One tensor-parallel rank: its process, its shard of the model, its share of the KV cache.
 
-A worker joins the process group, loads its shard, and then serves the engine's requests
-over a pipe until told to stop (or until the pipe closes because the engine is gone):
-``init_kv_cache`` (blocks of *its own* KV heads; the block tables, and so the block ids, are
-the same on every rank), ``profile_kv_memory`` (CUDA), and ``execute_model`` (one forward
-pass of the step the scheduler planned). Every rank ends a step holding the full logits (the
-LM head gathers them); only rank 0 sends them back, so sampling happens once, in the engine.
+A worker joins the process group, loads its shard, and serves the engine over a pipe until
+told to stop (or the pipe closes): ``init_kv_cache`` (its own KV heads; block ids are the same
+on every rank), ``profile_kv_memory`` (CUDA) and ``execute_model``. Every rank ends a step with
+the full logits; only rank 0 sends them back, so sampling happens once, in the engine.
 
-vLLM: ``vllm/v1/worker/gpu_worker.py`` (``init_worker_distributed_environment``,
-``determine_available_memory``, ``execute_model``) and ``WorkerProc`` in
-``vllm/v1/executor/multiproc_executor.py``.
+vLLM: ``vllm/v1/worker/gpu_worker.py`` and ``WorkerProc`` in ``vllm/v1/executor/multiproc_executor.py``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@
          -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
-Every error answers with an OpenAI error object (errors.py); ``/metrics`` is Prometheus text
-under vLLM's names (metrics.py); the OpenAPI schema documents the errors really answered
-(openapi.py). A failed engine step fails only the requests in flight (500) while the server
-keeps serving.
+Every error is an OpenAI error object (errors.py); ``/metrics`` is Prometheus text (metrics.py);
+the OpenAPI schema documents the errors really answered (openapi.py).
 
 vLLM: ``build_app`` and ``init_app_state`` in ``vllm/entrypoints/openai/api_server.py``.
 """

@@ -1,13 +1,9 @@
 """``POST /v1/completions``: a prompt (text or token ids) continued, whole or streamed.
 
 ``echo`` puts the prompt in front of the text; with ``logprobs`` the prompt's tokens get
-their logprobs too (prompt logprobs, computed in prefill), the first ``null``. Each
-``text_offset`` indexes the returned text: a special token that the text leaves out (an
-end-of-sequence token, a prompt's added start token) takes no characters there, where vLLM
-counts its spelling. ``echo`` with
-``max_tokens: 0`` returns the scored prompt alone: the call evaluation harnesses make for
-log-likelihoods. As in vLLM, the engine then generates one token that is not returned.
-``response_format`` and ``structured_outputs`` constrain the text as on chat.
+theirs too (the first ``null``). ``text_offset`` indexes the returned text, so a special token
+the text leaves out takes no characters (vLLM counts its spelling). ``echo`` with
+``max_tokens: 0`` returns the scored prompt alone, as evaluation harnesses ask for.
 
 vLLM: ``vllm/entrypoints/openai/serving_completion.py``.
 """
