@@ -1,9 +1,8 @@
 """The OpenAPI schema, corrected to what the server really answers.
 
-FastAPI documents its own 422 validation body; this server answers 400 with an OpenAI
-error object, 401 without a key, 404, 413, and 500/503 from the engine. The schema says so,
-so that a client generator, or the API fuzzer (``tests/reliability/test_api_fuzz.py``),
-holds the server to it.
+FastAPI documents its own 422 validation body; this server answers 400 with an OpenAI error
+object, 401, 404, 413, and 500/503 from the engine. The schema says so, so that a client
+generator or the API fuzzer (``tests/reliability/test_api_fuzz.py``) holds the server to it.
 """
 
 from __future__ import annotations
