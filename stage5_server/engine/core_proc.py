@@ -250,10 +250,7 @@ def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
     """The child's entry point (``multiprocessing`` spawn): build the engine, shake hands, loop.
-
-    ``engine_args`` go to stage5's ``LLM(...)`` untouched, so every engine argument the
-    in-process server accepts works here too.
-    """
+    ``engine_args`` go to stage5's ``LLM(...)`` untouched."""
     from stage5_server.engine.processes import set_process_name
 
     set_process_name("ss-engine-0")

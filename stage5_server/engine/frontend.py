@@ -66,12 +66,8 @@ def is_fatal(exc: BaseException) -> bool:
 class AsyncEngine:
     """What the server uses of an engine. A client subclass sends the messages (``_send``),
     delivers the core's outputs to ``_on_outputs`` and reports the core's death (``_engine_died``).
-
-    ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the thread that
-    receives outputs. ``log_stats_interval`` (seconds; None: off) logs vLLM's stats line.
-    ``cache_configs``: each engine core's resolved KV-cache configuration, as strings, by data-parallel
-    rank (``vllm:cache_config_info``).
-    """
+    ``stat_loggers`` are called on the thread that receives outputs; ``log_stats_interval`` (seconds;
+    None: off) logs vLLM's stats line; ``cache_configs``: each core's KV-cache config, by rank."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
 
@@ -179,10 +175,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative ``RequestOutput``s until the final one (``finished=True``).
-
-        Closing the generator early (a client that went away) aborts the request.
-        """
+        """Yield cumulative ``RequestOutput``s until the final one; closing the generator early aborts."""
         stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
         try:
             async for output in stream:

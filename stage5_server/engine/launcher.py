@@ -113,12 +113,9 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
 
 
 class CoreEngineProcManager:
-    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception.
-
-    Start-up raises ``ValueError`` for a bad engine argument (a rank's own message),
-    ``RuntimeError`` when a rank fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``;
-    whatever had started is stopped first.
-    """
+    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception:
+    ``ValueError`` for a bad engine argument, ``RuntimeError`` when a rank fails or dies, ``TimeoutError``
+    after ``startup_timeout_s``; whatever had started is stopped first."""
 
     def __init__(self, model_path: str, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
                  api_server_count: int = 1, routing: str = "least-loaded",

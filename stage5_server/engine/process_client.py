@@ -53,11 +53,8 @@ OUTPUT_POLL_MS = 100
 
 class MPAsyncLLM(AsyncEngine):
     """The engine core in a child process, driven over ZeroMQ; tokenization and detokenization here.
-
-    ``engine_args`` are passed to stage5's ``LLM(...)`` in the child untouched. Start-up
-    raises ``ValueError`` for a bad engine argument (the child's message), ``RuntimeError``
-    when the child fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``.
-    """
+    Start-up raises ``ValueError`` for a bad engine argument (the child's message), ``RuntimeError``
+    when the child fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``."""
 
     engine_process = True
 

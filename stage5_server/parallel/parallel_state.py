@@ -43,12 +43,8 @@ class TensorParallelShape:
 
 def tensor_parallel_shape(config: ModelConfig, world_size: int) -> TensorParallelShape:
     """Split ``config`` over ``world_size`` ranks, or a ``ValueError`` saying what does not divide.
-
-    Query heads and MLP columns must divide evenly. KV heads either divide (each rank holds
-    ``Hkv / N`` of them) or, when there are fewer KV heads than ranks, ``N`` must be a multiple of
-    ``Hkv`` and each KV head is replicated on ``N / Hkv`` ranks, as vLLM's ``QKVParallelLinear`` does.
-    The vocabulary is padded up to a multiple of ``N``.
-    """
+    Query heads and MLP columns divide evenly; KV heads divide, or (fewer KV heads than ranks) each
+    is replicated on ``N / Hkv`` ranks, as in vLLM's ``QKVParallelLinear``. The vocabulary is padded."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"tensor_parallel_size: num_attention_heads={heads} is not divisible by "
@@ -69,11 +65,8 @@ def tensor_parallel_shape(config: ModelConfig, world_size: int) -> TensorParalle
 
 
 def check_tensor_parallel_size(size, config: ModelConfig, device: torch.device) -> int:
-    """``size`` if the model splits that many ways and this machine has that many devices; else a ``ValueError``.
-
-    On CUDA each rank needs its own GPU (rank r uses ``cuda:r`` of the visible devices). On CPU
-    each rank needs at least one core, so the cap is ``os.cpu_count()``.
-    """
+    """``size`` if the model splits that many ways and the machine has the devices; else a ``ValueError``.
+    On CUDA each rank needs its own GPU (``cuda:r``); on a CPU at least one core."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {size!r}")
     if size == 1:

@@ -86,11 +86,8 @@ class Worker:
 
 
 def worker_main(rank: int, settings: WorkerSettings, conn) -> None:
-    """A worker process's whole life: start, then answer ``(method, args)`` messages until stopped.
-
-    Every reply is ``("ok", result)`` or ``("error", traceback)``; after an error the worker
-    exits, since its peers may be stuck in a collective it will never join.
-    """
+    """A worker process's life: start, then answer ``(method, args)`` with ``("ok", result)`` or
+    ``("error", traceback)`` until stopped; after an error it exits (its peers may be stuck in a collective)."""
     set_process_name(f"ss-tp-{rank}")
     try:
         device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")

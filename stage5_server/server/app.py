@@ -50,14 +50,9 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
                chat_options: ChatOptions | None = None) -> FastAPI:
-    """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an in-process
-    ``AsyncLLM``, and shut down with the app).
-
-    ``api_keys``: ``{key: trust group}`` or a list of keys (each its own group); None runs
-    without authentication (keep the server on loopback then). ``log_stats_interval``
-    applies only when an ``LLM`` is wrapped here. ``chat_options``: tool calling and the chat
-    template (``chat_options.py``).
-    """
+    """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an ``AsyncLLM``
+    and shut down with the app). ``api_keys``: ``{key: trust group}`` or a list of keys (each its own
+    group); None: no authentication (loopback only). ``chat_options``: tools and the chat template."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)

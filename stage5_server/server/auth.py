@@ -34,12 +34,8 @@ _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class APIKeys:
-    """API keys, each in a trust group, checked in constant time.
-
-    ``keys`` is ``{key: group}`` or a list of keys. A key without a group (a list entry,
-    or ``None`` as its group) is a group of its own, ``key#1``, ``key#2``, ...: sharing
-    the prefix cache between keys is an explicit choice of the operator.
-    """
+    """API keys, each in a trust group, checked in constant time. ``keys`` is ``{key: group}`` or a list;
+    a key without a group is a group of its own (``key#1``, ...): sharing the prefix cache is the operator's choice."""
 
     def __init__(self, keys: Mapping[str, str | None] | list[str]):
         pairs = list(keys.items()) if isinstance(keys, Mapping) else [(k, None) for k in keys]
@@ -106,11 +102,8 @@ def _bearer_token(scope: Scope) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Every HTTP and WebSocket request needs a valid key, except ``public_paths``.
-
-    Runs before routing, so it cannot be bypassed by a route it does not know about,
-    and an unknown path answers 401 (not 404) to a client without a key.
-    """
+    """Every HTTP and WebSocket request needs a valid key, except ``public_paths``. It runs before
+    routing, so no route escapes it, and an unknown path answers 401 (not 404) without a key."""
 
     def __init__(self, app: ASGIApp, keys: APIKeys | None, public_paths: frozenset[str]):
         self.app = app

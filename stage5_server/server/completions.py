@@ -29,9 +29,7 @@ def token_text(logprob: Logprob) -> str:
 def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset: int,
                         special: frozenset[int] = frozenset()) -> dict[str, Any] | None:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
-
-    ``special``: token ids the generated text leaves out (it is decoded skipping special tokens).
-    """
+    ``special``: token ids the generated text leaves out."""
     completion = output.outputs[0]
     if completion.logprobs is None:
         return None
@@ -44,10 +42,8 @@ def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset
 
 def prompt_logprobs(output: RequestOutput, prompt_text: str, first_token_text: str,
                     special: frozenset[int] = frozenset()) -> dict[str, Any]:
-    """The prompt's tokens in the same format; the first has no logprob (nothing precedes it).
-
-    A special token takes characters only where ``prompt_text`` (what is echoed) spells it out.
-    """
+    """The prompt's tokens in the same format, the first without a logprob; a special token takes
+    characters only where ``prompt_text`` (what is echoed) spells it out."""
     def width(token_id: int, token: str, at: int) -> int:
         return len(token) if token_id not in special or prompt_text.startswith(token, at) else 0
 

@@ -47,11 +47,8 @@ REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]  # vLLM's
 
 
 def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
-    """Where a request's time went, in seconds, by side of the API-server / engine-core boundary.
-
-    ``frontend_in + queue + prefill + frontend_out == server_ttft``; the time a client sees
-    beyond ``server_ttft`` is the event loop, HTTP and the network. None: not measured.
-    """
+    """Where a request's time went, in seconds, on each side of the API-server / engine-core boundary:
+    ``frontend_in + queue + prefill + frontend_out == server_ttft``. None: not measured."""
 
     def between(start: float | None, end: float | None) -> float | None:
         return None if start is None or end is None else max(end - start, 0.0)
@@ -152,10 +149,8 @@ class _SchedulerStatsCollector(Collector):
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format.
-
-    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank (none: that family is left out).
-    """
+    """The ``/metrics`` registry of one app, an ``engine.StatLogger``; ``render()`` is the text format.
+    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank."""
 
     def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int,
                  cache_configs: Mapping[int, Mapping[str, str]] | None = None):

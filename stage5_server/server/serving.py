@@ -61,10 +61,7 @@ def finish_reason(output: RequestOutput) -> str | None:
 
 class Responder:
     """How one request's bodies are written: the whole response, or stream chunks and a usage chunk.
-
-    A response has one choice per engine request: prompt i's sample j is choice ``i * n + j``
-    (vLLM's order), and the outputs arrive in that order.
-    """
+    Prompt i's sample j is choice ``i * n + j`` (vLLM's order)."""
 
     object: ClassVar[str]  # the ``object`` of a whole response
     chunk_object: ClassVar[str]  # the ``object`` of a stream chunk
@@ -192,11 +189,8 @@ class OpenAIServing:
 
     async def generate(self, request: Request, prompts: list[list[int]], params: SamplingParams, salt: str,
                        responder: Responder, stream: bool) -> Response:
-        """Start one engine request per prompt and sample and answer with a JSON body or an SSE stream.
-
-        ``n > 1`` fans out here into requests with seeds ``seed + j``, as vLLM's ``ParentRequest``
-        does; with prefix caching they share the prompt's blocks.
-        """
+        """One engine request per prompt and sample (``n > 1`` fans out here with seeds ``seed + j``, as
+        vLLM's ``ParentRequest``), answered with a JSON body or an SSE stream."""
         responder.system_fingerprint = self.system_fingerprint
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
@@ -217,11 +211,8 @@ class OpenAIServing:
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,
                       responder: Responder, streaming: bool) -> Response:
-        """Non-streaming: wait for the final outputs. Streaming: wait for each first output, then SSE events.
-
-        Waiting for the first outputs before sending headers lets an engine failure in
-        the first step still answer with a 500 status rather than an error event.
-        """
+        """Wait for the final outputs, or (streaming) for each first output before the SSE events, so a
+        failure in the first step still answers with a 500 status rather than an error event."""
         ids = [s.request_id for s in streams]
         try:
             if not streaming:

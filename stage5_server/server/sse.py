@@ -84,12 +84,8 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 class DeltaTracker:
-    """What a stream has not sent yet, from cumulative outputs.
-
-    Text that could still turn out to be the start of a stop string is held back
-    (the longest stop string less one character) until the request finishes, so the
-    streamed text always equals the final, stop-string-trimmed text.
-    """
+    """What a stream has not sent yet, from cumulative outputs. Text that could still start a stop string
+    is held back until the request finishes, so the streamed text equals the final trimmed text."""
 
     def __init__(self, params: SamplingParams):
         self.hold = max((len(s) for s in params.stop), default=1) - 1
