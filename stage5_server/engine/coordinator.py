@@ -23,7 +23,7 @@ import weakref
 
 import zmq
 
-from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, stats_decoder
+from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, open_socket, stats_decoder
 from stage5_server.engine.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
@@ -69,12 +69,8 @@ def run_coordinator(num_engines: int, stats_address: str, publish_address: str, 
                         datefmt="%m-%d %H:%M:%S")
     logger.setLevel(log_level)
     context = zmq.Context()
-    stats_in = context.socket(zmq.PULL)
-    stats_in.setsockopt(zmq.LINGER, 0)
-    stats_in.bind(stats_address)
-    publish = context.socket(zmq.PUB)
-    publish.setsockopt(zmq.LINGER, 0)
-    publish.bind(publish_address)
+    stats_in = open_socket(context, zmq.PULL, bind=stats_address, LINGER=0)
+    publish = open_socket(context, zmq.PUB, bind=publish_address, LINGER=0)
     latest: list[EngineStats | None] = [None] * num_engines
     changed, last_publish = False, 0.0
     try:

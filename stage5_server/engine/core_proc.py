@@ -55,6 +55,7 @@ from stage5_server.engine.messages import (
     encoder,
     hello_decoder,
     input_decoder,
+    open_socket,
     plain,
 )
 
@@ -249,21 +250,16 @@ def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
 
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
-    """The child's entry point (``multiprocessing`` spawn): build the engine, shake hands, loop.
-    ``engine_args`` go to stage5's ``LLM(...)`` untouched."""
+    """The child's entry point (spawn): build the engine from ``engine_args`` untouched, shake hands, loop."""
     from stage5_server.engine.processes import set_process_name
 
     set_process_name("ss-engine-0")
     _configure_process("engine-core", log_level)
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader, only on a missing one
-    output_socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    output_socket.connect(output_address)
-    input_socket = context.socket(zmq.PULL)
-    input_socket.setsockopt(zmq.LINGER, 0)
-    input_socket.connect(input_address)
+    # SNDHWM=0: never drop or block on a slow reader, only on a missing one
+    output_socket = open_socket(context, zmq.PUSH, connect=output_address, LINGER=2000, SNDHWM=0,
+                                SNDTIMEO=SEND_TIMEOUT_MS)
+    input_socket = open_socket(context, zmq.PULL, connect=input_address, LINGER=0)
     try:
         llm, handshake = _build_llm(model_path, engine_args, 0)
         output_socket.send(encoder.encode(handshake))
@@ -296,26 +292,13 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
 
         torch.set_num_threads(num_threads)
     context = zmq.Context()
-    sockets = []
-
-    def socket(kind: int, **options) -> zmq.Socket:
-        sock = context.socket(kind)
-        for option, value in options.items():
-            sock.setsockopt(getattr(zmq, option), value)
-        sockets.append(sock)
-        return sock
-
-    input_socket = socket(zmq.PULL, LINGER=0)
-    input_socket.bind(input_address)
+    input_socket = open_socket(context, zmq.PULL, bind=input_address, LINGER=0)
     # MANDATORY: a send to an API server that is not connected fails instead of vanishing.
-    output_socket = socket(zmq.ROUTER, LINGER=0, SNDHWM=0, ROUTER_MANDATORY=1)
-    output_socket.bind(output_address)
-    handshake = socket(zmq.PUSH, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
-    handshake.connect(handshake_address)
-    stats_socket = None
-    if stats_address is not None:
-        stats_socket = socket(zmq.PUSH, LINGER=0, SNDHWM=1000)
-        stats_socket.connect(stats_address)
+    output_socket = open_socket(context, zmq.ROUTER, bind=output_address, LINGER=0, SNDHWM=0, ROUTER_MANDATORY=1)
+    handshake = open_socket(context, zmq.PUSH, connect=handshake_address, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
+    stats_socket = None if stats_address is None else open_socket(context, zmq.PUSH, connect=stats_address,
+                                                                  LINGER=0, SNDHWM=1000)
+    sockets = [s for s in (input_socket, output_socket, handshake, stats_socket) if s is not None]
     try:
         llm, ready = _build_llm(model_path, engine_args, engine_index)
         handshake.send(encoder.encode(ready))

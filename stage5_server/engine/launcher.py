@@ -38,6 +38,7 @@ from stage5_server.engine.messages import (
     EngineCoreStartupError,
     Shutdown,
     encoder,
+    open_socket,
     output_decoder,
 )
 from stage5_server.engine.process_client import DEFAULT_STARTUP_TIMEOUT_S  # the same wait for every core
@@ -73,8 +74,7 @@ def check_topology(data_parallel_size: Any, api_server_count: Any, routing: Any)
 
 
 def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[dict[str, str]]:
-    """Each rank's environment: its GPUs on CUDA, its share of the cores on CPU. ``ValueError`` when
-    the machine has too few GPUs for N ranks of TP each."""
+    """Each rank's environment: its GPUs on CUDA (``ValueError`` if too few), its share of the cores on CPU."""
     import torch
 
     tp = engine_args.get("tensor_parallel_size") or 1
@@ -93,8 +93,7 @@ def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[d
     user_threads = os.environ.get("OMP_NUM_THREADS")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = int(user_threads) if user_threads else max(1, cores // data_parallel_size)
-    return [{"OMP_NUM_THREADS": str(threads if tp == 1 else max(1, threads // tp))}
-            for _ in range(data_parallel_size)]
+    return [{"OMP_NUM_THREADS": str(threads if tp == 1 else max(1, threads // tp))} for _ in range(data_parallel_size)]
 
 
 @contextlib.contextmanager
@@ -128,9 +127,7 @@ class CoreEngineProcManager:
         inputs = tuple(f"{ipc}/engine{d}-input" for d in range(data_parallel_size))
         outputs = tuple(f"{ipc}/engine{d}-output" for d in range(data_parallel_size))
         self._context = zmq.Context()
-        handshake = self._context.socket(zmq.PULL)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(f"{ipc}/handshake")
+        handshake = open_socket(self._context, zmq.PULL, bind=f"{ipc}/handshake", LINGER=0)
         self.coordinator = DPCoordinator(data_parallel_size, f"{ipc}/coordinator-stats",
                                          f"{ipc}/coordinator-publish", log_level) if data_parallel_size > 1 else None
         context = multiprocessing.get_context("spawn")
@@ -158,10 +155,7 @@ class CoreEngineProcManager:
             raise
         handshake.close()
         for address in inputs:  # for Shutdown and ClientGone
-            control = self._context.socket(zmq.PUSH)
-            control.setsockopt(zmq.LINGER, 1000)
-            control.connect(address)
-            self._controls.append(control)
+            self._controls.append(open_socket(self._context, zmq.PUSH, connect=address, LINGER=1000))
         self.topology = EngineTopology(inputs, outputs, self.coordinator.publish_address if self.coordinator else None,
                                        tuple(ready), api_server_count, routing)
         logger.info("data parallel: %d engine core(s) ready (pids %s)%s", data_parallel_size,

@@ -83,8 +83,7 @@ EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone
 
 
 class ClientHello(msgspec.Struct, tag="hello"):
-    """An API server's first message to an engine core, over its output connection: from now on
-    the core can route outputs to ``client_id``."""
+    """An API server's first message to a core: from then on the core can route outputs to ``client_id``."""
 
     client_id: str
 
@@ -218,3 +217,18 @@ stats_update_decoder = msgspec.msgpack.Decoder(EngineStatsUpdate)
 def plain(value: Any) -> Any:
     """An engine argument as a value every reader can print (a dtype becomes its name)."""
     return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def open_socket(context: Any, kind: int, *, bind: str | None = None, connect: str | None = None,
+                **options: int | bytes) -> Any:
+    """A ZeroMQ socket of ``kind`` with ``options`` set (``LINGER=0``, ...), bound or connected."""
+    import zmq  # only the processes that talk over sockets need pyzmq
+
+    sock = context.socket(kind)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock

@@ -41,6 +41,7 @@ from stage5_server.engine.messages import (
     EngineCoreStartupError,
     Shutdown,
     encoder,
+    open_socket,
     output_decoder,
 )
 from stage5_server.engine.processes import stop_process
@@ -67,13 +68,9 @@ class MPAsyncLLM(AsyncEngine):
         self._ipc_dir = tempfile.mkdtemp(prefix="stagedserve-")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
         self._context = zmq.Context()
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit: a send only fails when no engine is connected
-        self._input.bind(input_address)
-        self._output = self._context.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
+        # SNDHWM=0, no limit: a send only fails when no engine is connected
+        self._input = open_socket(self._context, zmq.PUSH, bind=input_address, LINGER=0, SNDHWM=0)
+        self._output = open_socket(self._context, zmq.PULL, bind=output_address, LINGER=0)
         # spawn, never fork: a forked child would inherit this process's threads and torch state.
         # Not a daemon: the engine may start processes of its own (tensor parallel workers).
         self._process = multiprocessing.get_context("spawn").Process(
