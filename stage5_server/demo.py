@@ -75,8 +75,7 @@ class _StatsLines(logging.Handler):
 
 @contextmanager
 def engine_log_collected():
-    """While the demo runs, the engine's log goes to a collector (its stats lines are printed after
-    the run) and only its warnings to the terminal, which stays free for the streamed answers."""
+    """The engine's log goes to a collector (stats lines printed after the run), only warnings to the terminal."""
     log = logging.getLogger("stagedserve")
     lines, console = _StatsLines(), logging.StreamHandler()
     console.setLevel(logging.WARNING)
@@ -227,8 +226,7 @@ def _run(args: argparse.Namespace, stats_lines: _StatsLines) -> int:
     from stage5_server.server import ServerThread, create_app
 
     started = time.monotonic()
-    print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...",
-          flush=True)
+    print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...", flush=True)
     model = resolve_model(args.model) if args.model else default_model()
     llm = LLM(model=model, **ENGINE_KWARGS)
     api_key = secrets.token_urlsafe(32)

@@ -28,8 +28,7 @@ def profiled_kv_memory(args: dict[str, Any], max_model_len: int, profile: Callab
 
 
 def profile_free_kv_memory(model, device: torch.device, num_tokens: int, utilization: float) -> int:
-    """Run one forward of ``num_tokens`` tokens without a KV cache and give the KV cache what
-    is left of ``utilization * total`` after its peak."""
+    """One forward of ``num_tokens`` tokens, no KV cache; KV gets what its peak leaves of ``utilization * total``."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     model.set_attention_backend(_NoCacheAttention())

@@ -36,8 +36,7 @@ def add_client_subcommands(subparsers) -> None:
                                      description="Continue prompts on a running OpenAI-compatible server; "
                                                  "/exit leaves.")
     _add_connection_args(complete)
-    complete.add_argument("-q", "--quick", metavar="PROMPT", default=None,
-                          help="complete one prompt, print it, exit")
+    complete.add_argument("-q", "--quick", metavar="PROMPT", default=None, help="complete one prompt, print it, exit")
     complete.set_defaults(func=run_complete)
 
 

@@ -58,8 +58,7 @@ class StatLogger(Protocol):
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """Only these end the process. Any other BaseException, such as a Rust panic in the tokenizer
-    (pyo3's ``PanicException``), fails the one call or request that raised it, not the server."""
+    """Only these end the process; any other BaseException (a Rust panic in the tokenizer) fails one request."""
     return isinstance(exc, (KeyboardInterrupt, SystemExit))
 
 

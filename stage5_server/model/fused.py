@@ -100,7 +100,6 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:
     """Rearrange a loaded model in place (see the module docstring); returns it.
-
     ``step_rope=False`` keeps the per-layer RoPE (a compiled forward fuses it into its loops)."""
     for layer in model.layers:
         if not isinstance(layer.self_attn, FusedAttention):

@@ -32,7 +32,6 @@ logger = logging.getLogger("stagedserve")
 
 class TensorParallelError(EngineDeadError):
     """A tensor-parallel worker died or failed; the engine cannot run any more steps.
-
     A ``RuntimeError``; as an ``EngineDeadError`` it also stops the server's engine thread."""
 
 

@@ -55,8 +55,7 @@ _PATH = re.compile(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*")
 
 
 def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field
-    (a path such as ``input[2].role`` or ``structured_outputs.json`` too)."""
+    """``ValueError("field: why")`` -> a 400 naming the field (a path such as ``input[2].role`` too)."""
     message = str(exc)
     field, sep, _ = message.partition(":")
     param = field if sep and _PATH.fullmatch(field) else None

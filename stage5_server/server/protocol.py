@@ -256,8 +256,7 @@ class _GenerationRequest(StrictModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: a prompt (text or token ids), or a batch of them (one choice per
-    prompt and sample, prompt i's sample j at index ``i * n + j``)."""
+    """``POST /v1/completions``: one prompt (text or ids), or a batch; prompt i's sample j is choice ``i * n + j``."""
 
     prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
@@ -347,8 +346,7 @@ class ChatMessage(StrictModel):
     @field_validator("content")
     @classmethod
     def _content(cls, value: Any, info: ValidationInfo) -> str | None:
-        """A string, or a list of text parts (joined with a newline, as vLLM); images and audio are refused.
-        Null only in an assistant message with tool_calls."""
+        """A string, or text parts joined with a newline (as vLLM); null only beside an assistant's tool_calls."""
         if value is None:
             if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
                 return None

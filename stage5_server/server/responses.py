@@ -72,8 +72,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 class Item(BaseModel):
-    """One input item, read loosely: a client sends back the output items it got (with their ids,
-    statuses and annotations), and only the fields below matter."""
+    """One input item, read loosely: a client sends back the output items it got; only these fields matter."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["message", "function_call", "function_call_output"] = "message"
@@ -297,8 +296,7 @@ class ResponsesResponder(Responder):
 
     def opening_frames(self) -> list[str]:
         started = self.body_of([], None)
-        return [self.event("response.created", response=started),
-                self.event("response.in_progress", response=started)]
+        return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
         got = StreamDelta(content=text) if self.stream is None else self.stream.feed(text)

@@ -48,8 +48,7 @@ class StreamDelta:
 
 
 def arguments_json(value: Any) -> str | None:
-    """The JSON text of an arguments object; None unless ``value`` is an object (or a JSON string
-    of one)."""
+    """The JSON text of an arguments object; None unless ``value`` is an object (or a JSON string of one)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -162,8 +161,7 @@ TOOL_PARSERS = {"hermes": HermesToolParser}
 # ---- calls forced by structured output ------------------------------------------------------------
 
 def required_calls_schema(tools: list[dict]) -> dict:
-    """``tool_choice: "required"``: the output is a JSON array of calls, each naming one of the
-    tools and giving arguments that follow its parameter schema."""
+    """``tool_choice: "required"``: a JSON array of calls, each naming a tool, arguments following its schema."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                "arguments": parameters_schema(t)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
@@ -176,9 +174,8 @@ def parameters_schema(tool: dict) -> dict:
 
 
 class ForcedToolCalls:
-    """Reads the JSON that structured output forced: a named tool's arguments object, or (for
-    ``required``) an array of ``{"name", "arguments"}``. A named call streams its arguments as
-    they come (the grammar keeps them valid); ``required`` calls are sent when the text ends."""
+    """Reads the JSON that structured output forced: a named tool's arguments object, or (``required``) an array
+    of ``{"name", "arguments"}``. A named call streams its arguments; ``required`` calls come when the text ends."""
 
     def __init__(self, name: str | None):
         self.name = name  # the named tool; None for "required"
