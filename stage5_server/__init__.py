@@ -3,15 +3,11 @@ engine core steps on its own (on a thread, or in a process of its own), and a se
 OpenAI-compatible HTTP server streams its results.
 
 The engine core is stage 4's, imported; stage 5 adds rooms around it, one idea each:
-
-- ``attention/``: the backend registry, the Triton kernels, KV sizing (``vllm/v1/attention/``);
-- ``engine/``: the async engine, on a thread (``AsyncLLM``) or over ZeroMQ (``MPAsyncLLM``)
-  (``vllm/v1/engine/``);
-- ``server/``: the OpenAI-compatible app, API keys and trust groups, metrics
-  (``vllm/entrypoints/openai/``);
-- ``parallel/``: tensor parallelism (``vllm/distributed/``, ``vllm/v1/executor/``);
-- ``cli/`` and ``bench/``: the ``stagedserve`` command and its load benchmark
-  (``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
+``attention/`` (the backend registry, the Triton kernels, KV sizing; ``vllm/v1/attention/``),
+``engine/`` (the async engine on a thread or over ZeroMQ; ``vllm/v1/engine/``), ``server/``
+(the OpenAI-compatible app, keys and trust groups, metrics; ``vllm/entrypoints/openai/``),
+``parallel/`` (tensor parallelism; ``vllm/distributed/``), ``cli/`` and ``bench/`` (the
+``stagedserve`` command and its load benchmark; ``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
 
 Everything but ``LLM`` is imported on first use, so ``from stage5_server import LLM`` loads
 neither fastapi nor pyzmq nor msgspec.

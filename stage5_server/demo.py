@@ -1,15 +1,10 @@
 """``make demo``: serve the default model, ask it real questions, then drive the lab's two-phase load.
 
-Starts the server in this process (uvicorn on a thread, a free loopback port, a fresh API key)
-on the default model, SmolLM2-135M-Instruct, and talks to it through ``openai.AsyncOpenAI``:
-
-- questions: a few facts, an instruction and a multi-turn follow-up, streamed and marked right
-  or wrong against the expected word;
-- phase 1: a burst of chat requests sharing one long system prompt (the prefix cache);
-- phase 2: two long prompts alongside short ones (chunked prefill interleaves them with decodes).
-
-Then it prints the stats lines, key numbers from ``/metrics``, and what a 135M-parameter 4-bit
-model gets wrong, and exits 0.
+Starts the server in this process (uvicorn on a thread, a loopback port, a fresh API key) on
+SmolLM2-135M-Instruct and talks to it through ``openai.AsyncOpenAI``: a few questions streamed
+and marked right or wrong; phase 1, a burst sharing one long system prompt (the prefix cache);
+phase 2, two long prompts among short ones (chunked prefill). Then it prints the stats lines,
+key numbers from ``/metrics`` and what a 135M-parameter 4-bit model gets wrong.
 
 vLLM: the lab in the course's "vLLM internals" chapter (``vllm serve`` + ``load.py``).
 """

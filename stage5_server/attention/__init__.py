@@ -1,15 +1,11 @@
 """Attention backends: which code runs attention over the paged KV cache, and how much KV fits.
 
-The model calls one backend object per step for every layer (``shared/model.py``); stage 5
-chooses it from a registry instead of always taking stage 2's torch reference:
-
-- ``torch``: stage 2's ``PagedAttentionBackend`` (any device; the readable reference);
-- ``triton``: ``triton_backend.TritonAttentionBackend`` over ``kernels/``, on CUDA (or a CPU
-  under ``TRITON_INTERPRET=1``, for tests);
-- ``cpu``: ``cpu_attn.CPUAttentionBackend``, batched SDPA (CPU only).
-
-By default CUDA gets ``triton``, a CPU ``cpu``, anything else ``torch``; ``triton`` where it
-cannot run is a ``ValueError`` at start-up. ``memory.py`` sizes the KV cache from free GPU memory.
+The model calls one backend object per step for every layer (``shared/model.py``); stage 5 picks
+it from a registry: ``torch`` (stage 2's readable reference, any device), ``triton``
+(``triton_backend.py`` over ``kernels/``, CUDA, or a CPU under ``TRITON_INTERPRET=1`` for tests)
+or ``cpu`` (``cpu_attn.py``, batched SDPA). By default CUDA gets ``triton``, a CPU ``cpu``,
+anything else ``torch``; ``triton`` where it cannot run is a ``ValueError`` at start-up.
+``memory.py`` sizes the KV cache from free GPU memory.
 
 vLLM: ``vllm/attention/selector.py`` and ``vllm/platforms/`` (backend selection),
 ``vllm/v1/attention/backends/``, and ``determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.

@@ -1,15 +1,11 @@
 """Paged attention for a CPU: one batched SDPA call per layer for the decodes and one for the prefills.
 
-stage2's torch reference is written to be read: a Python loop over prefills, GQA by
-``repeat_interleave`` (a copy of K/V per query head), K/V written by advanced indexing; on a
-CPU those cost more than the attention math. This backend keeps its KV layout and metadata:
-
-- **Once per step, not per layer**: the first layer turns the metadata into a plan (blocks
-  each sequence reads, additive masks, where each query row goes); later layers reuse it.
-- **One call per group**: decodes form one padded batch, prefills another; each is a single
-  ``scaled_dot_product_attention`` over whole blocks gathered by ``index_select``.
-- **GQA without copying K/V**: the query heads that share a KV head are folded into the
-  query-length axis (``[B, Hkv, group * q_len, D]``).
+stage2's torch reference loops over prefills in Python, copies K/V per query head for GQA and
+writes K/V by advanced indexing; on a CPU those cost more than the math. This backend keeps its
+KV layout and metadata, and: plans once per step (the blocks each sequence reads, the masks,
+where each query row goes), not per layer; runs one ``scaled_dot_product_attention`` for the
+decodes and one for the prefills over whole blocks gathered by ``index_select``; and folds the
+query heads that share a KV head into the query-length axis, so K/V is never copied.
 
 vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (C++ kernels in ``csrc/cpu/``) and
 ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).

@@ -5,17 +5,11 @@
       |- engine core 0 .. N-1         (each with its tensor-parallel workers when TP > 1)
       '- API server 0 .. A-1          (uvicorn + DPAsyncLLM, each connected to every engine core)
 
-The supervisor binds the listening socket once and hands a copy to each API server (as vLLM's
-``run_multi_api_server``): all accept from the kernel's one queue, so an API server that dies
-loses only the connections it had accepted (with ``SO_REUSEPORT`` its queued ones would be
-reset too). Every API server gets the same keys and ``CacheSalter`` secret, so a trust group's
-salt is the same whichever one derives it; ``PROMETHEUS_MULTIPROC_DIR`` (a private directory,
-removed at exit) makes their per-request metrics add up in whichever one is scraped.
-
-Faults: a dead API server is restarted (same index, new identity) and the engine cores are told
-(``ClientGone``) to abort its requests; an engine core's death is noticed by every API server
-(``engine/dp_client.py``); if the supervisor dies, every child exits on its own. SIGTERM or
-SIGINT drains: the socket is closed, each API server finishes its requests for up to
+The supervisor binds the socket once and hands each API server a copy (as vLLM does): all accept
+from one kernel queue, so a dead API server loses only the connections it had accepted. All get
+the same keys and ``CacheSalter`` secret, and a shared ``PROMETHEUS_MULTIPROC_DIR``. A dead API
+server is restarted and the cores abort its requests (``ClientGone``); if the supervisor dies,
+every child exits. SIGTERM or SIGINT drains: the socket closes, requests in flight get up to
 ``--shutdown-timeout`` seconds, then the engine cores and the coordinator stop.
 
 vLLM: ``run_multi_api_server`` and ``run_api_server_worker_proc`` in

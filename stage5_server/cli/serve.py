@@ -2,16 +2,11 @@
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
 
-Engine flags use vLLM's names; only those given reach ``LLM(...)``, so a flag an engine does not
-know is an error only when it is used. API keys come from ``--api-key`` (repeatable) or else
-``STAGEDSERVE_API_KEY`` (comma-separated; command lines are visible in ``ps``); ``KEY:GROUP``
-puts a key in a trust group, whose keys share prefix-cache blocks.
-
-``--engine-process`` (the default) runs the engine core in a process of its own
-(``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
-``--data-parallel-size N`` runs N engine cores behind a coordinator (``engine/launcher.py``);
-``--api-server-count A`` (default N) runs A API servers on one port (``cli/api_servers.py``).
-``--shutdown-timeout`` bounds how long SIGTERM / Ctrl-C waits for requests in flight.
+Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
+``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``KEY:GROUP`` puts
+a key in a trust group. The engine core runs in a process of its own unless
+``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
+``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """

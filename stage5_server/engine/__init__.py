@@ -1,15 +1,12 @@
 """The async engine: a front end that speaks asyncio, over an engine core that steps on its own.
 
-Two halves that talk only in typed messages (``messages.py``):
-
-- the front end (``frontend.AsyncEngine``): checks and tokenizes requests, turns the core's
-  outputs into text, finds stop strings, streams ``RequestOutput``s to each request;
-- the engine core (stage 4's), driven by one busy loop (``core_loop.py``) on a thread
-  (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``, ``core_proc.py``): the same loop
-  and messages, so both modes give the same tokens;
-- data parallelism: N engine-core processes (``launcher.py``), a coordinator
-  (``coordinator.py``), and per API server a front end routing each request to a rank
-  (``dp_client.DPAsyncLLM``, ``routing.py``).
+The two halves talk only in typed messages (``messages.py``). The front end
+(``frontend.AsyncEngine``) tokenizes requests, turns the core's outputs into text, finds stop
+strings and streams ``RequestOutput``s. The core (stage 4's) is driven by one busy loop
+(``core_loop.py``) on a thread (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``,
+``core_proc.py``): the same loop and messages, so both modes give the same tokens. Data
+parallelism: N core processes (``launcher.py``), a coordinator, and per API server a front end
+routing each request to a rank (``dp_client.DPAsyncLLM``, ``routing.py``).
 
 vLLM: ``vllm/v1/engine/`` (``async_llm.py``, ``core_client.py``, ``core.py``,
 ``output_processor.py``, ``exceptions.py``, ``coordinator.py``, ``utils.py``).

@@ -2,14 +2,11 @@
 
     take every queued input (block while idle) -> core.step() -> publish what changed
 
-Subclasses say only where inputs come from and outputs go: a queue and a callback on a thread
+Subclasses say only where inputs come from and outputs go: a queue on a thread
 (``thread_client.py``), two ZeroMQ sockets in a process (``core_proc.py``). Decided here, once:
-
-- an output carries each request's tokens not yet published, so nothing is sent twice;
-- when a step raises, that step's requests fail (the core has freed their KV) and the rest go
-  on; a failure not pinned on a step fails every request in flight; an ``EngineDeadError``
-  (a tensor-parallel rank died) fails them all and ends the loop;
-- when nothing could be scheduled (KV full of waiting prompts), it waits briefly instead of spinning.
+an output carries only tokens not yet published; a step that raises fails its own requests (the
+core freed their KV) and the rest go on, while an ``EngineDeadError`` fails all and ends the loop;
+with nothing schedulable (KV full of waiting prompts) it waits briefly instead of spinning.
 
 vLLM: ``EngineCoreProc.run_busy_loop`` in ``vllm/v1/engine/core.py``.
 """

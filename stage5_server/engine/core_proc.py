@@ -1,25 +1,19 @@
 """The engine core in a process of its own: the core loop between two ZeroMQ sockets.
 
-The API-server process (``process_client.MPAsyncLLM``) owns HTTP, tokenization and streaming;
-this one owns the scheduler, the KV cache and the model, and never sees text. They speak the
+The API server (``process_client.MPAsyncLLM``) owns HTTP, tokenization and streaming; this
+process owns the scheduler, the KV cache and the model, and never sees text. They speak the
 Structs of ``messages.py`` as msgpack:
 
     input  (PULL) <- AddRequest | AbortRequests | Shutdown
     output (PUSH) -> EngineCoreReady or EngineCoreStartupError first, then EngineCoreOutputs per step
 
-The loop is ``core_loop.EngineCoreLoop``, the thread mode's too. The process exits on
-``Shutdown``, on SIGTERM, or when its parent is gone; SIGINT is ignored (a terminal's Ctrl-C
-reaches the whole process group, and the parent decides how to shut down).
-
-A data-parallel rank, or a core behind several API servers (``run_dp_engine_core``), binds its
-sockets instead, and every API server connects:
+It exits on ``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent
+decides). A data-parallel rank (``run_dp_engine_core``) binds its sockets instead and serves
+every API server that connects, each request's outputs to the API server that sent it:
 
     input  (PULL, bound)   <- AddRequest (naming its API server) | AbortRequests | ClientGone | Shutdown
     output (ROUTER, bound) <- ClientHello;  -> ClientWelcome, then each API server's own EngineCoreOutputs
     stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
-
-The ROUTER sends a request's outputs to the API server that sent it; a gone API server's
-requests are aborted and their KV freed.
 
 vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (which also moves socket I/O onto two
 threads to overlap a GPU step).

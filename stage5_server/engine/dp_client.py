@@ -4,14 +4,11 @@ The same ``AsyncEngine`` as ``MPAsyncLLM``; only the transport and the routing d
 
     add_request -> Router picks a live rank (routing.py) -> that rank's input socket (PUSH)
     every rank's output socket (DEALER, this API server's identity) -> _on_outputs, merged
-    abort -> only the rank that holds the request
-    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank (``engine`` label)
+    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank
 
-Start-up says ``ClientHello`` to every rank and waits for its ``ClientWelcome``. A rank whose
-connection drops (a socket monitor sees it at once) or whose tensor-parallel group broke fails
-only its requests in flight, with ``EngineError`` (HTTP 500), and gets no more; ``/health`` is
-503 only when no rank is left. ``launch`` starts the engine cores as children and stops them on
-``shutdown``; built from a topology (``--api-server-count`` > 1) it only connects.
+A rank whose connection drops, or whose tensor-parallel group broke, fails only its requests in
+flight (HTTP 500) and gets no more; ``/health`` is 503 only when no rank is left. ``launch``
+starts the cores as children; built from a topology (``--api-server-count`` > 1) it only connects.
 
 vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``.
 """

@@ -5,10 +5,8 @@
     core --EngineCoreOutputs--> _on_outputs: update the copies, detokenize, find stop strings
         (and abort those requests in the core), hand each RequestOutput to its request's stream
 
-The tokenizer and the request table are used under one lock, so the event loop (tokenizing)
-and the thread that receives outputs (detokenizing) take turns. Both clients share this class
-and the core loop, so greedy outputs are identical in both modes. A failure while processing
-one request's output fails that request only.
+The tokenizer and the request table are used under one lock: the event loop (tokenizing) and the
+output thread (detokenizing) take turns. A failure on one request's output fails it alone.
 
 vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``)
 and ``vllm/v1/engine/output_processor.py``.

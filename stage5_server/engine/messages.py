@@ -1,17 +1,13 @@
 """The typed messages between the front end and the engine core, in both directions.
 
-The core never sees text: a request crosses as token ids, sampling parameters and arrival
-time; an output carries only the tokens the front end has not seen yet, their timestamps
-(``time.monotonic``, one clock for every process of the machine) and how the request stands.
-The same ``msgspec`` Structs go through a queue (thread mode) or as msgpack over ZeroMQ
-(process mode), so a rename is one edit that every reader sees.
+The core never sees text: a request crosses as token ids and sampling parameters; an output
+carries only the tokens the front end has not seen yet, their timestamps (``time.monotonic``,
+one clock for every process) and how the request stands. The same ``msgspec`` Structs go through
+a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one edit.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
     core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
-
-With data parallelism each API server first says ``ClientHello`` to every core and waits for
-its ``ClientWelcome``; an ``AddRequest`` names its API server (``client_id``); each core reports
-``EngineStats`` to the coordinator, which publishes ``EngineStatsUpdate``.
+    data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).

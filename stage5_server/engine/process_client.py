@@ -4,11 +4,9 @@
     output thread <-- [output socket] <-- EngineCoreOutputs per step
     output thread: the front end's _on_outputs (detokenize, stop strings, streams)
 
-The child (``core_proc.py``) steps while this process parses HTTP and detokenizes, so the two
-no longer take turns under one GIL. Start-up waits for ``EngineCoreReady`` (or the child's
-exception, death or a timeout). When the child dies, every request in flight fails with
-``EngineError`` (a 500) and ``is_running`` turns False (``/health`` 503). ``shutdown`` asks the
-child to exit, then terminates it if it must; a finalizer does the same at exit.
+The child (``core_proc.py``) steps while this process parses HTTP and detokenizes: no turns
+under one GIL. When the child dies, every request in flight fails with ``EngineError`` (a 500)
+and ``/health`` answers 503; ``shutdown`` (or a finalizer at exit) stops the child.
 
 vLLM: ``vllm/v1/engine/core_client.py`` (``MPClient``, ``AsyncMPClient``),
 ``vllm/v1/engine/async_llm.py`` (``output_handler``) and ``vllm/v1/engine/utils.py``

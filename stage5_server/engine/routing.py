@@ -1,16 +1,11 @@
 """Which data-parallel rank gets a request: the least loaded one, or the one that holds its prefix.
 
-A rank's load is the larger of the coordinator's newest count of its waiting + running requests
-and A times this API server's own in-flight count there (A API servers; vLLM's estimate), so a
-burst spreads even between publications.
-
-- ``least-loaded``: the smallest load; a tie goes to the lowest rank.
-- ``prefix-affinity``: the prompt's first full KV blocks are hashed, chained and salted like
-  the prefix cache; a request goes to the rank last sent its longest known prefix, unless that
-  rank's load exceeds the least loaded one's by more than ``slack`` (half a batch by default).
-  The table is per API server and bounded (LRU).
-
-Routing changes which process computes a request, never what it computes.
+A rank's load is the larger of the coordinator's newest waiting + running count and A times this
+API server's own in-flight count there (vLLM's estimate), so a burst spreads between publications.
+``least-loaded`` takes the smallest load (a tie: the lowest rank). ``prefix-affinity`` hashes the
+prompt's first full blocks like the prefix cache and sends it to the rank last sent its longest
+known prefix, unless that rank is busier than the least loaded by more than ``slack``. Routing
+changes which process computes a request, never what it computes.
 
 vLLM: ``DPLBAsyncMPClient.get_core_engine_for_request`` in ``vllm/v1/engine/core_client.py``;
 prefix-aware routing vLLM leaves to an external router or ``vllm/v1/engine/dp_prefix_cache_router.py``.

@@ -1,15 +1,11 @@
-"""The layers that split one weight matrix across ranks, and where the ranks talk.
+"""The layers that split one weight matrix across ranks, and where the ranks talk (Megatron-LM's split).
 
-A transformer layer needs two collectives under tensor parallelism (Megatron-LM's split):
-
-- ``ColumnParallelLinear`` splits the *output* features: q/k/v by head, gate/up by column, so
-  each rank computes whole heads on its own, with no talk;
-- ``RowParallelLinear`` splits the *input* features: each rank's partial sum is added up by one
-  ``all_reduce`` (``o_proj`` after attention, ``down_proj`` after the MLP);
-- ``VocabParallelEmbedding`` holds a slice of the vocabulary (zeros outside it, then an
-  all-reduce); ``ParallelLMHead`` computes its slice's logits, joined by an all-gather.
-
-``load_shard`` reads a layer's own slice of the checkpoint's full tensor.
+``ColumnParallelLinear`` splits the *output* features (q/k/v by head, gate/up by column): each
+rank computes whole heads with no talk. ``RowParallelLinear`` splits the *input* features: one
+``all_reduce`` adds the ranks' partial sums (after ``o_proj`` and ``down_proj``).
+``VocabParallelEmbedding`` holds a slice of the vocabulary (zeros outside it, then an all-reduce);
+``ParallelLMHead`` computes its slice's logits, joined by an all-gather. ``load_shard`` reads a
+layer's own slice of the checkpoint's tensor.
 
 vLLM: ``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``; nano-vllm:
 ``layers/linear.py``, ``layers/embed_head.py``.

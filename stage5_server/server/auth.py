@@ -1,14 +1,11 @@
 """Who may call the server, and whose prefix cache a request may share.
 
-- Authentication is an ASGI middleware around the whole app, so it covers every route, even an
-  unknown path or one added later, except ``/health`` (and ``/metrics`` when ``metrics_public``);
-  vLLM checks ``/v1`` and a few other prefixes.
-- A key is compared with every configured key by ``hmac.compare_digest`` over SHA-256 digests,
-  so timing reveals nothing.
-- Each key belongs to a trust group; a request's prefix-cache salt is an HMAC of its group
-  under a per-server secret, so groups never share cached blocks and no client can compute
-  another group's salt. A client's ``cache_salt`` is refused unless ``trust_client_cache_salt``,
-  and then only partitions its own group's cache further.
+Authentication is an ASGI middleware around the whole app, so it covers every route, even an
+unknown path, except ``/health`` (and ``/metrics`` when public); vLLM checks ``/v1`` and a few
+other prefixes. Keys are compared by ``hmac.compare_digest`` over SHA-256 digests (timing reveals
+nothing). Each key belongs to a trust group; a request's prefix-cache salt is an HMAC of its group
+under a per-server secret, so groups never share cached blocks and no client can compute another
+group's salt. A client ``cache_salt`` is refused unless ``trust_client_cache_salt``.
 
 vLLM: ``AuthenticationMiddleware`` in ``vllm/entrypoints/openai/api_server.py``; the salt is
 the ``cache_salt`` that ``vllm/v1/core/kv_cache_utils.py`` mixes into the first block's hash.

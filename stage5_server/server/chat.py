@@ -1,16 +1,10 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, then generated.
 
-With ``tools``, ``tool_choice`` decides how calls come about:
-
-- ``none``: the tools are not shown to the model (vLLM shows them unless
-  ``--exclude-tools-when-tool-choice-none``);
-- ``auto``: the model sees the tools and may write calls, which ``--tool-call-parser`` reads
-  back out of its text (``tool_parsers.py``); needs ``--enable-auto-tool-choice``;
-- ``required`` or a named function: structured output forces the call (any model): the output
-  is the arguments object (named) or an array of ``{"name", "arguments"}`` (required).
-
-Calls come back as ``tool_calls``, ``content`` null when the text held only calls, and
-``finish_reason: "tool_calls"``.
+With ``tools``, ``tool_choice`` decides how calls come about: ``none`` shows the model no tools
+(vLLM shows them unless ``--exclude-tools-when-tool-choice-none``); ``auto`` shows them and reads
+calls out of the text with ``--tool-call-parser`` (``tool_parsers.py``; needs
+``--enable-auto-tool-choice``); ``required`` or a named function forces the call by structured
+output, on any model. Calls come back as ``tool_calls`` with ``finish_reason: "tool_calls"``.
 
 vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 """

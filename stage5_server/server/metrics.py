@@ -1,21 +1,15 @@
 """What the server reports: Prometheus metrics under vLLM's names (the periodic stats line is stage4's).
 
-Engine state (running, waiting, KV usage) and counters (prefix-cache queries and hits,
-preemptions, tokens, the tokens of each step) come from a ``SchedulerStats`` snapshot, read
-when ``/metrics`` is scraped. Per-request latencies (TTFT, ITL, TPOT, queue, end-to-end) and
-sizes (prompt and generated tokens, the effective ``max_tokens``, preemptions, prefill tokens
-computed; each parent request's ``n``) are observed into histograms once, when a request
-finishes, from its ``RequestTimeline``. ``request_phases`` splits its time at the process
-boundary (``frontend_in``, ``queue``, ``prefill``, ``decode``, ``frontend_out``), so a slow
-first token can be placed in the right process; the two front-end phases are this server's own.
-``vllm:cache_config_info`` is a gauge fixed at 1 whose labels are the resolved KV-cache config.
+Engine state and counters (running, waiting, KV usage, prefix-cache queries and hits,
+preemptions, tokens, tokens per step) come from a ``SchedulerStats`` snapshot, read at scrape
+time. Per-request latencies (TTFT, ITL, TPOT, queue, end-to-end) and sizes are observed into
+histograms once, when a request finishes, from its ``RequestTimeline``; ``request_phases``
+splits its time at the process boundary, so a slow first token can be placed in the right process.
 
-Every metric carries ``model_name``; each app has its own ``CollectorRegistry``, so two apps in
-one process do not collide. Buckets are vLLM's (``vllm/v1/metrics/buckets.py``) with a few
-smaller latency bounds in front (CPU models answer in milliseconds). With data parallelism the
-engine numbers carry an ``engine`` label, one series per rank from the coordinator's newest
-publication; with ``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) the per-request numbers
-are summed over every API server's multiprocess files, a dead one's included.
+Every metric carries ``model_name``; each app has its own ``CollectorRegistry``. Buckets are
+vLLM's with a few smaller latency bounds in front. With data parallelism the engine numbers
+carry an ``engine`` label (one series per rank); with ``PROMETHEUS_MULTIPROC_DIR`` set the
+per-request numbers are summed over every API server's files, a dead one's included.
 
 vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``) and
 ``vllm/v1/metrics/prometheus.py`` (``setup_multiprocess_prometheus``).

@@ -1,26 +1,20 @@
 """``POST /v1/responses``: OpenAI's Responses API, as the OpenAI Agents SDK calls it.
 
-A request is turned into the chat request it stands for and runs through chat's steps:
+A request becomes the chat request it stands for and runs through chat's steps:
 
     instructions             -> a system message first
-    input (text)             -> one user message
-    input (items)            -> messages: a ``message`` item as itself (text parts joined),
-                                ``function_call`` items as an assistant's ``tool_calls``,
-                                a ``function_call_output`` as a ``tool`` message
-    tools (function)         -> chat tools; tool_choice the same, a named one as {"type", "name"}
-    text.format              -> response_format (json_schema, json_object)
-    max_output_tokens        -> max_completion_tokens
+    input (text or items)    -> messages: a ``message`` item as itself, ``function_call`` items as
+                                an assistant's ``tool_calls``, a ``function_call_output`` as a ``tool`` message
+    tools, tool_choice       -> chat tools (flat ``{"type", "name"}`` for a named one)
+    text.format              -> response_format;   max_output_tokens -> max_completion_tokens
 
-The answer is a ``response`` whose ``output`` is a ``message`` item (one ``output_text`` part)
-and a ``function_call`` item per call; ``status`` is ``incomplete`` when the token limit cut it
-short. Streamed, the typed events come in the API's order (``response.created``, per item
-``output_item.added``, its deltas and ``done`` events, then ``response.completed``; the openai
-client's stream helper does not take OpenAI's ``response.incomplete``); an engine failure
-mid-stream is an ``error`` event. Nothing is stored: ``previous_response_id`` and ``store: true``
-are refused.
+The answer's ``output`` is a ``message`` item and a ``function_call`` item per call (``status``
+``incomplete`` when cut short); streamed, the typed events come in the API's order, ending with
+``response.completed`` (the openai client's stream helper does not take ``response.incomplete``).
+Nothing is stored: ``previous_response_id`` and ``store: true`` are refused.
 
-vLLM: ``vllm/entrypoints/openai/serving_responses.py`` and the request model in
-``vllm/entrypoints/openai/protocol.py`` (``ResponsesRequest``).
+vLLM: ``vllm/entrypoints/openai/serving_responses.py`` and ``ResponsesRequest`` in
+``vllm/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations

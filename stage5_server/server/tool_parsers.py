@@ -1,17 +1,11 @@
 """Tool calls read back out of the model's text, whole or as it streams.
 
-With ``tool_choice: "auto"`` a model trained for tools writes each call in its own format,
-named by ``--tool-call-parser``. Hermes (Qwen, Hermes, the tiny models' template) writes::
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-A block is a call only if it holds a JSON object naming one of the request's tools with
-arguments that are an object (or a JSON string of one); anything else stays ``content``.
-Streaming holds back text that may start a block and sends a call whole once its block closes.
-``required`` or a named tool need no parser: structured output makes the model write the calls
-as JSON (``ForcedToolCalls``).
+With ``tool_choice: "auto"`` a model writes calls in its own format, named by
+``--tool-call-parser``. Hermes (Qwen, Hermes, the tiny models' template) writes
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block is a call only if it names
+one of the request's tools with an arguments object; anything else stays ``content``. Streaming
+holds back text that may start a block and sends each call whole. ``required`` or a named tool
+need no parser: structured output forces the JSON (``ForcedToolCalls``).
 
 vLLM: ``vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py`` and ``abstract_tool_parser.py``.
 """
