@@ -27,6 +27,7 @@ import signal
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -242,6 +243,29 @@ def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
         engine_index=engine_index)
 
 
+def _serve(context: zmq.Context, sockets: list[zmq.Socket], report: zmq.Socket, name: str, unreported: str,
+           model_path: str, engine_args: dict[str, Any], engine_index: int,
+           make_loop: Callable[[Any], EngineCoreLoop]) -> None:
+    """Build the engine, send its ``EngineCoreReady`` (or start-up error) on ``report``, run its loop;
+    close ``sockets`` at the end. A dead core exits with status 1."""
+    try:
+        llm, ready = _build_llm(model_path, engine_args, engine_index)
+        report.send(encoder.encode(ready))
+        if llm is None:
+            return
+        loop = make_loop(llm)
+        loop.run()
+        logger.info("%s exiting", name)
+        if loop.dead:
+            raise SystemExit(1)
+    except zmq.Again:
+        logger.error("%s; exiting", unreported)
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+
+
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
     """The child's entry point (spawn): build the engine from ``engine_args`` untouched, shake hands, loop."""
@@ -254,22 +278,9 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
     output_socket = open_socket(context, zmq.PUSH, connect=output_address, LINGER=2000, SNDHWM=0,
                                 SNDTIMEO=SEND_TIMEOUT_MS)
     input_socket = open_socket(context, zmq.PULL, connect=input_address, LINGER=0)
-    try:
-        llm, handshake = _build_llm(model_path, engine_args, 0)
-        output_socket.send(encoder.encode(handshake))
-        if llm is None:
-            return
-        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid, llm.structured_output_manager)
-        loop.run()
-        logger.info("engine core process exiting")
-        if loop.dead:
-            raise SystemExit(1)
-    except zmq.Again:
-        logger.error("no API server to report to; exiting")
-    finally:
-        input_socket.close()
-        output_socket.close()
-        context.term()
+    _serve(context, [input_socket, output_socket], output_socket, "engine core process", "no API server to report to",
+           model_path, engine_args, 0, lambda llm: ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid,
+                                                               llm.structured_output_manager))
 
 
 def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
@@ -293,20 +304,7 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
     stats_socket = None if stats_address is None else open_socket(context, zmq.PUSH, connect=stats_address,
                                                                   LINGER=0, SNDHWM=1000)
     sockets = [s for s in (input_socket, output_socket, handshake, stats_socket) if s is not None]
-    try:
-        llm, ready = _build_llm(model_path, engine_args, engine_index)
-        handshake.send(encoder.encode(ready))
-        if llm is None:
-            return
-        loop = MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket, parent_pid,
-                                   llm.structured_output_manager)
-        loop.run()
-        logger.info("engine core rank %d exiting", engine_index)
-        if loop.dead:
-            raise SystemExit(1)
-    except zmq.Again:
-        logger.error("the launcher did not take the start-up report; exiting")
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
+    _serve(context, sockets, handshake, f"engine core rank {engine_index}",
+           "the launcher did not take the start-up report", model_path, engine_args, engine_index,
+           lambda llm: MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket,
+                                           parent_pid, llm.structured_output_manager))
