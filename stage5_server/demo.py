@@ -89,8 +89,7 @@ def engine_log_collected():
 
 
 def idle_core_threads() -> int:
-    """One torch thread per core that is idle now (at least one): with more threads than free
-    cores, every parallel op waits for a descheduled thread (ten times slower on a busy machine)."""
+    """One torch thread per core idle now (at least one): more threads than free cores wait on descheduled ones."""
     cores = os.cpu_count() or 1
     return max(1, min(cores, cores - round(os.getloadavg()[0])))
 

@@ -1,11 +1,9 @@
 """``LLM`` for stage5: stage4's engine core on a chosen attention backend and device.
 
-New here: the attention-backend registry (``attention/``), CUDA as the default device when
-present (bf16 weights), a KV cache sized from free GPU memory (``gpu_memory_utilization``,
-``attention/memory.py``), the model rearranged for speed after loading (``model/``), one torch
-thread per physical core on a CPU (``engine/cpu_threads.py``) with ``dtype="auto"`` bfloat16
-where it wins (``cpu_auto_dtype``), and ``tensor_parallel_size=N`` over N worker processes
-(``parallel/``; this process then loads no weights).
+New here: the attention-backend registry (``attention/``), CUDA by default when present (bf16),
+a KV cache sized from free GPU memory (``attention/memory.py``), the model rearranged for speed
+(``model/``), one torch thread per physical core on a CPU (``engine/cpu_threads.py``) with
+``dtype="auto"`` bfloat16 where it wins, and ``tensor_parallel_size=N`` (``parallel/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``; the backend choice is
 ``vllm/attention/selector.py``.

@@ -29,9 +29,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on ``device``, or None if it can."""
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install 'stagedserve[triton]')"
-    if device.type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return f"device {device.type!r} has no Triton compiler; use CUDA, or set TRITON_INTERPRET=1 to interpret (slow)"
 

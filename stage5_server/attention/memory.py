@@ -1,10 +1,9 @@
 """How much GPU memory the KV cache gets: what ``gpu_memory_utilization`` of the card leaves
 after the weights and the activations of the largest step.
 
-One forward pass of ``min(max_num_batched_tokens, max_model_len)`` tokens runs with no KV cache;
-its peak, the weights and other processes' memory come off ``utilization * total``, and the
-rest is the KV budget. With tensor parallelism every rank profiles its own shard and the
-tightest rank decides.
+One forward of ``min(max_num_batched_tokens, max_model_len)`` tokens runs without a KV cache; its
+peak, the weights and other processes' memory come off ``utilization * total``, the rest is the
+KV budget. Under tensor parallelism each rank profiles its shard; the tightest decides.
 
 vLLM: ``Worker.determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
 """

@@ -3,11 +3,10 @@
     stagedserve chat [--url URL] [--api-key KEY] [--model NAME] [--system-prompt TEXT] [-q MESSAGE]
     stagedserve complete [--url URL] [--api-key KEY] [--model NAME] [-q PROMPT]
 
-Both talk to any OpenAI-compatible server through the ``openai`` client and print tokens as
-they stream. ``chat`` keeps the conversation; ``complete`` continues each prompt on its own.
-``/exit`` or Ctrl-D leaves; ``-q`` sends one message and exits. Defaults: ``$OPENAI_BASE_URL``
-(else ``http://127.0.0.1:8000/v1``), ``$OPENAI_API_KEY`` or the first of ``$STAGEDSERVE_API_KEY``,
-and the server's first model.
+Both talk to any OpenAI-compatible server through the ``openai`` client and stream the tokens;
+``chat`` keeps the conversation. ``/exit`` or Ctrl-D leaves; ``-q`` sends one message. Defaults:
+``$OPENAI_BASE_URL`` (else ``http://127.0.0.1:8000/v1``), ``$OPENAI_API_KEY`` or the first of
+``$STAGEDSERVE_API_KEY``, and the server's first model.
 
 vLLM: ``vllm/entrypoints/cli/openai.py`` (``vllm chat``, ``vllm complete``).
 """

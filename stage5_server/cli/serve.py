@@ -148,9 +148,8 @@ def resolve_topology(args: argparse.Namespace) -> None:
 
 
 def serving_process_count(api_server_count: int, data_parallel_size: int, tensor_parallel_size: int) -> dict:
-    """The seeds' A + DP + N (+1 coordinator when DP > 1), as stagedserve runs it.
-    N is DP x TP when TP > 1 and 0 when TP = 1 (the model runs in the engine-core process, as with
-    vLLM's single-process executor); with A > 1 a supervisor holds the socket and serves no request."""
+    """The seeds' A + DP + N (+1 coordinator when DP > 1); N is DP x TP when TP > 1, else 0 (the model runs
+    in the engine-core process); with A > 1 a supervisor holds the socket and serves no request."""
     workers = data_parallel_size * tensor_parallel_size if tensor_parallel_size > 1 else 0
     counts = {"api_servers": api_server_count, "engine_cores": data_parallel_size, "workers": workers,
               "coordinator": 1 if data_parallel_size > 1 else 0, "supervisor": 1 if api_server_count > 1 else 0}

@@ -28,9 +28,8 @@ _EXPORTS = {
 
 def make_async_llm(model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
                    dp_routing: str = "least-loaded", log_stats_interval: float | None = 10.0, **engine_args: Any):
-    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process=True``),
-    ``data_parallel_size`` cores in child processes behind a coordinator (``DPAsyncLLM``), or on a
-    thread of this process (the default; notebooks and tests)."""
+    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process``), N cores
+    behind a coordinator (``data_parallel_size``; ``DPAsyncLLM``), or on a thread here (the default)."""
     if data_parallel_size != 1:
         from stage5_server.engine.dp_client import DPAsyncLLM
 

@@ -4,9 +4,8 @@ publishes it to every API server.
     engine core rank d --EngineStats, after each published step--> [PULL] coordinator
     coordinator [PUB] --EngineStatsUpdate, on change, at most every 100 ms--> [SUB] every API server
 
-A process of its own, so each rank reports once a step to one place and each API server hears
-one message an interval (not DP x A messages a step). It republishes every second, so a late
-(restarted) API server catches up; it exits with its parent or on SIGTERM and ignores SIGINT.
+One message an interval per API server instead of DP x A a step; republished every second for a
+late (restarted) API server. It exits with its parent or on SIGTERM, and ignores SIGINT.
 
 vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py`` (which also runs
 the "request wave" protocol for expert-parallel ranks; dense models need none of it).

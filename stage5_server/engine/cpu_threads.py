@@ -1,10 +1,9 @@
 """How many threads torch gets on a CPU: every physical core for the engine, one for a front end.
 
-torch's default, one thread per logical CPU, puts two threads on a hyper-threaded core's
-matrix units, and would give an HTTP-only process a full pool competing with the engine. So
-the process that runs the model uses one thread per physical core it may run on
-(``os.sched_getaffinity``), unless ``cpu_threads`` or ``OMP_NUM_THREADS`` says otherwise, and
-a process that only tokenizes and serves HTTP uses one. The choice is logged at start-up.
+torch's default, a thread per logical CPU, puts two threads on a hyper-threaded core's matrix
+units and gives an HTTP-only process a full pool that competes with the engine. So the model's
+process uses a thread per physical core it may run on (unless ``cpu_threads`` or
+``OMP_NUM_THREADS`` says otherwise), a process that only serves HTTP one; the choice is logged.
 
 vLLM: ``vllm/platforms/cpu.py`` and ``vllm/v1/worker/cpu_worker.py`` (``VLLM_CPU_OMP_THREADS_BIND``).
 """

@@ -61,10 +61,9 @@ def is_fatal(exc: BaseException) -> bool:
 
 
 class AsyncEngine:
-    """What the server uses of an engine. A client subclass sends the messages (``_send``),
-    delivers the core's outputs to ``_on_outputs`` and reports the core's death (``_engine_died``).
-    ``stat_loggers`` are called on the thread that receives outputs; ``log_stats_interval`` (seconds;
-    None: off) logs vLLM's stats line; ``cache_configs``: each core's KV-cache config, by rank."""
+    """What the server uses of an engine. A client subclass sends the messages (``_send``), delivers the
+    core's outputs to ``_on_outputs`` and reports its death (``_engine_died``). ``stat_loggers`` run on
+    the output thread; ``cache_configs``: each core's KV-cache config, by rank."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
 
@@ -130,9 +129,8 @@ class AsyncEngine:
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                           priority: int = 0, cache_salt: str | None = None,
                           received_time: float | None = None) -> RequestStream:
-        """Check the request and send it to the core; return its stream. Invalid input raises
-        ``ValueError`` naming the field. ``received_time`` (``time.monotonic``): when the server
-        got the request, for its timeline."""
+        """Check the request (a ``ValueError`` names the field) and send it to the core; return its stream.
+        ``received_time`` (``time.monotonic``): when the server got it, for its timeline."""
         request_id = request_id or uuid.uuid4().hex
         self._check_running()
         if not isinstance(params, SamplingParams):

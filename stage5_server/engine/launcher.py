@@ -1,13 +1,10 @@
 """Start the engine cores of a data-parallel deployment (and its coordinator), and watch them.
 
-``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` (its own
-tensor-parallel workers when TP > 1), each on its own slice of the machine: on CUDA rank d sees
-GPUs ``d*TP .. d*TP+TP-1`` (``CUDA_VISIBLE_DEVICES``); on a CPU it runs ``cores // N`` torch
-threads (``OMP_NUM_THREADS`` overrides). Every rank binds its sockets in a private directory
-(``core_proc.run_dp_engine_core``) and reports ``EngineCoreReady`` or its start-up error.
-``EngineTopology`` (addresses and each rank's config; it pickles) is what an API server needs
-to connect. The processes are not daemons (they may start TP workers): a finalizer stops them,
-and each exits by itself when this process is gone.
+``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` on its own slice of
+the machine: on CUDA rank d sees GPUs ``d*TP .. d*TP+TP-1`` (``CUDA_VISIBLE_DEVICES``), on a CPU
+it runs ``cores // N`` threads. Each rank binds its sockets (``core_proc.run_dp_engine_core``)
+and reports ``EngineCoreReady`` or its start-up error; ``EngineTopology`` (it pickles) is what
+an API server needs to connect. A finalizer stops the processes; each also exits with its parent.
 
 vLLM: ``CoreEngineProcManager`` and ``launch_core_engines`` in ``vllm/v1/engine/utils.py``
 (with ``set_device_control_env_var`` for the per-rank devices).
@@ -112,9 +109,8 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
 
 
 class CoreEngineProcManager:
-    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception:
-    ``ValueError`` for a bad engine argument, ``RuntimeError`` when a rank fails or dies, ``TimeoutError``
-    after ``startup_timeout_s``; whatever had started is stopped first."""
+    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception
+    (``ValueError``, ``RuntimeError``, ``TimeoutError``) once whatever had started is stopped."""
 
     def __init__(self, model_path: str, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
                  api_server_count: int = 1, routing: str = "least-loaded",

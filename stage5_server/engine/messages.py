@@ -138,8 +138,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
 
 
 class FailedRequests(msgspec.Struct):
-    """Requests the core could not run: a failed step (HTTP 500), or ``engine_dead``, an engine
-    that cannot step again (HTTP 503, as for any request that finds no engine)."""
+    """Requests the core could not run: a failed step (HTTP 500), or ``engine_dead`` (HTTP 503)."""
 
     request_ids: list[str]
     error: str

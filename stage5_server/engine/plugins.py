@@ -1,9 +1,8 @@
 """Engine-core plugins: code an operator asks every engine-core process to run once its ``LLM`` is built.
 
-``STAGEDSERVE_ENGINE_PLUGINS="package.module:function,..."`` names them; each is imported in
-the engine-core process and called with its ``LLM``: to instrument a step, or inject a fault
-into a real engine process, as the reliability tests do. A plugin that fails to load fails the
-start-up. Unset, nothing is loaded.
+``STAGEDSERVE_ENGINE_PLUGINS="package.module:function,..."`` names them; each is called with the
+process's ``LLM`` (to instrument a step, or inject a fault, as the reliability tests do). One
+that fails to load fails the start-up. Unset, nothing is loaded.
 
 vLLM: ``load_general_plugins`` in ``vllm/plugins/__init__.py``.
 """

@@ -51,9 +51,8 @@ OUTPUT_POLL_MS = 100
 
 
 class MPAsyncLLM(AsyncEngine):
-    """The engine core in a child process, driven over ZeroMQ; tokenization and detokenization here.
-    Start-up raises ``ValueError`` for a bad engine argument (the child's message), ``RuntimeError``
-    when the child fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``."""
+    """The engine core in a child process, driven over ZeroMQ. Start-up raises ``ValueError`` for a bad
+    engine argument, ``RuntimeError`` when the child fails, ``TimeoutError`` after ``startup_timeout_s``."""
 
     engine_process = True
 

@@ -1,10 +1,9 @@
 """torch.compile of the model forward on a CPU (inductor): the CPU counterpart of CUDA graphs.
 
-Inductor fuses each stretch of the forward between two attention calls (norms, projections,
-RoPE, SiLU-and-multiply, residual adds) into generated C++; attention stays eager (it reads
-Python metadata and writes the KV cache in place: a graph break on purpose). Shapes are
-dynamic, so one graph serves every step after the first compile. Opt-in
-(``enforce_eager=False``): on the CPUs measured it has not beaten the eager fused model.
+Inductor fuses each stretch between two attention calls into generated C++; attention stays
+eager (a graph break on purpose: it reads Python metadata and writes the KV cache in place).
+Shapes are dynamic, so one graph serves every step. Opt-in (``enforce_eager=False``): on the
+CPUs measured it has not beaten the eager fused model.
 
 vLLM: ``vllm/compilation/`` (its piecewise compile splits the graph at attention the same way).
 """

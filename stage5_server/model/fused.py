@@ -1,11 +1,10 @@
 """Fused projections and a once-per-step rotary table: the shared model, rearranged for speed.
 
-``shared/model.py``, the model the course reads, runs seven matrix multiplies per layer and
-recomputes RoPE's cos/sin in every layer. After loading, each layer is rearranged in place:
-q, k and v become one GEMM whose output is split, and gate and up another (four larger GEMMs
-instead of seven, closer to the hardware's peak), and the step's cos/sin table is built once.
-The weights are the same, their rows concatenated, so float32 outputs stay token-identical.
-Under tensor parallelism each rank fuses its own shards (whole heads, whole columns).
+``shared/model.py`` runs seven matrix multiplies per layer and recomputes RoPE's cos/sin in every
+layer. After loading, q, k and v become one GEMM whose output is split, gate and up another (four
+larger GEMMs instead of seven), and the step's cos/sin table is built once. The weights are the
+same, their rows concatenated, so float32 outputs stay token-identical; under tensor parallelism
+each rank fuses its own shards.
 
 vLLM: ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` in
 ``vllm/model_executor/layers/linear.py`` (there the checkpoint is loaded straight into the fused weight).

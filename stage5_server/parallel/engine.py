@@ -1,11 +1,9 @@
 """The engine core when the model is split over ranks: stage4's scheduler, a multiprocess executor.
 
-Only ``execute_model`` changes. The scheduler, the KV accounting and the request state (with
-each request's generator) stay here; each step is prepared once, sent to every rank, and rank
-0's logits are sampled here, so the tokens are those of ``tensor_parallel_size=1``. The KV
-budget is per rank (a rank stores only its own KV heads): ``kv_cache_memory`` or
-``gpu_memory_utilization`` is what each device gives; on a CPU without either, the ranks split
-the automatic host budget.
+Only ``execute_model`` changes: each step is prepared here once, sent to every rank, and rank 0's
+logits are sampled here with each request's own generator, so the tokens are those of
+``tensor_parallel_size=1``. The KV budget is per rank (a rank stores only its own KV heads);
+on a CPU without ``kv_cache_memory`` the ranks split the automatic host budget.
 
 vLLM: ``vllm/v1/engine/core.py`` over ``vllm/v1/executor/multiproc_executor.py``.
 """

@@ -1,11 +1,9 @@
 """Start one worker process per rank, send every step to all of them, and notice when one dies.
 
-The engine process keeps the scheduler and the KV block accounting and holds no weights. Each
-step it sends the same inputs down a pipe to every worker and waits for all (rank 0's answer
-carries the logits), watching every worker process meanwhile: a rank that exits or errs fails
-the step at once, naming it, and the others are stopped. Workers are ``spawn``-ed daemons (a
-forked child cannot use CUDA): ``shutdown`` joins them, a finalizer stops them, and a worker
-whose pipe closes exits by itself.
+The engine process keeps the scheduler and the KV accounting and holds no weights. Each step
+goes down a pipe to every worker (rank 0's answer carries the logits) while every worker
+process is watched: a rank that exits or errs fails the step at once, naming it, and the others
+are stopped. Workers are ``spawn``-ed daemons; a worker whose pipe closes exits by itself.
 
 vLLM: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``, ``collective_rpc``, the
 worker monitor); nano-vllm: ``engine/model_runner.py``.

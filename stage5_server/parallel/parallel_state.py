@@ -1,10 +1,9 @@
 """The tensor-parallel group: who the ranks are, how they meet, and the two collectives TP needs.
 
 Each worker joins one ``torch.distributed`` group (NCCL between GPUs, gloo between CPU
-processes). The ranks meet through a ``FileStore`` in a private directory, so the rendezvous
-opens no TCP port, and the data connections are bound to the loopback by default
-(``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``): process-group traffic is unauthenticated.
-Outside a process group (one rank) ``all_reduce`` and ``all_gather`` return their input.
+processes). The ranks meet through a ``FileStore`` in a private directory (no TCP port), and the
+unauthenticated data connections stay on the loopback by default. Outside a process group (one
+rank) ``all_reduce`` and ``all_gather`` return their input.
 
 vLLM: ``vllm/distributed/parallel_state.py`` (``init_distributed_environment``,
 ``get_tp_group``) and ``vllm/distributed/communication_op.py``.
@@ -42,9 +41,8 @@ class TensorParallelShape:
 
 
 def tensor_parallel_shape(config: ModelConfig, world_size: int) -> TensorParallelShape:
-    """Split ``config`` over ``world_size`` ranks, or a ``ValueError`` saying what does not divide.
-    Query heads and MLP columns divide evenly; KV heads divide, or (fewer KV heads than ranks) each
-    is replicated on ``N / Hkv`` ranks, as in vLLM's ``QKVParallelLinear``. The vocabulary is padded."""
+    """Split ``config`` over ``world_size`` ranks, or a ``ValueError`` saying what does not divide. KV heads
+    divide, or each is replicated on ``N / Hkv`` ranks (as vLLM's ``QKVParallelLinear``); the vocabulary is padded."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"tensor_parallel_size: num_attention_heads={heads} is not divisible by "

@@ -1,9 +1,8 @@
 """One tensor-parallel rank: its process, its shard of the model, its share of the KV cache.
 
-A worker joins the process group, loads its shard, and serves the engine over a pipe until
-told to stop (or the pipe closes): ``init_kv_cache`` (its own KV heads; block ids are the same
-on every rank), ``profile_kv_memory`` (CUDA) and ``execute_model``. Every rank ends a step with
-the full logits; only rank 0 sends them back, so sampling happens once, in the engine.
+A worker joins the process group, loads its shard and serves the engine over a pipe
+(``init_kv_cache``, ``profile_kv_memory``, ``execute_model``) until told to stop or the pipe
+closes. Only rank 0 sends back the step's logits, so sampling happens once, in the engine.
 
 vLLM: ``vllm/v1/worker/gpu_worker.py`` and ``WorkerProc`` in ``vllm/v1/executor/multiproc_executor.py``.
 """
@@ -86,8 +85,7 @@ class Worker:
 
 
 def worker_main(rank: int, settings: WorkerSettings, conn) -> None:
-    """A worker process's life: start, then answer ``(method, args)`` with ``("ok", result)`` or
-    ``("error", traceback)`` until stopped; after an error it exits (its peers may be stuck in a collective)."""
+    """A worker's life: answer ``(method, args)`` with ``("ok", result)`` or ``("error", tb)``; exit after an error."""
     set_process_name(f"ss-tp-{rank}")
     try:
         device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")

@@ -31,8 +31,7 @@ _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class APIKeys:
-    """API keys, each in a trust group, checked in constant time. ``keys`` is ``{key: group}`` or a list;
-    a key without a group is a group of its own (``key#1``, ...): sharing the prefix cache is the operator's choice."""
+    """API keys, each in a trust group, checked in constant time; a key without a group is a group of its own."""
 
     def __init__(self, keys: Mapping[str, str | None] | list[str]):
         pairs = list(keys.items()) if isinstance(keys, Mapping) else [(k, None) for k in keys]

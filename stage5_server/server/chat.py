@@ -129,8 +129,7 @@ class ChatResponder(Responder):
         return self.chunk_body(output, choice)
 
     def _call_deltas(self, index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """A call's first delta carries its id, type and name; later ones (a named call's arguments
-        as they are generated) only the next piece of ``arguments``."""
+        """A call's first delta carries its id, type and name; later ones only the next piece of ``arguments``."""
         known = self.call_index.setdefault(index, {})
         deltas = []
         for call in calls:
@@ -174,8 +173,8 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
 
 
 async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none; a forced call
-    goes on without them when the template cannot show them (the grammar carries the schema)."""
+    """The prompt's token ids; the tools shown unless ``tool_choice`` is none (a forced call goes on
+    without them when the template cannot show them: the grammar carries the schema)."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "

@@ -2,16 +2,11 @@
 
 Requests are parsed strictly: an unknown field or a wrong type is a 400 that names it
 ("Unrecognized request argument supplied: foo"). An OpenAI feature this server does not
-implement (``suffix``, the legacy ``functions``, ...) is accepted only with the value that
-means "off" (``NOOP_VALUES``), so nothing a client asks for is silently ignored; fields that
-change nothing a client can observe (``user``, ``store``, the prompt-cache hints, ...) are
-accepted with any value and logged once each (``IGNORED_FIELDS``). The openai client's own
-assistant message, sent back in ``messages``, is accepted as it comes.
-
-The sampling fields are vLLM's (penalties, ``min_p``, ``min_tokens``, ``logit_bias`` clamped to
-[-100, 100], ``n``, ``echo``, ...). Structured output: ``response_format`` or vLLM's
-``structured_outputs``, one per request. Chat adds the ``developer`` role, ``chat_template`` /
-``chat_template_kwargs`` and the tool fields (``tool_protocol.py``).
+implement is accepted only with the value that means "off" (``NOOP_VALUES``); fields that change
+nothing a client can observe (``user``, ``store``, ...) are accepted and logged once each
+(``IGNORED_FIELDS``). The sampling fields are vLLM's (penalties, ``min_p``, ``logit_bias``, ``n``,
+``echo``, ...); structured output is ``response_format`` or vLLM's ``structured_outputs``. Chat
+adds ``chat_template`` / ``chat_template_kwargs`` and the tool fields (``tool_protocol.py``).
 
 vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
@@ -89,17 +84,6 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only a final one
     include_obfuscation: bool | None = None  # OpenAI's chunk padding against length side channels; ignored
-
-
-def _check_stop(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-    if len(stops) > 16:
-        raise ValueError("stop: at most 16 stop strings")
-    return stops
 
 
 class JsonSchemaFormat(StrictModel):
@@ -202,7 +186,14 @@ class _GenerationRequest(StrictModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> list[str] | None:
-        return _check_stop(value)
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(stops) > 16:
+            raise ValueError("stop: at most 16 stop strings")
+        return stops
 
     @field_validator("stream_options")
     @classmethod
@@ -220,8 +211,7 @@ class _GenerationRequest(StrictModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Raises ``APIError(400)`` naming the field for values SamplingParams rejects.
-        ``structured_outputs``: the constraint (``requested_structured_outputs``, or a tool call's)."""
+        """The request's ``SamplingParams`` with ``structured_outputs`` (the constraint); a rejected value: a 400."""
         for name in IGNORED_FIELDS:
             if name in type(self).model_fields and getattr(self, name) is not None:
                 log_ignored(name)

@@ -255,13 +255,11 @@ class ResponsesResponder(Responder):
 
     def body_of(self, items: list[dict[str, Any]], output: RequestOutput | None) -> dict[str, Any]:
         r = self.request
-        status, incomplete = "in_progress", None
+        status, incomplete, usage = "in_progress", None, None
         if output is not None:
             cut = finish_reason(output) == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
-        usage = None
-        if output is not None:
             u = usage_of([output])
             usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                      "total_tokens": u["total_tokens"],

@@ -82,8 +82,7 @@ class Responder:
         raise NotImplementedError
 
     def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
-        """Choice ``index``'s chunk for ``text`` (new since its last chunk) and output tokens ``start .. end``;
-        None when there is nothing to send yet (text held back to be read as a tool call)."""
+        """Choice ``index``'s chunk for new ``text`` and output tokens ``start .. end``; None: nothing to send yet."""
         raise NotImplementedError
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -122,8 +121,7 @@ class Responder:
 
 
 def system_fingerprint(engine: AsyncEngine, version: str) -> str:
-    """``stagedserve-<version>-<hash8>``: the same answer for the same model and configuration (vLLM's
-    ``full`` fingerprint mode, ``vllm/entrypoints/serve/utils/fingerprint.py``)."""
+    """``stagedserve-<version>-<hash8>`` of the model and configuration (vLLM's ``full`` fingerprint mode)."""
     config = {"model": str(getattr(engine, "model_path", "")), "stage": getattr(engine, "stage", ""),
               "engine_args": getattr(engine, "engine_args", {})}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
@@ -221,14 +219,12 @@ class OpenAIServing:
                 return JSONResponse(responder.response(list(outputs)))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
             return SSEResponse(self.events(list(firsts), streams, params, responder))
-        except ClientDisconnected:
+        except BaseException as exc:
             self.engine.abort(ids)
-            return Response(status_code=499)  # nobody is listening
-        except (EngineError, RequestAborted) as exc:
-            self.engine.abort(ids)
-            raise api_error(exc) from None
-        except BaseException:
-            self.engine.abort(ids)
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)  # nobody is listening
+            if isinstance(exc, (EngineError, RequestAborted)):
+                raise api_error(exc) from None
             raise
 
     async def events(self, firsts: list[RequestOutput], streams: list[RequestStream], params: SamplingParams,

@@ -1,10 +1,8 @@
 """Streaming: server-sent events, deltas from cumulative outputs, and noticing a client that left.
 
-A streamed response is ``data: {json}`` events, one blank line after each, ending with
-``data: [DONE]``. The engine's outputs are cumulative; ``DeltaTracker`` turns them into the
-text not sent yet, holding back what could still become a stop string. A client that
-disconnects aborts its request (its KV blocks go back to the pool) whether it was waiting
-for the first token or reading the stream.
+``data: {json}`` events, a blank line after each, ending with ``data: [DONE]``. ``DeltaTracker``
+turns cumulative outputs into the text not sent yet, holding back a possible stop string. A
+client that disconnects, before its first token or mid-stream, aborts its request.
 
 vLLM: the ``*_stream_generator`` methods of ``serving_completion.py`` and ``serving_chat.py``.
 """
