@@ -1,21 +1,16 @@
-"""Stage 5: the deployable server. Attention runs in Triton kernels chosen by a backend
-registry, the engine core steps on its own (on a thread, or in a process of its own), and a
-secured OpenAI-compatible HTTP server streams its results.
+"""Stage 5: the deployable server. Attention runs in kernels chosen by a backend registry, the
+engine core steps on its own (on a thread, or in a process of its own), and a secured
+OpenAI-compatible HTTP server streams its results.
 
 The engine core is stage 4's, imported; stage 5 adds rooms around it, one idea each:
-
-- ``attention/``: the backend registry (``torch`` | ``triton``), the Triton kernels, KV sizing
-  from free GPU memory (vLLM: ``vllm/attention/``, ``vllm/v1/attention/backends/``);
-- ``engine/``: the async engine, a front end over an engine core driven by one busy loop,
-  on a thread (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``) (``vllm/v1/engine/``);
-- ``server/``: the OpenAI-compatible app, API keys and trust groups, metrics
-  (``vllm/entrypoints/openai/``);
-- ``parallel/``: tensor parallelism over worker processes (``vllm/distributed/``, ``vllm/v1/executor/``);
-- ``cli/`` and ``bench/``: the ``stagedserve`` command and its load benchmark
-  (``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
+``attention/`` (the backend registry, the Triton kernels, KV sizing; ``vllm/v1/attention/``),
+``engine/`` (the async engine on a thread or over ZeroMQ; ``vllm/v1/engine/``), ``server/``
+(the OpenAI-compatible app, keys and trust groups, metrics; ``vllm/entrypoints/openai/``),
+``parallel/`` (tensor parallelism; ``vllm/distributed/``), ``cli/`` and ``bench/`` (the
+``stagedserve`` command and its load benchmark; ``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
 
 Everything but ``LLM`` is imported on first use, so ``from stage5_server import LLM`` loads
-neither the HTTP server (fastapi) nor the engine process's transport (pyzmq, msgspec).
+neither fastapi nor pyzmq nor msgspec.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``make demo``: serve the default model, ask it real questions, then drive the lab's two-phase load.
 
-Starts the OpenAI-compatible server in this process (uvicorn on a thread, a free loopback
-port, a freshly generated API key) on the default model, SmolLM2-135M-Instruct, and talks to it
-through the official ``openai`` client (``AsyncOpenAI``):
-
-- questions: a few facts, a short instruction and a multi-turn follow-up, each reply streamed
-  to the terminal as its tokens arrive, marked right or wrong against the expected word;
-- phase 1: a burst of short chat requests that share one long system prompt, so the
-  prefix cache serves the shared blocks after the first request has computed them;
-- phase 2: two long prompts alongside short ones, so chunked prefill interleaves the
-  long prefills with decodes.
-
-Then it prints the stats lines logged during the run, key numbers scraped from ``/metrics``,
-and what a 135M-parameter 4-bit model gets wrong; it shuts down and exits 0.
+Starts the server in this process (uvicorn on a thread, a loopback port, a fresh API key) on
+SmolLM2-135M-Instruct and talks to it through ``openai.AsyncOpenAI``: a few questions streamed
+and marked right or wrong; phase 1, a burst sharing one long system prompt (the prefix cache);
+phase 2, two long prompts among short ones (chunked prefill). Then it prints the stats lines,
+key numbers from ``/metrics`` and what a 135M-parameter 4-bit model gets wrong.
 
 vLLM: the lab in the course's "vLLM internals" chapter (``vllm serve`` + ``load.py``).
 """
@@ -78,8 +70,7 @@ class _StatsLines(logging.Handler):
 
 @contextmanager
 def engine_log_collected():
-    """While the demo runs, the engine's log goes to a collector (its stats lines are printed after
-    the run) and only its warnings to the terminal, which stays free for the streamed answers."""
+    """The engine's log goes to a collector (stats lines printed after the run), only warnings to the terminal."""
     log = logging.getLogger("stagedserve")
     lines, console = _StatsLines(), logging.StreamHandler()
     console.setLevel(logging.WARNING)
@@ -98,8 +89,7 @@ def engine_log_collected():
 
 
 def idle_core_threads() -> int:
-    """One torch thread per core that is idle now (at least one): with more threads than free
-    cores, every parallel op waits for a descheduled thread (ten times slower on a busy machine)."""
+    """One torch thread per core idle now (at least one): more threads than free cores wait on descheduled ones."""
     cores = os.cpu_count() or 1
     return max(1, min(cores, cores - round(os.getloadavg()[0])))
 
@@ -230,8 +220,7 @@ def _run(args: argparse.Namespace, stats_lines: _StatsLines) -> int:
     from stage5_server.server import ServerThread, create_app
 
     started = time.monotonic()
-    print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...",
-          flush=True)
+    print("loading the model (the first run converts SmolLM2's GGUF file once, about 20 s on 2 cores) ...", flush=True)
     model = resolve_model(args.model) if args.model else default_model()
     llm = LLM(model=model, **ENGINE_KWARGS)
     api_key = secrets.token_urlsafe(32)

@@ -1,14 +1,9 @@
 """``LLM`` for stage5: stage4's engine core on a chosen attention backend and device.
 
-New here: the attention-backend registry (``attention/``: ``torch`` | ``triton`` | ``cpu``), CUDA
-as the default device when present (bf16 weights), and a KV cache sized from free GPU memory after
-a profiling forward pass (``gpu_memory_utilization``, ``attention/memory.py``) when no explicit
-size is given. The loaded model is rearranged for speed (``model/``: fused QKV and gate-up GEMMs,
-one RoPE table per step; ``enforce_eager=False`` also compiles it). On a CPU: one torch thread per
-physical core (``engine/cpu_threads.py``), and ``dtype="auto"`` is bfloat16 where the CPU has
-native bf16 matrix units and the model is wide enough for them to win (``cpu_auto_dtype``).
-With ``tensor_parallel_size=N`` the model is split over N worker processes (``parallel/``); this
-process keeps the scheduler and loads no weights.
+New here: the attention-backend registry (``attention/``), CUDA by default when present (bf16),
+a KV cache sized from free GPU memory (``attention/memory.py``), the model rearranged for speed
+(``model/``), one torch thread per physical core on a CPU (``engine/cpu_threads.py``) with
+``dtype="auto"`` bfloat16 where it wins, and ``tensor_parallel_size=N`` (``parallel/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``; the backend choice is
 ``vllm/attention/selector.py``.

@@ -1,22 +1,14 @@
 """Attention backends: which code runs attention over the paged KV cache, and how much KV fits.
 
-The model calls one backend object per step for every layer (``shared/model.py``); stage 5
-chooses that object from a registry instead of always taking stage 2's torch reference:
-
-- ``torch``: stage 2's ``PagedAttentionBackend`` (any device; the readable reference);
-- ``triton``: ``triton_backend.TritonAttentionBackend`` over the kernels in ``kernels/``, on CUDA,
-  or on a CPU under the Triton interpreter (``TRITON_INTERPRET=1``, slow, for tests);
-- ``cpu``: ``cpu_attn.CPUAttentionBackend``, one batched SDPA call per layer for the decodes and
-  one for the prefills, GQA without copying K/V (CPU only).
-
-By default the device decides: CUDA gets ``triton``, a CPU gets ``cpu`` (measured faster than
-``torch`` there: the performance page), anything else ``torch``. Asking for
-``triton`` where it cannot run is a clear ``ValueError`` at start-up, not a crash inside a
-kernel launch. ``memory.py`` sizes the KV cache from free GPU memory after a profiling pass.
+The model calls one backend object per step for every layer (``shared/model.py``); stage 5 picks
+it from a registry: ``torch`` (stage 2's readable reference, any device), ``triton``
+(``triton_backend.py`` over ``kernels/``, CUDA, or a CPU under ``TRITON_INTERPRET=1`` for tests)
+or ``cpu`` (``cpu_attn.py``, batched SDPA). By default CUDA gets ``triton``, a CPU ``cpu``,
+anything else ``torch``; ``triton`` where it cannot run is a ``ValueError`` at start-up.
+``memory.py`` sizes the KV cache from free GPU memory.
 
 vLLM: ``vllm/attention/selector.py`` and ``vllm/platforms/`` (backend selection),
-``vllm/v1/attention/backends/triton_attn.py``, ``vllm/v1/attention/backends/cpu_attn.py``, and
-``determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
+``vllm/v1/attention/backends/``, and ``determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
 """
 
 from __future__ import annotations
@@ -37,9 +29,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on ``device``, or None if it can."""
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install 'stagedserve[triton]')"
-    if device.type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return f"device {device.type!r} has no Triton compiler; use CUDA, or set TRITON_INTERPRET=1 to interpret (slow)"
 

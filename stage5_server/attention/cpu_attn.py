@@ -1,23 +1,14 @@
 """Paged attention for a CPU: one batched SDPA call per layer for the decodes and one for the prefills.
 
-stage2's torch reference is written to be read: a Python loop over prefilling sequences (one
-attention call each), GQA by ``repeat_interleave`` (a copy of K/V per query head), and K/V
-written with advanced-index assignment. On a CPU those three cost more than the attention
-math itself. This backend keeps the reference's KV layout and metadata and changes how the
-work is batched:
+stage2's torch reference loops over prefills in Python, copies K/V per query head for GQA and
+writes K/V by advanced indexing; on a CPU those cost more than the math. This backend keeps its
+KV layout and metadata, and: plans once per step (the blocks each sequence reads, the masks,
+where each query row goes), not per layer; runs one ``scaled_dot_product_attention`` for the
+decodes and one for the prefills over whole blocks gathered by ``index_select``; and folds the
+query heads that share a KV head into the query-length axis, so K/V is never copied.
 
-- **Once per step, not per layer**: the first layer turns the step's metadata into a plan
-  (which cache blocks each sequence reads, the additive masks, where each query row goes);
-  every later layer reuses it.
-- **One call per group**: decodes (one query each) form one padded batch, prefills and prefill
-  chunks another; each group is a single ``scaled_dot_product_attention`` over the group's
-  blocks gathered with ``index_select`` (whole blocks, not token by token), padding masked out.
-- **GQA without copying K/V**: the ``H / Hkv`` query heads that share a KV head are folded into
-  the query-length axis (``[B, Hkv, group * q_len, D]``), so SDPA runs over the ``Hkv`` heads
-  that exist; the causal mask repeats per folded head.
-
-vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (its CPU backend; it calls C++ kernels in
-``csrc/cpu/``) and ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
+vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (C++ kernels in ``csrc/cpu/``) and
+``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
 """
 
 from __future__ import annotations

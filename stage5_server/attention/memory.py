@@ -1,10 +1,9 @@
 """How much GPU memory the KV cache gets: what ``gpu_memory_utilization`` of the card leaves
 after the weights and the activations of the largest step.
 
-One forward pass of ``min(max_num_batched_tokens, max_model_len)`` tokens runs with no KV cache;
-its peak, the weights and other processes' memory come off ``utilization * total``, and the
-rest is the KV budget. With tensor parallelism every rank profiles its own shard and the
-tightest rank decides.
+One forward of ``min(max_num_batched_tokens, max_model_len)`` tokens runs without a KV cache; its
+peak, the weights and other processes' memory come off ``utilization * total``, the rest is the
+KV budget. Under tensor parallelism each rank profiles its shard; the tightest decides.
 
 vLLM: ``Worker.determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
 """
@@ -28,8 +27,7 @@ def profiled_kv_memory(args: dict[str, Any], max_model_len: int, profile: Callab
 
 
 def profile_free_kv_memory(model, device: torch.device, num_tokens: int, utilization: float) -> int:
-    """Run one forward of ``num_tokens`` tokens without a KV cache and give the KV cache what
-    is left of ``utilization * total`` after its peak."""
+    """One forward of ``num_tokens`` tokens, no KV cache; KV gets what its peak leaves of ``utilization * total``."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     model.set_attention_backend(_NoCacheAttention())

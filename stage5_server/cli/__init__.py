@@ -1,8 +1,8 @@
 """The ``stagedserve`` command: ``serve``, ``chat``, ``complete``, ``make-tiny-model`` and ``bench``.
 
-Each subcommand lives in its own module and adds its own parser (``serve.py``, ``client.py``
-for ``chat`` and ``complete``, ``tiny_model.py``, and ``stage5_server/bench/cli.py`` for ``bench``); a parser's
-``set_defaults(func=handler)`` names the function that runs it, ``handler(args) -> int | None``.
+Each subcommand's module adds its own parser (``serve.py``, ``client.py``, ``tiny_model.py``,
+``stage5_server/bench/cli.py``), whose ``set_defaults(func=handler)`` names the function that
+runs it, ``handler(args) -> int | None``.
 
 vLLM: ``vllm/entrypoints/cli/main.py``.
 """

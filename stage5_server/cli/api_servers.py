@@ -5,32 +5,12 @@
       |- engine core 0 .. N-1         (each with its tensor-parallel workers when TP > 1)
       '- API server 0 .. A-1          (uvicorn + DPAsyncLLM, each connected to every engine core)
 
-The port: the supervisor binds the listening socket once and hands a copy to each API server
-(as vLLM's ``run_multi_api_server`` does). They all accept from the one queue of the kernel:
-an idle API server accepts first, and one that dies loses only the connections it had
-accepted, never one still waiting in the queue. (With ``SO_REUSEPORT`` each would listen on a
-socket of its own, with its own queue, and the connections queued at a dead one would be
-reset with it.)
-
-Auth: every API server gets the same keys and the same ``CacheSalter`` secret, drawn here once,
-so a trust group's prefix-cache salt is the same whichever API server derives it: one group's
-requests share cached blocks on a rank whichever API server they came through, two groups'
-never do.
-
-Metrics: ``PROMETHEUS_MULTIPROC_DIR`` (a fresh private directory, removed at exit) makes the
-per-request metrics of all API servers add up in whichever one is scraped; engine numbers are
-one series per rank (``server/metrics.py``).
-
-Faults: an API server that dies is restarted (same index, a new identity), and the engine
-cores are told (``ClientGone``) to abort the requests it had, so their KV returns at once;
-the other API servers keep serving. An engine core that dies is noticed by every API server
-by itself (``engine/dp_client.py``). If the supervisor itself dies, every child exits on its own
-(each watches its parent).
-
-SIGTERM or SIGINT drains: the supervisor closes its copy of the socket and sends SIGTERM to
-every API server; each stops accepting (once every copy is closed a new connection is refused)
-and finishes its requests for up to ``--shutdown-timeout`` seconds; then the engine cores and
-the coordinator stop, and the supervisor exits, leaving no process behind.
+The supervisor binds the socket once and hands each API server a copy (as vLLM does): all accept
+from one kernel queue, so a dead API server loses only the connections it had accepted. All get
+the same keys and ``CacheSalter`` secret, and a shared ``PROMETHEUS_MULTIPROC_DIR``. A dead API
+server is restarted and the cores abort its requests (``ClientGone``); if the supervisor dies,
+every child exits. SIGTERM or SIGINT drains: the socket closes, requests in flight get up to
+``--shutdown-timeout`` seconds, then the engine cores and the coordinator stop.
 
 vLLM: ``run_multi_api_server`` and ``run_api_server_worker_proc`` in
 ``vllm/entrypoints/cli/serve.py``, ``APIServerProcessManager`` and ``wait_for_completion_or_failure``

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Callable
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
@@ -19,39 +20,23 @@ def _number(text: str, kind: type, what: str):
         raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+def _bounded(kind: type, what: str, ok: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    """A type that parses ``kind`` and refuses a value ``ok`` rejects: "must be {expected}"."""
+
+    def parse(text: str):
+        value = _number(text, kind, what)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = _number(text, int, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
+positive_int = _bounded(int, "an integer", lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _bounded(int, "an integer", lambda v: v >= 0, "an integer >= 0")
+positive_float = _bounded(float, "a number", lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float = _bounded(float, "a number", lambda v: 0 <= v < math.inf, "a number >= 0")
+fraction = _bounded(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def parse_size(text: str) -> int:

@@ -3,16 +3,10 @@
     stagedserve chat [--url URL] [--api-key KEY] [--model NAME] [--system-prompt TEXT] [-q MESSAGE]
     stagedserve complete [--url URL] [--api-key KEY] [--model NAME] [-q PROMPT]
 
-Both talk to any OpenAI-compatible server (``stagedserve serve``, vLLM, ...) through the official
-``openai`` client and print tokens as they stream in. ``chat`` keeps the conversation, so a
-follow-up question sees the earlier turns; ``complete`` continues each prompt on its own. Type
-``/exit`` (or end the input, Ctrl-D) to leave; ``-q``/``--quick`` sends one message, prints the
-reply and exits.
-
-The server comes from ``--url`` or ``$OPENAI_BASE_URL`` (default ``http://127.0.0.1:8000/v1``), the
-key from ``--api-key``, ``$OPENAI_API_KEY`` or the first key of ``$STAGEDSERVE_API_KEY`` (the
-variable ``stagedserve serve`` reads), and the model from ``--model`` or the server's first one
-(``GET /v1/models``).
+Both talk to any OpenAI-compatible server through the ``openai`` client and stream the tokens;
+``chat`` keeps the conversation. ``/exit`` or Ctrl-D leaves; ``-q`` sends one message. Defaults:
+``$OPENAI_BASE_URL`` (else ``http://127.0.0.1:8000/v1``), ``$OPENAI_API_KEY`` or the first of
+``$STAGEDSERVE_API_KEY``, and the server's first model.
 
 vLLM: ``vllm/entrypoints/cli/openai.py`` (``vllm chat``, ``vllm complete``).
 """
@@ -41,8 +35,7 @@ def add_client_subcommands(subparsers) -> None:
                                      description="Continue prompts on a running OpenAI-compatible server; "
                                                  "/exit leaves.")
     _add_connection_args(complete)
-    complete.add_argument("-q", "--quick", metavar="PROMPT", default=None,
-                          help="complete one prompt, print it, exit")
+    complete.add_argument("-q", "--quick", metavar="PROMPT", default=None, help="complete one prompt, print it, exit")
     complete.set_defaults(func=run_complete)
 
 

@@ -2,26 +2,11 @@
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
 
-Engine flags use vLLM's names (``--max-model-len``, ``--max-num-seqs``, ...). Only the
-flags given on the command line reach ``LLM(...)``; everything else keeps the engine's
-own default, so a flag an engine does not know is an error only when it is used.
-
-API keys come from ``--api-key`` (repeatable) or, when no ``--api-key`` is given, from
-``STAGEDSERVE_API_KEY`` (comma-separated; prefer it: command lines are visible to every
-local user in ``ps``). ``KEY:GROUP`` puts a key in a trust group (the last ``:``
-separates the group); keys in one group share prefix-cache blocks, keys in different
-groups never do, and a key without a group is a group of its own.
-
-``--engine-process`` (the default) runs the engine core (scheduler, KV cache, model) in a
-process of its own, with HTTP, tokenization and detokenization in this one (vLLM V1's
-split; ``engine/process_client.py``); ``--no-engine-process`` keeps it on a thread.
-
-The serving topology (the seeds' "A + DP + N, plus one coordinator when DP > 1"):
-``--data-parallel-size N`` runs N engine cores, each a whole replica, behind a coordinator
-(``engine/launcher.py``, ``engine/dp_client.py``); ``--api-server-count A`` (default N) runs A
-API-server processes on one port under a supervisor (``cli/api_servers.py``). With A = 1 this
-process is the API server and the engine cores are its children. ``--shutdown-timeout``
-bounds how long SIGTERM / Ctrl-C waits for requests in flight before stopping.
+Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
+``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``KEY:GROUP`` puts
+a key in a trust group. The engine core runs in a process of its own unless
+``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
+``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -163,12 +148,8 @@ def resolve_topology(args: argparse.Namespace) -> None:
 
 
 def serving_process_count(api_server_count: int, data_parallel_size: int, tensor_parallel_size: int) -> dict:
-    """The seeds' A + DP + N (+1 coordinator when DP > 1), as stagedserve runs it.
-
-    N, the worker processes, is DP x TP when TP > 1 and 0 when TP = 1: one rank's model then runs
-    inside its engine-core process (vLLM's single-process executor does the same). With A > 1
-    a supervisor process holds the socket and watches the others; it serves no request.
-    """
+    """The seeds' A + DP + N (+1 coordinator when DP > 1); N is DP x TP when TP > 1, else 0 (the model runs
+    in the engine-core process); with A > 1 a supervisor holds the socket and serves no request."""
     workers = data_parallel_size * tensor_parallel_size if tensor_parallel_size > 1 else 0
     counts = {"api_servers": api_server_count, "engine_cores": data_parallel_size, "workers": workers,
               "coordinator": 1 if data_parallel_size > 1 else 0, "supervisor": 1 if api_server_count > 1 else 0}

@@ -1,17 +1,12 @@
 """The async engine: a front end that speaks asyncio, over an engine core that steps on its own.
 
-The server needs an engine it can call from an event loop while the engine keeps
-stepping. Here that is two halves that talk only in typed messages (``messages.py``):
-
-- the front end (``frontend.AsyncEngine``): checks and tokenizes requests, turns the core's
-  outputs into text, finds stop strings, and streams ``RequestOutput``s to each request;
-- the engine core (stage 4's scheduler, KV cache manager and model runner), driven by one
-  busy loop (``core_loop.py``), on a thread of this process (``AsyncLLM``) or in a process
-  of its own over ZeroMQ (``MPAsyncLLM``, ``core_proc.py``): the same loop, the same
-  messages, so both modes give the same tokens;
-- data parallelism: N engine-core processes started by ``launcher.py`` and balanced through a
-  coordinator process (``coordinator.py``), with one front end per API server routing each
-  request to a rank (``dp_client.DPAsyncLLM``, ``routing.py``).
+The two halves talk only in typed messages (``messages.py``). The front end
+(``frontend.AsyncEngine``) tokenizes requests, turns the core's outputs into text, finds stop
+strings and streams ``RequestOutput``s. The core (stage 4's) is driven by one busy loop
+(``core_loop.py``) on a thread (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``,
+``core_proc.py``): the same loop and messages, so both modes give the same tokens. Data
+parallelism: N core processes (``launcher.py``), a coordinator, and per API server a front end
+routing each request to a rank (``dp_client.DPAsyncLLM``, ``routing.py``).
 
 vLLM: ``vllm/v1/engine/`` (``async_llm.py``, ``core_client.py``, ``core.py``,
 ``output_processor.py``, ``exceptions.py``, ``coordinator.py``, ``utils.py``).
@@ -33,9 +28,8 @@ _EXPORTS = {
 
 def make_async_llm(model: str | None = None, *, engine_process: bool = False, data_parallel_size: int = 1,
                    dp_routing: str = "least-loaded", log_stats_interval: float | None = 10.0, **engine_args: Any):
-    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process=True``),
-    ``data_parallel_size`` cores in child processes behind a coordinator (``DPAsyncLLM``), or on a
-    thread of this process (the default; notebooks and tests)."""
+    """An async engine over stage5's ``LLM``: its core in a child process (``engine_process``), N cores
+    behind a coordinator (``data_parallel_size``; ``DPAsyncLLM``), or on a thread here (the default)."""
     if data_parallel_size != 1:
         from stage5_server.engine.dp_client import DPAsyncLLM
 

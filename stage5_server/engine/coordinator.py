@@ -4,17 +4,11 @@ publishes it to every API server.
     engine core rank d --EngineStats, after each published step--> [PULL] coordinator
     coordinator [PUB] --EngineStatsUpdate, on change, at most every 100 ms--> [SUB] every API server
 
-Why a process of its own: each rank reports once a step to one place, and each API server
-hears one message an interval, however many ranks and API servers there are (without it every
-rank would tell every API server every step: DP x A messages a step). An API server routes on
-the newest publication (up to 100 ms old) together with its own exact count of the requests it
-has in flight on each rank, and its ``/metrics`` shows every rank from it. The coordinator also
-republishes every second, so an API server that connects late (a restarted one) catches up. It
-exits when its parent does, on SIGTERM, and ignores SIGINT (the parent decides).
+One message an interval per API server instead of DP x A a step; republished every second for a
+late (restarted) API server. It exits with its parent or on SIGTERM, and ignores SIGINT.
 
-vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py``, which also runs
-the "request wave" protocol that keeps expert-parallel ranks stepping together; the dense models
-here need none of it.
+vLLM: ``DPCoordinator`` / ``CoordinatorProc`` in ``vllm/v1/engine/coordinator.py`` (which also runs
+the "request wave" protocol for expert-parallel ranks; dense models need none of it).
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import weakref
 
 import zmq
 
-from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, stats_decoder
+from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, open_socket, stats_decoder
 from stage5_server.engine.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
@@ -74,12 +68,8 @@ def run_coordinator(num_engines: int, stats_address: str, publish_address: str, 
                         datefmt="%m-%d %H:%M:%S")
     logger.setLevel(log_level)
     context = zmq.Context()
-    stats_in = context.socket(zmq.PULL)
-    stats_in.setsockopt(zmq.LINGER, 0)
-    stats_in.bind(stats_address)
-    publish = context.socket(zmq.PUB)
-    publish.setsockopt(zmq.LINGER, 0)
-    publish.bind(publish_address)
+    stats_in = open_socket(context, zmq.PULL, bind=stats_address, LINGER=0)
+    publish = open_socket(context, zmq.PUB, bind=publish_address, LINGER=0)
     latest: list[EngineStats | None] = [None] * num_engines
     changed, last_publish = False, 0.0
     try:

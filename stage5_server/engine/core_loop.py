@@ -2,17 +2,11 @@
 
     take every queued input (block while idle) -> core.step() -> publish what changed
 
-Subclasses say only where inputs come from and where outputs go: a queue and a callback
-when the core runs on a thread of the server (``thread_client.py``), two ZeroMQ sockets
-when it runs in a process of its own (``core_proc.py``). What is decided here, once:
-
-- an output carries each request's tokens not yet published, so nothing is sent twice;
-- when a step raises, the core has already aborted that step's requests (their KV is
-  back in the pool): they fail, every other request goes on, and the loop keeps serving.
-  A failure the core could not pin on a step fails every request in flight. An
-  ``EngineDeadError`` (a tensor-parallel rank died) fails them all and ends the loop;
-- when nothing could be scheduled (the KV cache is full of waiting prompts), the loop
-  waits briefly for an abort or a new request instead of spinning.
+Subclasses say only where inputs come from and outputs go: a queue on a thread
+(``thread_client.py``), two ZeroMQ sockets in a process (``core_proc.py``). Decided here, once:
+an output carries only tokens not yet published; a step that raises fails its own requests (the
+core freed their KV) and the rest go on, while an ``EngineDeadError`` fails all and ends the loop;
+with nothing schedulable (KV full of waiting prompts) it waits briefly instead of spinning.
 
 vLLM: ``EngineCoreProc.run_busy_loop`` in ``vllm/v1/engine/core.py``.
 """

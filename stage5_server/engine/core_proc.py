@@ -1,33 +1,22 @@
 """The engine core in a process of its own: the core loop between two ZeroMQ sockets.
 
-The API-server process (``process_client.MPAsyncLLM``) owns HTTP, tokenization,
-detokenization and streaming; this process owns the scheduler, the KV cache manager and
-the model, and never sees text. They speak the Structs of ``messages.py``, as msgpack:
+The API server (``process_client.MPAsyncLLM``) owns HTTP, tokenization and streaming; this
+process owns the scheduler, the KV cache and the model, and never sees text. They speak the
+Structs of ``messages.py`` as msgpack:
 
     input  (PULL) <- AddRequest | AbortRequests | Shutdown
     output (PUSH) -> EngineCoreReady or EngineCoreStartupError first, then EngineCoreOutputs per step
 
-The loop is ``core_loop.EngineCoreLoop``, the same one the thread mode runs. The process
-exits on ``Shutdown``, on SIGTERM, or when its parent is gone (an orphan would otherwise
-hold the model's memory forever); SIGINT is ignored, because a Ctrl-C in a terminal
-reaches the whole process group and the parent decides how to shut down.
-
-One data-parallel rank among several, or one core behind several API servers
-(``run_dp_engine_core``, started by ``launcher.CoreEngineProcManager``), binds its sockets
-instead, and every API server connects to it:
+It exits on ``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent
+decides). A data-parallel rank (``run_dp_engine_core``) binds its sockets instead and serves
+every API server that connects, each request's outputs to the API server that sent it:
 
     input  (PULL, bound)   <- AddRequest (naming its API server) | AbortRequests | ClientGone | Shutdown
     output (ROUTER, bound) <- ClientHello;  -> ClientWelcome, then each API server's own EngineCoreOutputs
     stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
 
-A ROUTER addresses each message to one connected API server by its identity, so a request's
-outputs go back to the API server that sent it. An API server that is gone (the send finds no
-such peer, or its supervisor says ``ClientGone``) has its requests aborted, their KV freed;
-the other API servers notice nothing.
-
-vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (vLLM also moves socket reads and
-writes, with their serialization, onto two threads so they overlap a GPU step; with several
-API servers it keeps one output socket per client and routes by ``client_index``).
+vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (which also moves socket I/O onto two
+threads to overlap a GPU step).
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import signal
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -60,6 +50,7 @@ from stage5_server.engine.messages import (
     encoder,
     hello_decoder,
     input_decoder,
+    open_socket,
     plain,
 )
 
@@ -252,42 +243,44 @@ def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
         engine_index=engine_index)
 
 
+def _serve(context: zmq.Context, sockets: list[zmq.Socket], report: zmq.Socket, name: str, unreported: str,
+           model_path: str, engine_args: dict[str, Any], engine_index: int,
+           make_loop: Callable[[Any], EngineCoreLoop]) -> None:
+    """Build the engine, send its ``EngineCoreReady`` (or start-up error) on ``report``, run its loop;
+    close ``sockets`` at the end. A dead core exits with status 1."""
+    try:
+        llm, ready = _build_llm(model_path, engine_args, engine_index)
+        report.send(encoder.encode(ready))
+        if llm is None:
+            return
+        loop = make_loop(llm)
+        loop.run()
+        logger.info("%s exiting", name)
+        if loop.dead:
+            raise SystemExit(1)
+    except zmq.Again:
+        logger.error("%s; exiting", unreported)
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+
+
 def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
-    """The child's entry point (``multiprocessing`` spawn): build the engine, shake hands, loop.
-
-    ``engine_args`` go to stage5's ``LLM(...)`` untouched, so every engine argument the
-    in-process server accepts works here too.
-    """
+    """The child's entry point (spawn): build the engine from ``engine_args`` untouched, shake hands, loop."""
     from stage5_server.engine.processes import set_process_name
 
     set_process_name("ss-engine-0")
     _configure_process("engine-core", log_level)
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader, only on a missing one
-    output_socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    output_socket.connect(output_address)
-    input_socket = context.socket(zmq.PULL)
-    input_socket.setsockopt(zmq.LINGER, 0)
-    input_socket.connect(input_address)
-    try:
-        llm, handshake = _build_llm(model_path, engine_args, 0)
-        output_socket.send(encoder.encode(handshake))
-        if llm is None:
-            return
-        loop = ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid, llm.structured_output_manager)
-        loop.run()
-        logger.info("engine core process exiting")
-        if loop.dead:
-            raise SystemExit(1)
-    except zmq.Again:
-        logger.error("no API server to report to; exiting")
-    finally:
-        input_socket.close()
-        output_socket.close()
-        context.term()
+    # SNDHWM=0: never drop or block on a slow reader, only on a missing one
+    output_socket = open_socket(context, zmq.PUSH, connect=output_address, LINGER=2000, SNDHWM=0,
+                                SNDTIMEO=SEND_TIMEOUT_MS)
+    input_socket = open_socket(context, zmq.PULL, connect=input_address, LINGER=0)
+    _serve(context, [input_socket, output_socket], output_socket, "engine core process", "no API server to report to",
+           model_path, engine_args, 0, lambda llm: ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid,
+                                                               llm.structured_output_manager))
 
 
 def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
@@ -304,40 +297,14 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
 
         torch.set_num_threads(num_threads)
     context = zmq.Context()
-    sockets = []
-
-    def socket(kind: int, **options) -> zmq.Socket:
-        sock = context.socket(kind)
-        for option, value in options.items():
-            sock.setsockopt(getattr(zmq, option), value)
-        sockets.append(sock)
-        return sock
-
-    input_socket = socket(zmq.PULL, LINGER=0)
-    input_socket.bind(input_address)
+    input_socket = open_socket(context, zmq.PULL, bind=input_address, LINGER=0)
     # MANDATORY: a send to an API server that is not connected fails instead of vanishing.
-    output_socket = socket(zmq.ROUTER, LINGER=0, SNDHWM=0, ROUTER_MANDATORY=1)
-    output_socket.bind(output_address)
-    handshake = socket(zmq.PUSH, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
-    handshake.connect(handshake_address)
-    stats_socket = None
-    if stats_address is not None:
-        stats_socket = socket(zmq.PUSH, LINGER=0, SNDHWM=1000)
-        stats_socket.connect(stats_address)
-    try:
-        llm, ready = _build_llm(model_path, engine_args, engine_index)
-        handshake.send(encoder.encode(ready))
-        if llm is None:
-            return
-        loop = MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket, parent_pid,
-                                   llm.structured_output_manager)
-        loop.run()
-        logger.info("engine core rank %d exiting", engine_index)
-        if loop.dead:
-            raise SystemExit(1)
-    except zmq.Again:
-        logger.error("the launcher did not take the start-up report; exiting")
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
+    output_socket = open_socket(context, zmq.ROUTER, bind=output_address, LINGER=0, SNDHWM=0, ROUTER_MANDATORY=1)
+    handshake = open_socket(context, zmq.PUSH, connect=handshake_address, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
+    stats_socket = None if stats_address is None else open_socket(context, zmq.PUSH, connect=stats_address,
+                                                                  LINGER=0, SNDHWM=1000)
+    sockets = [s for s in (input_socket, output_socket, handshake, stats_socket) if s is not None]
+    _serve(context, sockets, handshake, f"engine core rank {engine_index}",
+           "the launcher did not take the start-up report", model_path, engine_args, engine_index,
+           lambda llm: MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket,
+                                           parent_pid, llm.structured_output_manager))

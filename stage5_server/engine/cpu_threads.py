@@ -1,18 +1,11 @@
 """How many threads torch gets on a CPU: every physical core for the engine, one for a front end.
 
-torch's default is one thread per logical CPU. With hyper-threads that is two threads per
-core fighting over one core's matrix units, and a server that runs its HTTP front end in
-another process (``stagedserve serve`` by default) would otherwise start a full thread pool
-there too, which then competes with the engine for the same cores. So:
+torch's default, a thread per logical CPU, puts two threads on a hyper-threaded core's matrix
+units and gives an HTTP-only process a full pool that competes with the engine. So the model's
+process uses a thread per physical core it may run on (unless ``cpu_threads`` or
+``OMP_NUM_THREADS`` says otherwise), a process that only serves HTTP one; the choice is logged.
 
-- the process that runs the model uses as many threads as there are physical cores it may
-  run on (``os.sched_getaffinity``, counted by core, not by hyper-thread), or what the user
-  asked for (``cpu_threads``, or ``OMP_NUM_THREADS`` set in the environment);
-- a process that only tokenizes and serves HTTP uses one.
-
-The choice is logged at start-up. vLLM: ``vllm/platforms/cpu.py`` and
-``vllm/v1/worker/cpu_worker.py`` (``VLLM_CPU_OMP_THREADS_BIND``, one OpenMP thread per core,
-cores reserved for the front end).
+vLLM: ``vllm/platforms/cpu.py`` and ``vllm/v1/worker/cpu_worker.py`` (``VLLM_CPU_OMP_THREADS_BIND``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """``DPAsyncLLM``: one API server's front end over N engine cores (data parallelism).
 
-The same ``AsyncEngine`` as ``MPAsyncLLM`` (tokenization, the request table, output
-processing, streams); only the transport and the routing differ:
+The same ``AsyncEngine`` as ``MPAsyncLLM``; only the transport and the routing differ:
 
     add_request -> Router picks a live rank (routing.py) -> that rank's input socket (PUSH)
     every rank's output socket (DEALER, this API server's identity) -> _on_outputs, merged
-    abort -> only the rank that holds the request
-    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank (``engine`` label)
+    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank
 
-Several API servers may run against the same ranks (``--api-server-count``): each has its own
-identity, so a rank sends each request's outputs to the API server that sent it.
+A rank whose connection drops, or whose tensor-parallel group broke, fails only its requests in
+flight (HTTP 500) and gets no more; ``/health`` is 503 only when no rank is left. ``launch``
+starts the cores as children; built from a topology (``--api-server-count`` > 1) it only connects.
 
-Start-up: say ``ClientHello`` to every rank and wait for its ``ClientWelcome`` (from then on
-the rank knows where to send this API server's outputs). A rank whose connection drops (its
-process died; a socket monitor sees it at once) fails only the requests in flight on it, with
-``EngineError`` (HTTP 500 ``engine_error``), and gets no more requests; while any rank lives
-the server stays healthy, and ``/health`` answers 503 only when none is left. A rank whose
-tensor-parallel group broke (``FailedRequests(engine_dead=True)``) is treated the same way.
-
-Ownership: ``DPAsyncLLM.launch`` starts the engine cores as children of this process (one API
-server: ``stagedserve serve --data-parallel-size N``) and stops them on ``shutdown``; built from
-a topology alone (``--api-server-count`` > 1), it only connects, and the supervisor owns them.
-
-vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py`` (the
-request-to-engine table for aborts, the stats task on the coordinator's socket).
+vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +41,7 @@ from stage5_server.engine.messages import (
     EngineCoreOutputs,
     EngineStatsUpdate,
     encoder,
+    open_socket,
     output_decoder,
     stats_update_decoder,
 )
@@ -84,8 +72,7 @@ class _Rank:
 
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
-    """Counts summed over the ranks (the tokens-per-step histogram bucket by bucket); KV usage as the
-    mean (every rank's pool is the same size)."""
+    """Counts summed over the ranks (the step histogram bucket by bucket); KV usage as the mean."""
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):
@@ -123,12 +110,8 @@ class DPAsyncLLM(AsyncEngine):
         self._rank_of: dict[str, int] = {}  # request id -> the rank it went to
         self._context = zmq.Context()
         self._ranks = [self._connect(d, topology) for d in range(topology.data_parallel_size)]
-        self._stats_sub = None
-        if topology.stats_address is not None:
-            self._stats_sub = self._context.socket(zmq.SUB)
-            self._stats_sub.setsockopt(zmq.LINGER, 0)
-            self._stats_sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self._stats_sub.connect(topology.stats_address)
+        self._stats_sub = None if topology.stats_address is None else open_socket(
+            self._context, zmq.SUB, connect=topology.stats_address, LINGER=0, SUBSCRIBE=b"")
         try:
             self._handshake(handshake_timeout_s)
         except BaseException:
@@ -136,8 +119,7 @@ class DPAsyncLLM(AsyncEngine):
             raise
         self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-dp-output", daemon=True)
         self._thread.start()
-        logger.info("API server %s: %d engine core(s), routing %s", self.client_id, len(self._ranks),
-                    topology.routing)
+        logger.info("API server %s: %d engine core(s), routing %s", self.client_id, len(self._ranks), topology.routing)
 
     @classmethod
     def launch(cls, model: str | None = None, *, data_parallel_size: int = 2, routing: str = "least-loaded",
@@ -161,13 +143,8 @@ class DPAsyncLLM(AsyncEngine):
 
     # ---- connections ---------------------------------------------------------------------------
     def _connect(self, d: int, topology: EngineTopology) -> _Rank:
-        push = self._context.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, 0)
-        push.connect(topology.input_addresses[d])
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
+        push = open_socket(self._context, zmq.PUSH, connect=topology.input_addresses[d], LINGER=0, SNDHWM=0)
+        dealer = open_socket(self._context, zmq.DEALER, LINGER=0, ROUTING_ID=self.client_id.encode())
         monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         dealer.connect(topology.output_addresses[d])
         return _Rank(d, push, dealer, monitor, alive=d not in topology.dead_ranks)
@@ -342,16 +319,14 @@ class DPAsyncLLM(AsyncEngine):
             lost = [rid for rid, d in self._rank_of.items() if d == rank.index]
             for rid in lost:
                 self._forget_route(rid)
-        logger.error("%s; failing its %d in-flight request(s); %d rank(s) left", why, len(lost),
-                     len(self.live_ranks()))
+        logger.error("%s; failing its %d in-flight request(s); %d rank(s) left", why, len(lost), len(self.live_ranks()))
         self._fail(lost, EngineError(f"{why} while running this request"), "error")
         if not self._core_alive():
             self._dead = EngineDeadError("every engine core has died")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop serving; requests still in flight fail with ``EngineDeadError``. Stops the engine cores only
-        when this front end started them."""
+        """Stop serving (requests in flight fail with ``EngineDeadError``); stop the cores if this started them."""
         if self._stopping:
             return
         self._stopping = True

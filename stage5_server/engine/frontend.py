@@ -1,17 +1,12 @@
-"""``AsyncEngine``: the front end of an async engine, the same whether its core runs on a
-thread of this process (``AsyncLLM``) or in a process of its own (``MPAsyncLLM``).
+"""``AsyncEngine``: the front end of an async engine, whether its core runs on a thread
+(``AsyncLLM``) or in a process of its own (``MPAsyncLLM``).
 
     add_request: check the prompt, tokenize, keep a copy of the Request --AddRequest--> core
     core --EngineCoreOutputs--> _on_outputs: update the copies, detokenize, find stop strings
-        (and abort those requests in the core), build cumulative RequestOutputs, hand each
-        to its request's stream on the event loop that is waiting for it
+        (and abort those requests in the core), hand each RequestOutput to its request's stream
 
-A request is tracked here from ``add_request`` until its final output or its error; the
-tokenizer and that table are used only under one lock, so the event loop (tokenizing new
-prompts) and the thread that receives outputs (detokenizing) take turns. Because both
-clients share this class and the core loop, greedy outputs are identical in both modes.
-A failure while processing one request's output (a Rust panic in the tokenizer, say) fails
-that request only.
+The tokenizer and the request table are used under one lock: the event loop (tokenizing) and the
+output thread (detokenizing) take turns. A failure on one request's output fails it alone.
 
 vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``)
 and ``vllm/v1/engine/output_processor.py``.
@@ -61,20 +56,14 @@ class StatLogger(Protocol):
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """Only these end the process. Any other BaseException, such as a Rust panic in the tokenizer
-    (pyo3's ``PanicException``), fails the one call or request that raised it, not the server."""
+    """Only these end the process; any other BaseException (a Rust panic in the tokenizer) fails one request."""
     return isinstance(exc, (KeyboardInterrupt, SystemExit))
 
 
 class AsyncEngine:
-    """What the server uses of an engine. A client subclass sends the messages (``_send``),
-    delivers the core's outputs to ``_on_outputs`` and reports the core's death (``_engine_died``).
-
-    ``stat_loggers`` receive ``record_finished`` / ``record_aborted`` on the thread that
-    receives outputs. ``log_stats_interval`` (seconds; None: off) logs vLLM's stats line.
-    ``cache_configs``: each engine core's resolved KV-cache configuration, as strings, by data-parallel
-    rank (``vllm:cache_config_info``).
-    """
+    """What the server uses of an engine. A client subclass sends the messages (``_send``), delivers the
+    core's outputs to ``_on_outputs`` and reports its death (``_engine_died``). ``stat_loggers`` run on
+    the output thread; ``cache_configs``: each core's KV-cache config, by rank."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
 
@@ -140,9 +129,8 @@ class AsyncEngine:
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                           priority: int = 0, cache_salt: str | None = None,
                           received_time: float | None = None) -> RequestStream:
-        """Check the request and send it to the core; return its stream. Invalid input raises
-        ``ValueError`` naming the field. ``received_time`` (``time.monotonic``): when the server
-        got the request, for its timeline."""
+        """Check the request (a ``ValueError`` names the field) and send it to the core; return its stream.
+        ``received_time`` (``time.monotonic``): when the server got it, for its timeline."""
         request_id = request_id or uuid.uuid4().hex
         self._check_running()
         if not isinstance(params, SamplingParams):
@@ -182,10 +170,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative ``RequestOutput``s until the final one (``finished=True``).
-
-        Closing the generator early (a client that went away) aborts the request.
-        """
+        """Yield cumulative ``RequestOutput``s until the final one; closing the generator early aborts."""
         stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
         try:
             async for output in stream:

@@ -1,23 +1,10 @@
 """Start the engine cores of a data-parallel deployment (and its coordinator), and watch them.
 
-``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` of its own
-(scheduler, KV pool, model replica; its own tensor-parallel workers when
-``--tensor-parallel-size`` > 1). Each rank gets its own slice of the machine before it starts:
-
-- CUDA: rank d sees GPUs ``d*TP .. d*TP+TP-1`` of the visible ones (``CUDA_VISIBLE_DEVICES``),
-  so its ``cuda:0`` (and its TP workers' ``cuda:r``) are its own;
-- CPU: rank d runs ``cores // N`` torch threads (``OMP_NUM_THREADS`` overrides), and its TP
-  workers split those again.
-
-Every rank binds its own two sockets in a private directory (``core_proc.run_dp_engine_core``),
-reports ``EngineCoreReady`` (or its start-up exception) to this process, and from then on
-serves whichever API servers connect. ``EngineTopology`` is what an API server needs to
-connect: addresses and each rank's resolved configuration; it pickles, so the supervisor of
-several API servers hands it to each of them. With N > 1 a coordinator process is started too
-(``coordinator.py``).
-
-The engine processes are not daemons (they may start TP workers); a finalizer stops them,
-and each one also exits by itself when this process is gone.
+``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` on its own slice of
+the machine: on CUDA rank d sees GPUs ``d*TP .. d*TP+TP-1`` (``CUDA_VISIBLE_DEVICES``), on a CPU
+it runs ``cores // N`` threads. Each rank binds its sockets (``core_proc.run_dp_engine_core``)
+and reports ``EngineCoreReady`` or its start-up error; ``EngineTopology`` (it pickles) is what
+an API server needs to connect. A finalizer stops the processes; each also exits with its parent.
 
 vLLM: ``CoreEngineProcManager`` and ``launch_core_engines`` in ``vllm/v1/engine/utils.py``
 (with ``set_device_control_env_var`` for the per-rank devices).
@@ -48,6 +35,7 @@ from stage5_server.engine.messages import (
     EngineCoreStartupError,
     Shutdown,
     encoder,
+    open_socket,
     output_decoder,
 )
 from stage5_server.engine.process_client import DEFAULT_STARTUP_TIMEOUT_S  # the same wait for every core
@@ -83,8 +71,7 @@ def check_topology(data_parallel_size: Any, api_server_count: Any, routing: Any)
 
 
 def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[dict[str, str]]:
-    """Each rank's environment: its GPUs on CUDA, its share of the cores on CPU. ``ValueError`` when
-    the machine has too few GPUs for N ranks of TP each."""
+    """Each rank's environment: its GPUs on CUDA (``ValueError`` if too few), its share of the cores on CPU."""
     import torch
 
     tp = engine_args.get("tensor_parallel_size") or 1
@@ -103,8 +90,7 @@ def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[d
     user_threads = os.environ.get("OMP_NUM_THREADS")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = int(user_threads) if user_threads else max(1, cores // data_parallel_size)
-    return [{"OMP_NUM_THREADS": str(threads if tp == 1 else max(1, threads // tp))}
-            for _ in range(data_parallel_size)]
+    return [{"OMP_NUM_THREADS": str(threads if tp == 1 else max(1, threads // tp))} for _ in range(data_parallel_size)]
 
 
 @contextlib.contextmanager
@@ -123,12 +109,8 @@ def environment(updates: dict[str, str]) -> Iterator[None]:
 
 
 class CoreEngineProcManager:
-    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception.
-
-    Start-up raises ``ValueError`` for a bad engine argument (a rank's own message),
-    ``RuntimeError`` when a rank fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``;
-    whatever had started is stopped first.
-    """
+    """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception
+    (``ValueError``, ``RuntimeError``, ``TimeoutError``) once whatever had started is stopped."""
 
     def __init__(self, model_path: str, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
                  api_server_count: int = 1, routing: str = "least-loaded",
@@ -141,9 +123,7 @@ class CoreEngineProcManager:
         inputs = tuple(f"{ipc}/engine{d}-input" for d in range(data_parallel_size))
         outputs = tuple(f"{ipc}/engine{d}-output" for d in range(data_parallel_size))
         self._context = zmq.Context()
-        handshake = self._context.socket(zmq.PULL)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(f"{ipc}/handshake")
+        handshake = open_socket(self._context, zmq.PULL, bind=f"{ipc}/handshake", LINGER=0)
         self.coordinator = DPCoordinator(data_parallel_size, f"{ipc}/coordinator-stats",
                                          f"{ipc}/coordinator-publish", log_level) if data_parallel_size > 1 else None
         context = multiprocessing.get_context("spawn")
@@ -171,10 +151,7 @@ class CoreEngineProcManager:
             raise
         handshake.close()
         for address in inputs:  # for Shutdown and ClientGone
-            control = self._context.socket(zmq.PUSH)
-            control.setsockopt(zmq.LINGER, 1000)
-            control.connect(address)
-            self._controls.append(control)
+            self._controls.append(open_socket(self._context, zmq.PUSH, connect=address, LINGER=1000))
         self.topology = EngineTopology(inputs, outputs, self.coordinator.publish_address if self.coordinator else None,
                                        tuple(ready), api_server_count, routing)
         logger.info("data parallel: %d engine core(s) ready (pids %s)%s", data_parallel_size,

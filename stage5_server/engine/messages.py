@@ -1,19 +1,13 @@
 """The typed messages between the front end and the engine core, in both directions.
 
-The engine core never sees text: a request crosses as token ids with its id, sampling
-parameters and arrival time; an output carries only the tokens the front end has not seen
-yet, their timestamps (``time.monotonic``: one clock for every process of the machine) and
-how the request stands. The same ``msgspec`` Structs travel through a queue when the core runs
-on a thread, and as msgpack bytes over ZeroMQ when it runs in a process of its own, so the
-two ends cannot disagree about a field: a rename is one edit that every reader sees.
+The core never sees text: a request crosses as token ids and sampling parameters; an output
+carries only the tokens the front end has not seen yet, their timestamps (``time.monotonic``,
+one clock for every process) and how the request stands. The same ``msgspec`` Structs go through
+a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one edit.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
     core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
-
-With data parallelism (``dp_client.py``) each API server first says ``ClientHello`` to every
-engine core and waits for its ``ClientWelcome``; an ``AddRequest`` names the API server that
-sent it (``client_id``), so the core sends that request's outputs back to it alone; each core
-reports its ``EngineStats`` to the coordinator, which publishes ``EngineStatsUpdate``.
+    data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).
@@ -85,8 +79,7 @@ EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone
 
 
 class ClientHello(msgspec.Struct, tag="hello"):
-    """An API server's first message to an engine core, over its output connection: from now on
-    the core can route outputs to ``client_id``."""
+    """An API server's first message to a core: from then on the core can route outputs to ``client_id``."""
 
     client_id: str
 
@@ -145,8 +138,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
 
 
 class FailedRequests(msgspec.Struct):
-    """Requests the core could not run: a failed step (HTTP 500), or ``engine_dead``, an engine
-    that cannot step again (HTTP 503, as for any request that finds no engine)."""
+    """Requests the core could not run: a failed step (HTTP 500), or ``engine_dead`` (HTTP 503)."""
 
     request_ids: list[str]
     error: str
@@ -220,3 +212,18 @@ stats_update_decoder = msgspec.msgpack.Decoder(EngineStatsUpdate)
 def plain(value: Any) -> Any:
     """An engine argument as a value every reader can print (a dtype becomes its name)."""
     return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def open_socket(context: Any, kind: int, *, bind: str | None = None, connect: str | None = None,
+                **options: int | bytes) -> Any:
+    """A ZeroMQ socket of ``kind`` with ``options`` set (``LINGER=0``, ...), bound or connected."""
+    import zmq  # only the processes that talk over sockets need pyzmq
+
+    sock = context.socket(kind)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    if bind is not None:
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock

@@ -1,14 +1,10 @@
 """Engine-core plugins: code an operator asks every engine-core process to run once its ``LLM`` is built.
 
-``STAGEDSERVE_ENGINE_PLUGINS="package.module:function,..."`` names them; each is imported in the
-engine-core process (where the scheduler, KV cache and model live, out of reach of the API
-server) and called with that process's ``LLM``. Uses: instrument or profile a step, count what
-the runner does, or inject a fault into a real engine process, as the reliability tests do
-(``tests/reliability/engine_faults.py``). A plugin that fails to load fails the start-up with
-its error. Unset (the default), nothing is loaded.
+``STAGEDSERVE_ENGINE_PLUGINS="package.module:function,..."`` names them; each is called with the
+process's ``LLM`` (to instrument a step, or inject a fault, as the reliability tests do). One
+that fails to load fails the start-up. Unset, nothing is loaded.
 
-vLLM: ``load_general_plugins`` in ``vllm/plugins/__init__.py`` (entry points in the
-``vllm.general_plugins`` group, filtered by ``VLLM_PLUGINS``, loaded in every process).
+vLLM: ``load_general_plugins`` in ``vllm/plugins/__init__.py``.
 """
 
 from __future__ import annotations

@@ -4,16 +4,9 @@
     output thread <-- [output socket] <-- EngineCoreOutputs per step
     output thread: the front end's _on_outputs (detokenize, stop strings, streams)
 
-The child (``core_proc.py``) steps while this process parses HTTP and detokenizes, so the
-two no longer take turns under one GIL. Everything but the transport is shared with the
-thread mode (``frontend.py``, ``core_loop.py``).
-
-Lifecycle: start-up waits for the child's ``EngineCoreReady`` (or its exception, or its
-death, or a timeout). The output thread watches the child's process sentinel: when the
-child dies, every in-flight request fails with ``EngineError`` (a 500) and ``is_running``
-turns False (``/health`` answers 503). ``shutdown`` asks the child to exit, then
-terminates and kills it if it must; a finalizer does the same at interpreter exit, and
-the child exits by itself when its parent disappears, so no engine process is orphaned.
+The child (``core_proc.py``) steps while this process parses HTTP and detokenizes: no turns
+under one GIL. When the child dies, every request in flight fails with ``EngineError`` (a 500)
+and ``/health`` answers 503; ``shutdown`` (or a finalizer at exit) stops the child.
 
 vLLM: ``vllm/v1/engine/core_client.py`` (``MPClient``, ``AsyncMPClient``),
 ``vllm/v1/engine/async_llm.py`` (``output_handler``) and ``vllm/v1/engine/utils.py``
@@ -46,6 +39,7 @@ from stage5_server.engine.messages import (
     EngineCoreStartupError,
     Shutdown,
     encoder,
+    open_socket,
     output_decoder,
 )
 from stage5_server.engine.processes import stop_process
@@ -57,12 +51,8 @@ OUTPUT_POLL_MS = 100
 
 
 class MPAsyncLLM(AsyncEngine):
-    """The engine core in a child process, driven over ZeroMQ; tokenization and detokenization here.
-
-    ``engine_args`` are passed to stage5's ``LLM(...)`` in the child untouched. Start-up
-    raises ``ValueError`` for a bad engine argument (the child's message), ``RuntimeError``
-    when the child fails or dies otherwise, ``TimeoutError`` after ``startup_timeout_s``.
-    """
+    """The engine core in a child process, driven over ZeroMQ. Start-up raises ``ValueError`` for a bad
+    engine argument, ``RuntimeError`` when the child fails, ``TimeoutError`` after ``startup_timeout_s``."""
 
     engine_process = True
 
@@ -75,13 +65,9 @@ class MPAsyncLLM(AsyncEngine):
         self._ipc_dir = tempfile.mkdtemp(prefix="stagedserve-")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
         self._context = zmq.Context()
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit: a send only fails when no engine is connected
-        self._input.bind(input_address)
-        self._output = self._context.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
+        # SNDHWM=0, no limit: a send only fails when no engine is connected
+        self._input = open_socket(self._context, zmq.PUSH, bind=input_address, LINGER=0, SNDHWM=0)
+        self._output = open_socket(self._context, zmq.PULL, bind=output_address, LINGER=0)
         # spawn, never fork: a forked child would inherit this process's threads and torch state.
         # Not a daemon: the engine may start processes of its own (tensor parallel workers).
         self._process = multiprocessing.get_context("spawn").Process(

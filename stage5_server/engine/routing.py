@@ -1,26 +1,14 @@
 """Which data-parallel rank gets a request: the least loaded one, or the one that holds its prefix.
 
-An API server knows two things about each rank: the coordinator's newest publication of its
-waiting + running requests (every API server's, up to 100 ms old), and its own exact count of
-the requests it has in flight there. The load of a rank is the larger of the publication and
-A times its own count (A API servers, each about as busy), vLLM's estimate; so a burst spreads
-over the ranks even between publications.
+A rank's load is the larger of the coordinator's newest waiting + running count and A times this
+API server's own in-flight count there (vLLM's estimate), so a burst spreads between publications.
+``least-loaded`` takes the smallest load (a tie: the lowest rank). ``prefix-affinity`` hashes the
+prompt's first full blocks like the prefix cache and sends it to the rank last sent its longest
+known prefix, unless that rank is busier than the least loaded by more than ``slack``. Routing
+changes which process computes a request, never what it computes.
 
-- ``least-loaded``: the smallest load; a tie goes to the lowest rank.
-- ``prefix-affinity``: the prompt's first full KV blocks are hashed, chained and salted like the
-  engine's prefix cache (two requests share a key only if they share those tokens and a trust
-  group). A request goes to the rank that was last sent its longest known prefix, unless that
-  rank's load exceeds the least loaded rank's by more than ``slack`` (half a batch by default:
-  past that the request would queue behind work another rank would not make it wait for);
-  otherwise least-loaded. Either way its prefix now points at the rank it went to. The table
-  is per API server and bounded (least recently used keys go first).
-
-Routing changes which process computes a request, never what it computes: greedy outputs are
-the same on every rank.
-
-vLLM: ``DPLBAsyncMPClient.get_core_engine_for_request`` in ``vllm/v1/engine/core_client.py``
-(least loaded, with the A x in-flight floor); prefix-aware routing is what vLLM leaves to an
-external router (llm-d, production-stack) or to ``vllm/v1/engine/dp_prefix_cache_router.py``.
+vLLM: ``DPLBAsyncMPClient.get_core_engine_for_request`` in ``vllm/v1/engine/core_client.py``;
+prefix-aware routing vLLM leaves to an external router or ``vllm/v1/engine/dp_prefix_cache_router.py``.
 """
 
 from __future__ import annotations

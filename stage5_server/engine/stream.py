@@ -1,8 +1,7 @@
 """``RequestStream``: the outputs of one request, handed from the engine's thread to one event loop.
 
-Outputs are cumulative (text and token ids so far), so a stream keeps only the newest one:
-a consumer that falls behind skips intermediate outputs and loses nothing. An error ends
-the stream; the final output, once seen, ends it too.
+Outputs are cumulative, so a stream keeps only the newest: a consumer that falls behind skips
+intermediate outputs and loses nothing. An error, or the final output, ends the stream.
 
 vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 """

@@ -1,11 +1,8 @@
 """``AsyncLLM``: the engine core on a background thread of the server's own process.
 
-The engine core is synchronous and not thread-safe, so exactly one thread touches it: the
-"engine thread" runs the core loop (``core_loop.py``) over ``llm.engine``. The front end
-(``frontend.py``) hands it messages through a queue and receives its outputs by a call on
-that thread. Tokenizer, detokenizer and engine core share one process and one GIL with the
-HTTP event loop: the in-process mode, simple to debug and to read. ``MPAsyncLLM`` moves the
-core into a process of its own.
+The core is not thread-safe, so one "engine thread" runs the core loop (``core_loop.py``) over
+``llm.engine``, fed through a queue; it shares one GIL with the HTTP event loop: simple to debug
+and to read. ``MPAsyncLLM`` moves the core into a process of its own.
 
 vLLM: ``InprocClient`` in ``vllm/v1/engine/core_client.py`` (the core in the caller's process).
 """

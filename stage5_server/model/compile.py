@@ -1,14 +1,9 @@
 """torch.compile of the model forward on a CPU (inductor): the CPU counterpart of CUDA graphs.
 
-Inductor turns each stretch of the forward between two attention calls (norms, the fused
-projections, RoPE, SiLU-and-multiply, residual adds) into generated C++ with the elementwise
-work fused into loops around the GEMMs. The attention backend itself stays eager: it reads
-the step's metadata as Python lists and writes the KV cache in place, so it is a graph break
-on purpose. Shapes are dynamic (the number of tokens changes every step), so one graph serves
-every step after the first compile; the compile time is logged.
-
-Opt-in (``enforce_eager=False``): on the CPUs measured so far it has not been faster than the
-eager fused model (see the performance page). ``enforce_eager=True``, vLLM's flag, keeps eager.
+Inductor fuses each stretch between two attention calls into generated C++; attention stays
+eager (a graph break on purpose: it reads Python metadata and writes the KV cache in place).
+Shapes are dynamic, so one graph serves every step. Opt-in (``enforce_eager=False``): on the
+CPUs measured it has not beaten the eager fused model.
 
 vLLM: ``vllm/compilation/`` (its piecewise compile splits the graph at attention the same way).
 """

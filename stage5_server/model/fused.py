@@ -1,23 +1,13 @@
 """Fused projections and a once-per-step rotary table: the shared model, rearranged for speed.
 
-``shared/model.py`` is the model the course reads: seven matrix multiplies per layer (q, k, v,
-o, gate, up, down) and RoPE's cos/sin recomputed in every layer. Here, after the weights are
-loaded, each layer is rearranged in place:
-
-- q, k and v become one ``[hidden -> (H + 2 Hkv) * D]`` GEMM whose output is split, and gate and
-  up one ``[hidden -> 2 * intermediate]`` GEMM: four GEMMs per layer instead of seven, each
-  larger, which a CPU (and a GPU) runs closer to its peak;
-- the cos/sin table of the step's positions is built once and reused by every layer.
-
-The weights are the same, their rows concatenated; each output element is the same dot
-product, so float32 outputs stay token-identical to the plain model (bit-identical on the
-CPUs tested). Under tensor parallelism each rank fuses its own shards:
-its q, k and v (and gate, up) are whole heads (whole columns) of its slice, so concatenating
-them gives the rank's slice of the fused layer; o and down stay row-parallel.
+``shared/model.py`` runs seven matrix multiplies per layer and recomputes RoPE's cos/sin in every
+layer. After loading, q, k and v become one GEMM whose output is split, gate and up another (four
+larger GEMMs instead of seven), and the step's cos/sin table is built once. The weights are the
+same, their rows concatenated, so float32 outputs stay token-identical; under tensor parallelism
+each rank fuses its own shards.
 
 vLLM: ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` in
-``vllm/model_executor/layers/linear.py``, used by ``vllm/model_executor/models/llama.py``
-(there the checkpoint's tensors are loaded straight into the fused weight).
+``vllm/model_executor/layers/linear.py`` (there the checkpoint is loaded straight into the fused weight).
 """
 
 from __future__ import annotations
@@ -109,7 +99,6 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:
     """Rearrange a loaded model in place (see the module docstring); returns it.
-
     ``step_rope=False`` keeps the per-layer RoPE (a compiled forward fuses it into its loops)."""
     for layer in model.layers:
         if not isinstance(layer.self_attn, FusedAttention):

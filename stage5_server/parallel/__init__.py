@@ -1,15 +1,10 @@
 """Tensor parallelism: one model split over several devices, one worker process per rank.
 
-``LLM(..., tensor_parallel_size=N)`` (``--tensor-parallel-size N``) starts N workers that each
-hold 1/N of the attention heads, the MLP columns and the vocabulary, and 1/N of the KV cache
-(their own KV heads). Each layer costs two all-reduces (after attention, after the MLP).
-The scheduler stays in the engine process and sends every step to all ranks.
-
-- ``parallel_state.py``: the process group (loopback by default), shapes, collectives
-- ``layers.py``: column/row-parallel linear, vocab-parallel embedding and LM head
-- ``sharded_model.py``: one rank's shard of ``shared``'s model, read from the checkpoint
-- ``worker.py`` / ``executor.py``: the worker processes and how the engine drives them
-- ``engine.py``: the engine core whose ``execute_model`` goes through the executor
+``LLM(..., tensor_parallel_size=N)`` starts N workers, each holding 1/N of the attention heads,
+MLP columns, vocabulary and KV cache; each layer costs two all-reduces. The scheduler stays in
+the engine process. ``parallel_state.py`` (the process group, collectives), ``layers.py`` (the
+split layers), ``sharded_model.py`` (one rank's shard), ``worker.py`` / ``executor.py`` (the
+processes), ``engine.py`` (the engine core whose ``execute_model`` goes through the executor).
 
 vLLM: ``vllm/distributed/``, ``vllm/model_executor/layers/linear.py``,
 ``vllm/v1/executor/multiproc_executor.py``, ``vllm/v1/worker/gpu_worker.py``.

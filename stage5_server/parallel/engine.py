@@ -1,15 +1,9 @@
 """The engine core when the model is split over ranks: stage4's scheduler, a multiprocess executor.
 
-Only ``execute_model`` changes. The scheduler, the KV block accounting and the request state
-(with each request's sampling generator) stay in this process, as in every stage. Each step
-is prepared here once (token ids, positions, slot mapping, block tables), sent to every rank,
-and the logits rank 0 sends back are sampled here with the same sampler and generators as on
-one device, so the tokens are the same as with ``tensor_parallel_size=1``.
-
-The KV budget is per rank: a rank stores only its own KV heads, so a token costs
-``2 * layers * kv_heads_per_rank * head_dim * bytes`` on each device; ``kv_cache_memory``
-(and, on CUDA, ``gpu_memory_utilization``) is what each device gives. On CPU without it, the
-ranks split the automatic host budget (``BaseLLM.automatic_kv_cache_tokens``).
+Only ``execute_model`` changes: each step is prepared here once, sent to every rank, and rank 0's
+logits are sampled here with each request's own generator, so the tokens are those of
+``tensor_parallel_size=1``. The KV budget is per rank (a rank stores only its own KV heads);
+on a CPU without ``kv_cache_memory`` the ranks split the automatic host budget.
 
 vLLM: ``vllm/v1/engine/core.py`` over ``vllm/v1/executor/multiproc_executor.py``.
 """

@@ -1,19 +1,12 @@
 """Start one worker process per rank, send every step to all of them, and notice when one dies.
 
-The engine process keeps the scheduler and the KV block accounting; it holds no weights.
-Each step it sends the same prepared inputs down a pipe to every worker and waits for all of
-them to answer (rank 0's answer carries the logits). While it waits it also watches every
-worker process: a rank that exits, or answers with an error, fails the step at once with an
-error naming it, and the executor stops the other ranks. Nothing waits forever on a peer
-that is gone; a rank stuck in a collective gives up after the process group's timeout.
+The engine process keeps the scheduler and the KV accounting and holds no weights. Each step
+goes down a pipe to every worker (rank 0's answer carries the logits) while every worker
+process is watched: a rank that exits or errs fails the step at once, naming it, and the others
+are stopped. Workers are ``spawn``-ed daemons; a worker whose pipe closes exits by itself.
 
-Workers are started with ``spawn`` (a forked child cannot use CUDA) as daemon processes, so they
-cannot outlive the engine: ``shutdown`` joins them, a finalizer stops them if the executor is
-dropped, and a worker whose pipe closes exits by itself.
-
-vLLM: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``: workers, the
-broadcast of each step through a message queue, ``collective_rpc``, the worker monitor).
-nano-vllm does the same with shared memory and events in ``engine/model_runner.py``.
+vLLM: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``, ``collective_rpc``, the
+worker monitor); nano-vllm: ``engine/model_runner.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ logger = logging.getLogger("stagedserve")
 
 class TensorParallelError(EngineDeadError):
     """A tensor-parallel worker died or failed; the engine cannot run any more steps.
-
     A ``RuntimeError``; as an ``EngineDeadError`` it also stops the server's engine thread."""
 
 

@@ -1,23 +1,14 @@
-"""The layers that split one weight matrix across ranks, and where the ranks talk.
+"""The layers that split one weight matrix across ranks, and where the ranks talk (Megatron-LM's split).
 
-A transformer layer needs only two collectives under tensor parallelism (Megatron-LM's split):
+``ColumnParallelLinear`` splits the *output* features (q/k/v by head, gate/up by column): each
+rank computes whole heads with no talk. ``RowParallelLinear`` splits the *input* features: one
+``all_reduce`` adds the ranks' partial sums (after ``o_proj`` and ``down_proj``).
+``VocabParallelEmbedding`` holds a slice of the vocabulary (zeros outside it, then an all-reduce);
+``ParallelLMHead`` computes its slice's logits, joined by an all-gather. ``load_shard`` reads a
+layer's own slice of the checkpoint's tensor.
 
-- ``ColumnParallelLinear`` splits the *output* features. q/k/v are split by head and the MLP's
-  gate/up by column, so each rank computes whole heads (whole columns) on its own: no talk.
-- ``RowParallelLinear`` splits the *input* features. Fed the column-split activations, each rank
-  gets a partial sum of the full output; one ``all_reduce`` adds them up. ``o_proj`` and
-  ``down_proj`` are row-parallel: one all-reduce after attention, one after the MLP.
-- ``VocabParallelEmbedding`` holds a slice of the vocabulary's rows; a token outside the slice
-  looks up zeros, and an all-reduce leaves every rank with the one real row.
-- ``ParallelLMHead`` computes the logits of its vocabulary slice; an all-gather joins them.
-
-Each layer also knows which part of the checkpoint's full tensor is its own (``load_shard``),
-so a rank reads only its slice from the safetensors file.
-
-vLLM: ``vllm/model_executor/layers/linear.py`` (``ColumnParallelLinear``, ``RowParallelLinear``,
-``QKVParallelLinear``, ``MergedColumnParallelLinear``) and
-``vllm/model_executor/layers/vocab_parallel_embedding.py``; nano-vllm: ``layers/linear.py``,
-``layers/embed_head.py``.
+vLLM: ``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``; nano-vllm:
+``layers/linear.py``, ``layers/embed_head.py``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The tensor-parallel group: who the ranks are, how they meet, and the two collectives TP needs.
 
-Each worker process joins one ``torch.distributed`` process group: NCCL between GPUs, gloo
-between CPU processes. The ranks meet through a ``FileStore`` in a private temporary
-directory, so the rendezvous opens no TCP port at all (``TCPStore``'s server listens on
-every interface, whatever host it is given). The data connections themselves are bound to
-one network interface, the loopback by default (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``):
-process-group traffic is unauthenticated, so it must never be reachable from the network.
-
-A model layer calls ``all_reduce`` or ``all_gather`` without knowing the group; outside a
-process group (one rank) both return their input unchanged.
+Each worker joins one ``torch.distributed`` group (NCCL between GPUs, gloo between CPU
+processes). The ranks meet through a ``FileStore`` in a private directory (no TCP port), and the
+unauthenticated data connections stay on the loopback by default. Outside a process group (one
+rank) ``all_reduce`` and ``all_gather`` return their input.
 
 vLLM: ``vllm/distributed/parallel_state.py`` (``init_distributed_environment``,
-``get_tp_group``) and ``vllm/distributed/communication_op.py``
-(``tensor_model_parallel_all_reduce``, ``tensor_model_parallel_all_gather``).
+``get_tp_group``) and ``vllm/distributed/communication_op.py``.
 """
 
 from __future__ import annotations
@@ -47,13 +41,8 @@ class TensorParallelShape:
 
 
 def tensor_parallel_shape(config: ModelConfig, world_size: int) -> TensorParallelShape:
-    """Split ``config`` over ``world_size`` ranks, or a ``ValueError`` saying what does not divide.
-
-    Query heads and MLP columns must divide evenly. KV heads either divide (each rank holds
-    ``Hkv / N`` of them) or, when there are fewer KV heads than ranks, ``N`` must be a multiple of
-    ``Hkv`` and each KV head is replicated on ``N / Hkv`` ranks, as vLLM's ``QKVParallelLinear`` does.
-    The vocabulary is padded up to a multiple of ``N``.
-    """
+    """Split ``config`` over ``world_size`` ranks, or a ``ValueError`` saying what does not divide. KV heads
+    divide, or each is replicated on ``N / Hkv`` ranks (as vLLM's ``QKVParallelLinear``); the vocabulary is padded."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"tensor_parallel_size: num_attention_heads={heads} is not divisible by "
@@ -74,11 +63,8 @@ def tensor_parallel_shape(config: ModelConfig, world_size: int) -> TensorParalle
 
 
 def check_tensor_parallel_size(size, config: ModelConfig, device: torch.device) -> int:
-    """``size`` if the model splits that many ways and this machine has that many devices; else a ``ValueError``.
-
-    On CUDA each rank needs its own GPU (rank r uses ``cuda:r`` of the visible devices). On CPU
-    each rank needs at least one core, so the cap is ``os.cpu_count()``.
-    """
+    """``size`` if the model splits that many ways and the machine has the devices; else a ``ValueError``.
+    On CUDA each rank needs its own GPU (``cuda:r``); on a CPU at least one core."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {size!r}")
     if size == 1:

@@ -1,10 +1,8 @@
 """One rank's shard of ``shared``'s ``DecoderModel``, read straight from the Hugging Face checkpoint.
 
-The model code is not forked: a rank builds the ordinary ``DecoderModel`` with its own head
-counts (``num_heads / N`` query heads, its KV heads, ``intermediate_size / N`` MLP columns), then
-swaps in the parallel layers of ``layers.py`` where the weights are split. Attention itself is
-unchanged: a rank's query heads attend to its own KV heads, which its KV cache holds.
-Every tensor is read with ``safe_open(...).get_slice``, so a rank reads only its part of the file.
+A rank builds the ordinary ``DecoderModel`` with its own head counts and MLP width, then swaps
+in the parallel layers of ``layers.py`` where the weights are split; its query heads attend to
+its own KV heads. Each tensor is read with ``safe_open(...).get_slice``: only the rank's part.
 
 vLLM: each model's ``load_weights`` with the layers' ``weight_loader``
 (``vllm/model_executor/models/llama.py``, ``vllm/model_executor/layers/linear.py``).

@@ -1,15 +1,10 @@
 """One tensor-parallel rank: its process, its shard of the model, its share of the KV cache.
 
-A worker joins the process group, loads its shard, and then serves the engine's requests
-over a pipe until told to stop (or until the pipe closes because the engine is gone):
-``init_kv_cache`` (blocks of *its own* KV heads; the block tables, and so the block ids, are
-the same on every rank), ``profile_kv_memory`` (CUDA), and ``execute_model`` (one forward
-pass of the step the scheduler planned). Every rank ends a step holding the full logits (the
-LM head gathers them); only rank 0 sends them back, so sampling happens once, in the engine.
+A worker joins the process group, loads its shard and serves the engine over a pipe
+(``init_kv_cache``, ``profile_kv_memory``, ``execute_model``) until told to stop or the pipe
+closes. Only rank 0 sends back the step's logits, so sampling happens once, in the engine.
 
-vLLM: ``vllm/v1/worker/gpu_worker.py`` (``init_worker_distributed_environment``,
-``determine_available_memory``, ``execute_model``) and ``WorkerProc`` in
-``vllm/v1/executor/multiproc_executor.py``.
+vLLM: ``vllm/v1/worker/gpu_worker.py`` and ``WorkerProc`` in ``vllm/v1/executor/multiproc_executor.py``.
 """
 
 from __future__ import annotations
@@ -90,11 +85,7 @@ class Worker:
 
 
 def worker_main(rank: int, settings: WorkerSettings, conn) -> None:
-    """A worker process's whole life: start, then answer ``(method, args)`` messages until stopped.
-
-    Every reply is ``("ok", result)`` or ``("error", traceback)``; after an error the worker
-    exits, since its peers may be stuck in a collective it will never join.
-    """
+    """A worker's life: answer ``(method, args)`` with ``("ok", result)`` or ``("error", tb)``; exit after an error."""
     set_process_name(f"ss-tp-{rank}")
     try:
         device = torch.device("cuda", rank) if settings.device_type == "cuda" else torch.device("cpu")

@@ -2,9 +2,10 @@
 
 One module a concern: ``app.py`` (the app factory), ``auth.py`` (API keys, trust groups and
 their cache salts), ``limits.py`` (body size), ``errors.py`` (the one error mapping),
-``protocol.py`` (the request models), ``serving.py`` (what every generation endpoint does),
-``completions.py``, ``chat.py`` and ``models.py`` (the routes), ``sse.py`` (streaming),
-``metrics.py`` (Prometheus), ``openapi.py`` (the schema), ``harness.py`` (uvicorn on a thread).
+``protocol.py`` and ``tool_protocol.py`` (the request models), ``serving.py`` (what every
+generation endpoint does), ``completions.py``, ``chat.py`` and ``models.py`` (the routes),
+``sse.py`` (streaming), ``metrics.py`` (Prometheus), ``openapi.py`` (the schema),
+``harness.py`` (uvicorn on a thread).
 
 vLLM: ``vllm/entrypoints/openai/``.
 """

@@ -5,10 +5,7 @@
          -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
-Every error answers with an OpenAI error object (errors.py); ``/metrics`` is Prometheus text
-under vLLM's names (metrics.py); the OpenAPI schema documents the errors really answered
-(openapi.py). A failed engine step fails only the requests in flight (500) while the server
-keeps serving.
+Errors are OpenAI error objects (errors.py); ``/metrics`` (metrics.py); the schema (openapi.py).
 
 vLLM: ``build_app`` and ``init_app_state`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -52,14 +49,8 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
                chat_options: ChatOptions | None = None) -> FastAPI:
-    """The OpenAI-compatible app over an ``AsyncEngine``, or over an ``LLM`` (wrapped in an in-process
-    ``AsyncLLM``, and shut down with the app).
-
-    ``api_keys``: ``{key: trust group}`` or a list of keys (each its own group); None runs
-    without authentication (keep the server on loopback then). ``log_stats_interval``
-    applies only when an ``LLM`` is wrapped here. ``chat_options``: tool calling and the chat
-    template (``chat_options.py``).
-    """
+    """The OpenAI-compatible app over an ``AsyncEngine`` or an ``LLM`` (wrapped, and shut down with the app).
+    ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)

@@ -1,18 +1,11 @@
 """Who may call the server, and whose prefix cache a request may share.
 
-The security boundary, which is stricter than vLLM's:
-
-- Authentication is an ASGI middleware around the whole app, so it covers every route
-  that exists or is added later, whatever its prefix (``/docs``, ``/openapi.json``,
-  an unknown path), except ``/health`` (and ``/metrics`` when ``metrics_public``).
-  vLLM checks ``/v1`` and a few other prefixes and leaves unprefixed aliases open.
-- A key is checked against every configured key with ``hmac.compare_digest`` over
-  SHA-256 digests: equal-length inputs and no early exit, so timing reveals nothing.
-- Each key belongs to a trust group. The prefix-cache salt of a request is an HMAC of
-  its group under a per-server random secret: groups never share cached blocks (no
-  cross-tenant timing side channel) and no client can compute another group's salt.
-  A client-supplied ``cache_salt`` is refused unless ``trust_client_cache_salt``, and
-  even then it only partitions its own group's cache further.
+Authentication is an ASGI middleware around the whole app, so it covers every route, even an
+unknown path, except ``/health`` (and ``/metrics`` when public); vLLM checks ``/v1`` and a few
+other prefixes. Keys are compared by ``hmac.compare_digest`` over SHA-256 digests (timing reveals
+nothing). Each key belongs to a trust group; a request's prefix-cache salt is an HMAC of its group
+under a per-server secret, so groups never share cached blocks and no client can compute another
+group's salt. A client ``cache_salt`` is refused unless ``trust_client_cache_salt``.
 
 vLLM: ``AuthenticationMiddleware`` in ``vllm/entrypoints/openai/api_server.py``; the salt is
 the ``cache_salt`` that ``vllm/v1/core/kv_cache_utils.py`` mixes into the first block's hash.
@@ -38,12 +31,7 @@ _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class APIKeys:
-    """API keys, each in a trust group, checked in constant time.
-
-    ``keys`` is ``{key: group}`` or a list of keys. A key without a group (a list entry,
-    or ``None`` as its group) is a group of its own, ``key#1``, ``key#2``, ...: sharing
-    the prefix cache between keys is an explicit choice of the operator.
-    """
+    """API keys, each in a trust group, checked in constant time; a key without a group is a group of its own."""
 
     def __init__(self, keys: Mapping[str, str | None] | list[str]):
         pairs = list(keys.items()) if isinstance(keys, Mapping) else [(k, None) for k in keys]
@@ -110,11 +98,8 @@ def _bearer_token(scope: Scope) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Every HTTP and WebSocket request needs a valid key, except ``public_paths``.
-
-    Runs before routing, so it cannot be bypassed by a route it does not know about,
-    and an unknown path answers 401 (not 404) to a client without a key.
-    """
+    """Every HTTP and WebSocket request needs a valid key, except ``public_paths``. It runs before
+    routing, so no route escapes it, and an unknown path answers 401 (not 404) without a key."""
 
     def __init__(self, app: ASGIApp, keys: APIKeys | None, public_paths: frozenset[str]):
         self.app = app

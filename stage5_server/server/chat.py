@@ -1,19 +1,10 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, then generated.
 
-With ``tools``, ``tool_choice`` decides how calls come about:
-
-- ``none``: the tools are not shown to the model (vLLM shows them unless
-  ``--exclude-tools-when-tool-choice-none``): a prompt should not offer calls the answer may not make.
-- ``auto``: the model sees the tools and may write calls, which the server's
-  ``--tool-call-parser`` reads back out of its text (``tool_parsers.py``); needs
-  ``--enable-auto-tool-choice``.
-- ``required`` or a named function: structured output forces the call, so it works on any model,
-  even one whose template cannot show tools: the output is the arguments object (named) or an
-  array of ``{"name", "arguments"}`` (required), each following the tool's parameter schema.
-
-Calls come back as ``tool_calls`` with ``arguments`` the JSON text of an object, ``content``
-null when the text held only calls, and ``finish_reason: "tool_calls"``; streamed, a named call's
-arguments arrive as they are generated, a parsed call whole once its block closes.
+With ``tools``, ``tool_choice`` decides how calls come about: ``none`` shows the model no tools
+(vLLM shows them unless ``--exclude-tools-when-tool-choice-none``); ``auto`` shows them and reads
+calls out of the text with ``--tool-call-parser`` (``tool_parsers.py``; needs
+``--enable-auto-tool-choice``); ``required`` or a named function forces the call by structured
+output, on any model. Calls come back as ``tool_calls`` with ``finish_reason: "tool_calls"``.
 
 vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 """
@@ -32,7 +23,7 @@ from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.completions import token_text
 from stage5_server.server.errors import APIError
-from stage5_server.server.protocol import ChatCompletionRequest, NamedToolChoice
+from stage5_server.server.protocol import ChatCompletionRequest
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
 from stage5_server.server.tool_parsers import (
     TOOL_PARSERS,
@@ -43,6 +34,7 @@ from stage5_server.server.tool_parsers import (
     parameters_schema,
     required_calls_schema,
 )
+from stage5_server.server.tool_protocol import NamedToolChoice
 
 
 class ToolCallStream(Protocol):
@@ -137,8 +129,7 @@ class ChatResponder(Responder):
         return self.chunk_body(output, choice)
 
     def _call_deltas(self, index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """A call's first delta carries its id, type and name; later ones (a named call's arguments
-        as they are generated) only the next piece of ``arguments``."""
+        """A call's first delta carries its id, type and name; later ones only the next piece of ``arguments``."""
         known = self.call_index.setdefault(index, {})
         deltas = []
         for call in calls:
@@ -182,8 +173,8 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
 
 
 async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none; a forced call
-    goes on without them when the template cannot show them (the grammar carries the schema)."""
+    """The prompt's token ids; the tools shown unless ``tool_choice`` is none (a forced call goes on
+    without them when the template cannot show them: the grammar carries the schema)."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "

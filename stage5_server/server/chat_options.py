@@ -1,12 +1,9 @@
-"""The operator's switches for chat: tool calling and the chat template.
+"""The operator's switches for chat: tool calling and the chat template (vLLM's flag names).
 
-``--enable-auto-tool-choice`` with ``--tool-call-parser hermes`` lets ``tool_choice: "auto"``
-read calls out of the model's text (vLLM spells both flags the same). A required or named
-tool choice needs neither: structured output forces the call. ``--trust-request-chat-template``
-lets a request bring its own ``chat_template`` (vLLM's flag: a template is code the server
-runs). ``--allow-control-tokens-in-messages`` tokenizes control-token strings inside messages
-as the control tokens themselves, as transformers and vLLM do; without it a caller cannot forge
-a turn (``shared/chat_template.py``).
+``--enable-auto-tool-choice`` with ``--tool-call-parser hermes`` reads ``tool_choice: "auto"``
+calls out of the text; ``--trust-request-chat-template`` accepts a request's own template (code
+the server runs); ``--allow-control-tokens-in-messages`` tokenizes control-token strings in
+messages as the tokens themselves; without it a caller cannot forge a turn.
 
 vLLM: ``vllm/entrypoints/openai/cli_args.py``.
 """

@@ -1,13 +1,9 @@
 """``POST /v1/completions``: a prompt (text or token ids) continued, whole or streamed.
 
 ``echo`` puts the prompt in front of the text; with ``logprobs`` the prompt's tokens get
-their logprobs too (prompt logprobs, computed in prefill), the first ``null``. Each
-``text_offset`` indexes the returned text: a special token that the text leaves out (an
-end-of-sequence token, a prompt's added start token) takes no characters there, where vLLM
-counts its spelling. ``echo`` with
-``max_tokens: 0`` returns the scored prompt alone: the call evaluation harnesses make for
-log-likelihoods. As in vLLM, the engine then generates one token that is not returned.
-``response_format`` and ``structured_outputs`` constrain the text as on chat.
+theirs too (the first ``null``). ``text_offset`` indexes the returned text, so a special token
+the text leaves out takes no characters (vLLM counts its spelling). ``echo`` with
+``max_tokens: 0`` returns the scored prompt alone, as evaluation harnesses ask for.
 
 vLLM: ``vllm/entrypoints/openai/serving_completion.py``.
 """
@@ -33,9 +29,7 @@ def token_text(logprob: Logprob) -> str:
 def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset: int,
                         special: frozenset[int] = frozenset()) -> dict[str, Any] | None:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
-
-    ``special``: token ids the generated text leaves out (it is decoded skipping special tokens).
-    """
+    ``special``: token ids the generated text leaves out."""
     completion = output.outputs[0]
     if completion.logprobs is None:
         return None
@@ -48,10 +42,8 @@ def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset
 
 def prompt_logprobs(output: RequestOutput, prompt_text: str, first_token_text: str,
                     special: frozenset[int] = frozenset()) -> dict[str, Any]:
-    """The prompt's tokens in the same format; the first has no logprob (nothing precedes it).
-
-    A special token takes characters only where ``prompt_text`` (what is echoed) spells it out.
-    """
+    """The prompt's tokens in the same format, the first without a logprob; a special token takes
+    characters only where ``prompt_text`` (what is echoed) spells it out."""
     def width(token_id: int, token: str, at: int) -> int:
         return len(token) if token_id not in special or prompt_text.startswith(token, at) else 0
 

@@ -1,10 +1,9 @@
 """The server's one error mapping: every failure a client sees is an OpenAI error object.
 
-``{"error": {"message", "type", "param", "code"}}`` with the status that fits: 400 for bad
-input (a ``ValueError("field: why")`` names ``param``), 401 without a valid key, 404 for an
-unknown model or route, 413 for a body over the limit, 500 when the engine failed while running
-the request, 503 when no engine is running (or the request was aborted before it finished).
-Tracebacks stay in the log.
+``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (a
+``ValueError("field: why")`` names ``param``), 401 without a valid key, 404 for an unknown model
+or route, 413 for a body over the limit, 500 when the engine failed on the request, 503 when no
+engine runs or the request was aborted. Tracebacks stay in the log.
 
 vLLM: ``ErrorResponse`` in ``vllm/entrypoints/openai/protocol.py`` and the handlers in
 ``api_server.py`` (vLLM's error ``type`` is an exception class name; OpenAI's is a category).
@@ -56,8 +55,7 @@ _PATH = re.compile(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*")
 
 
 def bad_request_from_value_error(exc: ValueError) -> APIError:
-    """``ValueError("field: why")`` (the engine's and SamplingParams' convention) -> 400 naming the field
-    (a path such as ``input[2].role`` or ``structured_outputs.json`` too)."""
+    """``ValueError("field: why")`` -> a 400 naming the field (a path such as ``input[2].role`` too)."""
     message = str(exc)
     field, sep, _ = message.partition(":")
     param = field if sep and _PATH.fullmatch(field) else None

@@ -14,10 +14,7 @@ from starlette.types import ASGIApp
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a background thread, on a loopback port chosen by the OS.
-
-    ``with ServerThread(app) as server: httpx.get(server.url + "/health")``
-    """
+    """uvicorn serving ``app`` on a background thread: ``with ServerThread(app) as server: ...server.url``."""
 
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn

@@ -1,42 +1,15 @@
 """What the server reports: Prometheus metrics under vLLM's names (the periodic stats line is stage4's).
 
-Two kinds of numbers. Engine state (running, waiting, KV usage) and engine counters
-(prefix-cache queries and hits, preemptions, prompt and generation tokens) come from a
-``SchedulerStats`` snapshot and are read when ``/metrics`` is scraped. Per-request
-latencies (TTFT, ITL, TPOT, queue time, end-to-end) and sizes are observed into
-histograms once, when a request finishes, from its ``RequestTimeline``.
+Engine state and counters (running, waiting, KV usage, prefix-cache queries and hits,
+preemptions, tokens, tokens per step) come from a ``SchedulerStats`` snapshot, read at scrape
+time. Per-request latencies (TTFT, ITL, TPOT, queue, end-to-end) and sizes are observed into
+histograms once, when a request finishes, from its ``RequestTimeline``; ``request_phases``
+splits its time at the process boundary, so a slow first token can be placed in the right process.
 
-Each finished request's time is also split at the boundary between the API server and
-the engine core (``request_phases``), so a slow first token can be placed in the right
-process: ``frontend_in`` (HTTP parsing, tokenization, the hand-off to the core),
-``queue``, ``prefill``, ``decode`` (engine core), ``frontend_out`` (from the core sampling
-the first token to its detokenized output reaching the request's stream). The core
-phases use vLLM's histogram names; the two front-end phases are this server's own.
-
-Sizes, as vLLM's histograms of counts: each finished request's prompt and generated tokens,
-its ``max_tokens`` (the effective limit: ``max_model_len`` minus the prompt when none was
-sent, as vLLM sets it), preemptions and prefill tokens computed (not served by the prefix
-cache); each parent request's ``n`` and longest sample (``record_parent_finished``, called
-by the server, which fans ``n`` out); the tokens of each engine step (a cumulative histogram
-in ``SchedulerStats``, so it crosses the process boundary with the other counters; this
-engine counts the prompt tokens a step computed, where vLLM counts a prompt in the step that
-samples its first token). ``vllm:cache_config_info`` is a gauge fixed at 1 per engine core
-whose labels are its resolved KV-cache configuration (the fields this engine has).
-
-Every metric carries a ``model_name`` label, and each app has its own
-``CollectorRegistry`` (never prometheus-client's global one), so two apps in one process
-do not collide. Counters are exposed with the ``_total`` suffix, as vLLM's are. Bucket
-bounds are vLLM's (``vllm/v1/metrics/buckets.py``), with a few smaller latency bounds in
-front: the course's CPU models answer in milliseconds.
-
-Several engine cores and several API servers (data parallelism): the engine numbers carry
-an ``engine`` label (the data-parallel rank, vLLM's label name), one series per rank, taken
-from the newest stats this API server holds of every rank (the coordinator's publication),
-so a scrape of any API server shows every rank once. The per-request numbers are each API
-server's own; with ``PROMETHEUS_MULTIPROC_DIR`` set (the supervisor of several API servers
-sets it for them) they are kept in prometheus-client's multiprocess files and a scrape sums
-every API server's, including one that has died since (its files stay), so nothing is lost or
-counted twice.
+Every metric carries ``model_name``; each app has its own ``CollectorRegistry``. Buckets are
+vLLM's with a few smaller latency bounds in front. With data parallelism the engine numbers
+carry an ``engine`` label (one series per rank); with ``PROMETHEUS_MULTIPROC_DIR`` set the
+per-request numbers are summed over every API server's files, a dead one's included.
 
 vLLM: ``vllm/v1/metrics/loggers.py`` (``LoggingStatLogger``, ``PrometheusStatLogger``) and
 ``vllm/v1/metrics/prometheus.py`` (``setup_multiprocess_prometheus``).
@@ -68,11 +41,8 @@ REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]  # vLLM's
 
 
 def request_phases(timeline: RequestTimeline) -> dict[str, float | None]:
-    """Where a request's time went, in seconds, by side of the API-server / engine-core boundary.
-
-    ``frontend_in + queue + prefill + frontend_out == server_ttft``; the time a client sees
-    beyond ``server_ttft`` is the event loop, HTTP and the network. None: not measured.
-    """
+    """Where a request's time went, in seconds, on each side of the API-server / engine-core boundary:
+    ``frontend_in + queue + prefill + frontend_out == server_ttft``. None: not measured."""
 
     def between(start: float | None, end: float | None) -> float | None:
         return None if start is None or end is None else max(end - start, 0.0)
@@ -173,10 +143,8 @@ class _SchedulerStatsCollector(Collector):
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app, an ``engine.StatLogger``. ``render()`` is the Prometheus text format.
-
-    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank (none: that family is left out).
-    """
+    """The ``/metrics`` registry of one app, an ``engine.StatLogger``; ``render()`` is the text format.
+    ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank."""
 
     def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int,
                  cache_configs: Mapping[int, Mapping[str, str]] | None = None):

@@ -51,8 +51,7 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         elif body.add_special_tokens:
             ids = await serving.on_engine(tokenizer.encode, body.prompt)
         else:
-            ids = await serving.on_engine(lambda text: tokenizer.hf.encode(text, add_special_tokens=False),
-                                          body.prompt)
+            ids = await serving.on_engine(lambda text: tokenizer.hf.encode(text, add_special_tokens=False), body.prompt)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -1,9 +1,8 @@
 """The OpenAPI schema, corrected to what the server really answers.
 
-FastAPI documents its own 422 validation body; this server answers 400 with an OpenAI
-error object, 401 without a key, 404, 413, and 500/503 from the engine. The schema says so,
-so that a client generator, or the API fuzzer (``tests/reliability/test_api_fuzz.py``),
-holds the server to it.
+FastAPI documents its own 422 validation body; this server answers 400 with an OpenAI error
+object, 401, 404, 413, and 500/503 from the engine. The schema says so, so that a client
+generator or the API fuzzer (``tests/reliability/test_api_fuzz.py``) holds the server to it.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ _ENGINE_PATHS = frozenset({"/health", "/v1/completions", "/v1/chat/completions"}
 
 
 def openapi_with_openai_errors(app: FastAPI, needs_key: bool) -> dict[str, Any]:
-    """FastAPI's schema, corrected to what the server answers: invalid input is a 400 with an
-    OpenAI error object (FastAPI would document its own 422 body), and a missing or wrong key a 401."""
+    """FastAPI's schema, corrected: bad input is a 400 OpenAI error object (not FastAPI's 422), a bad key a 401."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi

@@ -1,29 +1,12 @@
 """The OpenAI wire format: request models, and requests -> SamplingParams.
 
-Requests are parsed strictly. An unknown field is a 400 that names it ("Unrecognized
-request argument supplied: foo"), a wrong type is a 400 that names it, and an OpenAI
-feature this server does not implement (``suffix``, the legacy ``functions``, ...) is accepted
-only with the value that means "off", so nothing a client asks for is silently ignored.
-``NOOP_VALUES`` lists them. Fields that change nothing a client can observe (``user``,
-``safety_identifier``, ``metadata``, ``store``, ``service_tier``,
-the prompt-cache hints ``prompt_cache_key`` and ``prompt_cache_retention``,
-``stream_options.include_obfuscation``) are accepted with any value and logged once per
-field (``IGNORED_FIELDS``). So are the fields the openai client's own assistant message
-carries when it is sent back in ``messages`` (``refusal``, ``annotations``, ``audio``,
-``function_call``), with the values that add nothing to the prompt; its ``tool_calls`` are real.
-
-The sampling fields are vLLM's: the penalties, ``min_p``, ``min_tokens``, ``logit_bias``
-(string keys, biases clamped to [-100, 100] as OpenAI and vLLM do),
-``include_stop_str_in_output``, ``n`` (and ``best_of`` equal to it) and ``echo``. Chat
-takes the ``developer`` role and a message ``name`` (both handed to the chat template, as
-vLLM does), joins text parts with a newline, and prefers ``max_completion_tokens`` when
-both token limits are sent.
-
-Structured output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's
-``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on both
-endpoints, one of the two per request. Chat takes ``tools`` and ``tool_choice`` (none, auto,
-required or a named function), assistant ``tool_calls`` and ``tool`` messages (with
-``tool_call_id``), and vLLM's ``chat_template`` / ``chat_template_kwargs``.
+Requests are parsed strictly: an unknown field or a wrong type is a 400 that names it
+("Unrecognized request argument supplied: foo"). An OpenAI feature this server does not
+implement is accepted only with the value that means "off" (``NOOP_VALUES``); fields that change
+nothing a client can observe (``user``, ``store``, ...) are accepted and logged once each
+(``IGNORED_FIELDS``). The sampling fields are vLLM's (penalties, ``min_p``, ``logit_bias``, ``n``,
+``echo``, ...); structured output is ``response_format`` or vLLM's ``structured_outputs``. Chat
+adds ``chat_template`` / ``chat_template_kwargs`` and the tool fields (``tool_protocol.py``).
 
 vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
@@ -40,10 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.errors import bad_request_from_value_error
+from stage5_server.server.tool_protocol import AssistantToolCall, ToolChoiceFields, arguments_object
 
 logger = logging.getLogger("stagedserve")
-
-# ---- request models ---------------------------------------------------------------------------
 
 # OpenAI fields this server does not implement: accepted only with a value that turns them off.
 NOOP_VALUES: dict[str, tuple] = {
@@ -102,17 +84,6 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only a final one
     include_obfuscation: bool | None = None  # OpenAI's chunk padding against length side channels; ignored
-
-
-def _check_stop(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-    if len(stops) > 16:
-        raise ValueError("stop: at most 16 stop strings")
-    return stops
 
 
 class JsonSchemaFormat(StrictModel):
@@ -215,7 +186,14 @@ class _GenerationRequest(StrictModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> list[str] | None:
-        return _check_stop(value)
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(stops) > 16:
+            raise ValueError("stop: at most 16 stop strings")
+        return stops
 
     @field_validator("stream_options")
     @classmethod
@@ -233,8 +211,7 @@ class _GenerationRequest(StrictModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Raises ``APIError(400)`` naming the field for values SamplingParams rejects.
-        ``structured_outputs``: the constraint (``requested_structured_outputs``, or a tool call's)."""
+        """The request's ``SamplingParams`` with ``structured_outputs`` (the constraint); a rejected value: a 400."""
         for name in IGNORED_FIELDS:
             if name in type(self).model_fields and getattr(self, name) is not None:
                 log_ignored(name)
@@ -269,8 +246,7 @@ class _GenerationRequest(StrictModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: a prompt (text or token ids), or a batch of them (one choice per
-    prompt and sample, prompt i's sample j at index ``i * n + j``)."""
+    """``POST /v1/completions``: one prompt (text or ids), or a batch; prompt i's sample j is choice ``i * n + j``."""
 
     prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
@@ -313,38 +289,6 @@ class TextPart(StrictModel):
     text: str
 
 
-class FunctionDefinition(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class ChatTool(StrictModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class ToolCallFunction(StrictModel):
-    name: str
-    arguments: str  # the JSON text of an object
-
-
-class AssistantToolCall(StrictModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class NamedToolChoiceFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: NamedToolChoiceFunction
-
-
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (validated before content)
@@ -372,7 +316,7 @@ class ChatMessage(StrictModel):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message has tool_calls")
         for i, call in enumerate(self.tool_calls or []):
-            _arguments_object(call.function.arguments, i)
+            arguments_object(call.function.arguments, i)
         return self
 
     def as_template_message(self) -> dict[str, Any]:
@@ -385,15 +329,14 @@ class ChatMessage(StrictModel):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments_object(c.function.arguments, i)}}
+                "name": c.function.name, "arguments": arguments_object(c.function.arguments, i)}}
                 for i, c in enumerate(self.tool_calls)]
         return message
 
     @field_validator("content")
     @classmethod
     def _content(cls, value: Any, info: ValidationInfo) -> str | None:
-        """A string, or a list of text parts (joined with a newline, as vLLM); images and audio are refused.
-        Null only in an assistant message with tool_calls."""
+        """A string, or text parts joined with a newline (as vLLM); null only beside an assistant's tool_calls."""
         if value is None:
             if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
                 return None
@@ -410,17 +353,7 @@ class ChatMessage(StrictModel):
         raise ValueError("content must be a string or a list of text parts")
 
 
-def _arguments_object(arguments: str, index: int) -> dict:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise ValueError(f"tool_calls[{index}].function.arguments: must be the JSON text of an object")
-    return value
-
-
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, ToolChoiceFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -428,9 +361,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call
     chat_template: str | None = None  # vLLM's; only if the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (vLLM's)
     functions: Any = None
@@ -462,15 +392,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
-    def _tools(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tools: two tools have the same name")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice: {choice.function.name!r} is not one of the tools")
-        if choice in ("auto", "required") and not names:
-            raise ValueError(f"tool_choice: {choice!r} needs tools")
+    def _constraints(self) -> ChatCompletionRequest:
         constrained = self.structured_outputs is not None or (
             self.response_format is not None and self.response_format.type != "text")
         if self.forced_tool_choice and constrained:
@@ -480,24 +402,6 @@ class ChatCompletionRequest(_GenerationRequest):
             if key in RESERVED_TEMPLATE_VARIABLES:
                 raise ValueError(f"chat_template_kwargs: {key!r} is set by the server")
         return self
-
-    @property
-    def effective_tool_choice(self) -> str | NamedToolChoice:
-        """OpenAI's default: ``auto`` with tools, ``none`` without."""
-        if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
-
-    @property
-    def forced_tool_choice(self) -> bool:
-        return self.tools is not None and (self.tool_choice == "required" or isinstance(self.tool_choice,
-                                                                                        NamedToolChoice))
-
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template and the tool parsers read them."""
-        if not self.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_message() for m in self.messages]

@@ -1,30 +1,20 @@
 """``POST /v1/responses``: OpenAI's Responses API, as the OpenAI Agents SDK calls it.
 
-A request is turned into the chat request it stands for and runs through chat's steps:
+A request becomes the chat request it stands for and runs through chat's steps:
 
     instructions             -> a system message first
-    input (text)             -> one user message
-    input (items)            -> messages: a ``message`` item as itself (text parts joined),
-                                ``function_call`` items as an assistant's ``tool_calls``,
-                                a ``function_call_output`` as a ``tool`` message
-    tools (function)         -> chat tools; tool_choice the same, a named one as {"type", "name"}
-    text.format              -> response_format (json_schema, json_object)
-    max_output_tokens        -> max_completion_tokens
+    input (text or items)    -> messages: a ``message`` item as itself, ``function_call`` items as
+                                an assistant's ``tool_calls``, a ``function_call_output`` as a ``tool`` message
+    tools, tool_choice       -> chat tools (flat ``{"type", "name"}`` for a named one)
+    text.format              -> response_format;   max_output_tokens -> max_completion_tokens
 
-The answer is a ``response`` object whose ``output`` is a ``message`` item (its text as one
-``output_text`` part) and a ``function_call`` item per tool call; ``status`` is
-``incomplete`` (``max_output_tokens``) when the token limit cut it short. Streamed, the typed
-events come in the API's order: ``response.created``, ``response.in_progress``, per item
-``output_item.added``, its deltas (``output_text.delta`` or
-``function_call_arguments.delta``), its ``done`` events and ``output_item.done``, then
-``response.completed`` with the whole response (its status ``incomplete`` when cut short; OpenAI
-sends ``response.incomplete`` then, which the openai client's stream helper does not take); an engine
-failure mid-stream is an ``error`` event. Nothing is stored: ``previous_response_id`` and
-``store: true`` are refused, so a client sends the whole conversation each time (the Agents
-SDK does unless told to chain).
+The answer's ``output`` is a ``message`` item and a ``function_call`` item per call (``status``
+``incomplete`` when cut short); streamed, the typed events come in the API's order, ending with
+``response.completed`` (the openai client's stream helper does not take ``response.incomplete``).
+Nothing is stored: ``previous_response_id`` and ``store: true`` are refused.
 
-vLLM: ``vllm/entrypoints/openai/serving_responses.py`` and the request model in
-``vllm/entrypoints/openai/protocol.py`` (``ResponsesRequest``).
+vLLM: ``vllm/entrypoints/openai/serving_responses.py`` and ``ResponsesRequest`` in
+``vllm/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations
@@ -76,8 +66,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 class Item(BaseModel):
-    """One input item, read loosely: a client sends back the output items it got (with their ids,
-    statuses and annotations), and only the fields below matter."""
+    """One input item, read loosely: a client sends back the output items it got; only these fields matter."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["message", "function_call", "function_call_output"] = "message"
@@ -266,13 +255,11 @@ class ResponsesResponder(Responder):
 
     def body_of(self, items: list[dict[str, Any]], output: RequestOutput | None) -> dict[str, Any]:
         r = self.request
-        status, incomplete = "in_progress", None
+        status, incomplete, usage = "in_progress", None, None
         if output is not None:
             cut = finish_reason(output) == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
-        usage = None
-        if output is not None:
             u = usage_of([output])
             usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                      "total_tokens": u["total_tokens"],
@@ -301,8 +288,7 @@ class ResponsesResponder(Responder):
 
     def opening_frames(self) -> list[str]:
         started = self.body_of([], None)
-        return [self.event("response.created", response=started),
-                self.event("response.in_progress", response=started)]
+        return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
         got = StreamDelta(content=text) if self.stream is None else self.stream.feed(text)

@@ -4,10 +4,8 @@
     -> check lengths -> ``engine.add_request`` -> a JSON body, or SSE chunks then ``[DONE]``
 
 An endpoint module (``completions.py``, ``chat.py``) parses its request and writes its bodies
-with a ``Responder``; ``OpenAIServing`` does the rest. A request that sends
-``X-Stagedserve-Timeline: 1`` gets its server-side timeline (``metrics.request_phases``) as an
-extra ``server_timeline`` key in the response body, or in the stream's final choice chunk:
-opt-in, so standard clients see standard bodies.
+with a ``Responder``; ``OpenAIServing`` does the rest. ``X-Stagedserve-Timeline: 1`` (opt-in)
+adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``.
 
 vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 """
@@ -63,10 +61,7 @@ def finish_reason(output: RequestOutput) -> str | None:
 
 class Responder:
     """How one request's bodies are written: the whole response, or stream chunks and a usage chunk.
-
-    A response has one choice per engine request: prompt i's sample j is choice ``i * n + j``
-    (vLLM's order), and the outputs arrive in that order.
-    """
+    Prompt i's sample j is choice ``i * n + j`` (vLLM's order)."""
 
     object: ClassVar[str]  # the ``object`` of a whole response
     chunk_object: ClassVar[str]  # the ``object`` of a stream chunk
@@ -87,8 +82,7 @@ class Responder:
         raise NotImplementedError
 
     def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
-        """Choice ``index``'s chunk for ``text`` (new since its last chunk) and output tokens ``start .. end``;
-        None when there is nothing to send yet (text held back to be read as a tool call)."""
+        """Choice ``index``'s chunk for new ``text`` and output tokens ``start .. end``; None: nothing to send yet."""
         raise NotImplementedError
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -127,8 +121,7 @@ class Responder:
 
 
 def system_fingerprint(engine: AsyncEngine, version: str) -> str:
-    """``stagedserve-<version>-<hash8>``: the same answer for the same model and configuration (vLLM's
-    ``full`` fingerprint mode, ``vllm/entrypoints/serve/utils/fingerprint.py``)."""
+    """``stagedserve-<version>-<hash8>`` of the model and configuration (vLLM's ``full`` fingerprint mode)."""
     config = {"model": str(getattr(engine, "model_path", "")), "stage": getattr(engine, "stage", ""),
               "engine_args": getattr(engine, "engine_args", {})}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
@@ -194,11 +187,8 @@ class OpenAIServing:
 
     async def generate(self, request: Request, prompts: list[list[int]], params: SamplingParams, salt: str,
                        responder: Responder, stream: bool) -> Response:
-        """Start one engine request per prompt and sample and answer with a JSON body or an SSE stream.
-
-        ``n > 1`` fans out here into requests with seeds ``seed + j``, as vLLM's ``ParentRequest``
-        does; with prefix caching they share the prompt's blocks.
-        """
+        """One engine request per prompt and sample (``n > 1`` fans out here with seeds ``seed + j``, as
+        vLLM's ``ParentRequest``), answered with a JSON body or an SSE stream."""
         responder.system_fingerprint = self.system_fingerprint
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
@@ -219,11 +209,8 @@ class OpenAIServing:
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,
                       responder: Responder, streaming: bool) -> Response:
-        """Non-streaming: wait for the final outputs. Streaming: wait for each first output, then SSE events.
-
-        Waiting for the first outputs before sending headers lets an engine failure in
-        the first step still answer with a 500 status rather than an error event.
-        """
+        """Wait for the final outputs, or (streaming) for each first output before the SSE events, so a
+        failure in the first step still answers with a 500 status rather than an error event."""
         ids = [s.request_id for s in streams]
         try:
             if not streaming:
@@ -232,14 +219,12 @@ class OpenAIServing:
                 return JSONResponse(responder.response(list(outputs)))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
             return SSEResponse(self.events(list(firsts), streams, params, responder))
-        except ClientDisconnected:
+        except BaseException as exc:
             self.engine.abort(ids)
-            return Response(status_code=499)  # nobody is listening
-        except (EngineError, RequestAborted) as exc:
-            self.engine.abort(ids)
-            raise api_error(exc) from None
-        except BaseException:
-            self.engine.abort(ids)
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)  # nobody is listening
+            if isinstance(exc, (EngineError, RequestAborted)):
+                raise api_error(exc) from None
             raise
 
     async def events(self, firsts: list[RequestOutput], streams: list[RequestStream], params: SamplingParams,

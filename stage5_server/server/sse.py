@@ -1,10 +1,8 @@
 """Streaming: server-sent events, deltas from cumulative outputs, and noticing a client that left.
 
-A streamed response is ``data: {json}`` events, one blank line after each, ending with
-``data: [DONE]``. The engine's outputs are cumulative; ``DeltaTracker`` turns them into the
-text not sent yet, holding back what could still become a stop string. A client that
-disconnects aborts its request (its KV blocks go back to the pool) whether it was waiting
-for the first token or reading the stream.
+``data: {json}`` events, a blank line after each, ending with ``data: [DONE]``. ``DeltaTracker``
+turns cumulative outputs into the text not sent yet, holding back a possible stop string. A
+client that disconnects, before its first token or mid-stream, aborts its request.
 
 vLLM: the ``*_stream_generator`` methods of ``serving_completion.py`` and ``serving_chat.py``.
 """
@@ -84,12 +82,8 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 class DeltaTracker:
-    """What a stream has not sent yet, from cumulative outputs.
-
-    Text that could still turn out to be the start of a stop string is held back
-    (the longest stop string less one character) until the request finishes, so the
-    streamed text always equals the final, stop-string-trimmed text.
-    """
+    """What a stream has not sent yet, from cumulative outputs. Text that could still start a stop string
+    is held back until the request finishes, so the streamed text equals the final trimmed text."""
 
     def __init__(self, params: SamplingParams):
         self.hold = max((len(s) for s in params.stop), default=1) - 1

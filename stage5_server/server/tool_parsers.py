@@ -1,22 +1,12 @@
 """Tool calls read back out of the model's text, whole or as it streams.
 
-``tool_choice: "auto"`` leaves it to the model whether to call a tool; a model trained for tools
-writes each call in its own format, and ``--tool-call-parser`` names the format. Hermes (Qwen,
-Hermes, the tiny models' template) writes::
+With ``tool_choice: "auto"`` a model writes calls in its own format, named by
+``--tool-call-parser``. Hermes (Qwen, Hermes, the tiny models' template) writes
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block is a call only if it names
+one of the request's tools with an arguments object; anything else stays ``content``. Streaming
+holds back text that may start a block and sends each call whole. ``required`` or a named tool
+need no parser: structured output forces the JSON (``ForcedToolCalls``).
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-The parser turns each such block into a tool call and leaves the rest as ``content``. A block is
-a call only if it holds a JSON object with the name of one of the request's tools and arguments
-that are a JSON object (or a JSON string of one); anything else stays text, so a client never
-gets ``arguments`` that are not an object's JSON, nor ``<tool_call>`` markup in ``content``
-beside the calls. Streaming holds back text that may be the start of a block, and sends a call
-whole once its block closes (its ``arguments`` are never partial JSON).
-
-``tool_choice: "required"`` or a named tool need no parser: structured output makes the model
-write the calls as JSON (``forced_tool_calls``).
 vLLM: ``vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py`` and ``abstract_tool_parser.py``.
 """
 
@@ -52,8 +42,7 @@ class StreamDelta:
 
 
 def arguments_json(value: Any) -> str | None:
-    """The JSON text of an arguments object; None unless ``value`` is an object (or a JSON string
-    of one)."""
+    """The JSON text of an arguments object; None unless ``value`` is an object (or a JSON string of one)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -166,8 +155,7 @@ TOOL_PARSERS = {"hermes": HermesToolParser}
 # ---- calls forced by structured output ------------------------------------------------------------
 
 def required_calls_schema(tools: list[dict]) -> dict:
-    """``tool_choice: "required"``: the output is a JSON array of calls, each naming one of the
-    tools and giving arguments that follow its parameter schema."""
+    """``tool_choice: "required"``: a JSON array of calls, each naming a tool, arguments following its schema."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                "arguments": parameters_schema(t)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
@@ -180,9 +168,8 @@ def parameters_schema(tool: dict) -> dict:
 
 
 class ForcedToolCalls:
-    """Reads the JSON that structured output forced: a named tool's arguments object, or (for
-    ``required``) an array of ``{"name", "arguments"}``. A named call streams its arguments as
-    they come (the grammar keeps them valid); ``required`` calls are sent when the text ends."""
+    """Reads the JSON that structured output forced: a named tool's arguments object, or (``required``) an array
+    of ``{"name", "arguments"}``. A named call streams its arguments; ``required`` calls come when the text ends."""
 
     def __init__(self, name: str | None):
         self.name = name  # the named tool; None for "required"
