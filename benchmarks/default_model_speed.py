@@ -2,9 +2,10 @@
 
 Sizes: the Q4_1 file on disk, the float32 checkpoint it converts to, the weights in memory at
 float32 and bfloat16, and the time a fresh conversion takes. Speed: stage 5's offline engine on
-CPU (the torch attention backend, what ``stagedserve serve`` runs on a CPU), ``B`` requests of
-the same short prompt decoding together; decode throughput counts the tokens after each
-request's first. Both batch sizes run in this one process, so their ratio is side by side.
+CPU with its defaults (the attention backend ``stagedserve serve`` picks on a CPU), in float32
+and in bfloat16, ``B`` requests of the same short prompt decoding together; decode throughput
+counts the tokens after each request's first. Every row runs in this one process, so the
+ratios are side by side.
 
     python -m benchmarks.default_model_speed [--batch-sizes 1 32 --output-len 64 --threads 2]
 """
@@ -67,20 +68,22 @@ def to_markdown(result: dict) -> str:
         f"| GGUF file (Q4_1, embeddings Q8_0) | {s['gguf_bytes'] / mib:.1f} MiB | on disk |",
         f"| converted `model.safetensors` (float32) | {s['safetensors_bytes'] / mib:.1f} MiB | "
         f"{s['safetensors_bytes'] / s['gguf_bytes']:.1f}x the file; converting took {s['convert_s']:.1f} s |",
-        f"| weights in memory, float32 (CPU default) | {s['params'] * 4 / mib:.1f} MiB | "
+        f"| weights in memory, float32 | {s['params'] * 4 / mib:.1f} MiB | "
         f"{s['params'] / 1e6:.1f}M parameters |",
-        f"| weights in memory, bfloat16 (CUDA default) | {s['params'] * 2 / mib:.1f} MiB | |",
+        f"| weights in memory, bfloat16 (default on CUDA and on CPUs with bf16 units) | "
+        f"{s['params'] * 2 / mib:.1f} MiB | |",
         "<!-- --8<-- [end:sizes] -->",
         "",
         "<!-- --8<-- [start:speed] -->",
-        f"{source}; stage 5 offline engine on CPU, torch attention backend, float32, a prompt of "
-        f"{rows[0]['prompt_tokens']} tokens, {cfg['output_len']} generated per request.",
+        f"{source}; stage 5 offline engine on CPU ({cfg['attention_backend']} attention backend), a prompt "
+        f"of {rows[0]['prompt_tokens']} tokens, {cfg['output_len']} generated per request.",
         "",
-        "| batch | prefill s | decode tokens/s (all requests) | tokens/s per request | vs batch 1 |",
-        "|---:|---:|---:|---:|---:|",
+        "| dtype | batch | prefill s | decode tokens/s (all requests) | tokens/s per request | "
+        f"vs {rows[0]['dtype']} batch {rows[0]['batch_size']} |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
+        lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['per_request_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.1f}x |")
     lines.append("<!-- --8<-- [end:speed] -->")
     return "\n".join(lines) + "\n"
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from shared.named_models import default_model_file
@@ -100,15 +104,20 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     gguf_file = default_model_file() if args.model == "default" else Path(args.model)
     measured = sizes(gguf_file)
-    llm = LLM(model=resolve_model(str(gguf_file)), device="cpu", max_model_len=256,
-              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096)
-    measured["params"] = sum(p.numel() for p in llm.model.parameters())
-    prompt_ids = llm.tokenizer.apply_chat_template(PROMPT)
-    measure(llm, prompt_ids, 1, 4)  # warm-up
-    rows = [measure(llm, prompt_ids, b, args.output_len) for b in args.batch_sizes]
+    rows = []
+    for dtype in args.dtypes:
+        llm = LLM(model=resolve_model(str(gguf_file)), device="cpu", dtype=dtype, max_model_len=256,
+                  max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096, cpu_threads=args.threads)
+        measured["params"] = sum(p.numel() for p in llm.model.parameters())
+        prompt_ids = llm.tokenizer.apply_chat_template(PROMPT)
+        measure(llm, prompt_ids, 1, 4)  # warm-up
+        rows += [{"dtype": str(llm.dtype).removeprefix("torch."), **measure(llm, prompt_ids, b, args.output_len)}
+                 for b in args.batch_sizes]
+        backend = llm.attention_backend_name
     result = {**run_info("benchmarks.default_model_speed", argv), "load_before": load_before,
               "load_after": os.getloadavg()[0], "config": {"model": gguf_file.name, "threads": args.threads,
-                                                           "output_len": args.output_len},
+                                                           "output_len": args.output_len,
+                                                           "attention_backend": backend},
               "sizes": measured, "rows": rows}
     write_results("default_model_speed", result, to_markdown(result), args.out_dir, args.markdown)
     return result
