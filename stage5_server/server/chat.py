@@ -7,9 +7,13 @@ With ``tools``, ``tool_choice`` decides how calls come about:
 - ``auto``: the model sees the tools and may write calls, which the server's
   ``--tool-call-parser`` reads back out of its text (``tool_parsers.py``); needs
   ``--enable-auto-tool-choice``.
-- ``required`` or a named function: structured output forces the call, so it works on any model,
-  even one whose template cannot show tools: the output is the arguments object (named) or an
-  array of ``{"name", "arguments"}`` (required), each following the tool's parameter schema.
+- ``required`` or a named function: structured output forces the call, so it works on any model:
+  the output is the arguments object (named) or an array of ``{"name", "arguments"}``
+  (required), each following the tool's parameter schema.
+
+A chat template that cannot show tools (the default model's) gets them described by the server
+in a Hermes system block, and the history's calls and results as text (``shared/tool_prompt.py``),
+so every choice works on any model and the hermes parser reads what the model writes.
 
 Calls come back as ``tool_calls`` with ``arguments`` the JSON text of an object, ``content``
 null when the text held only calls, and ``finish_reason: "tool_calls"``; streamed, a named call's
@@ -182,8 +186,8 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
 
 
 async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none; a forced call
-    goes on without them when the template cannot show them (the grammar carries the schema)."""
+    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none: by the chat
+    template, or described by the server where the template cannot show them."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
@@ -192,12 +196,7 @@ async def render_conversation(serving: OpenAIServing, body: ChatCompletionReques
     render = partial(serving.engine.tokenizer.apply_chat_template, body.conversation(), True,
                      chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
                      control_tokens_in_messages=options.control_tokens_in_messages)
-    try:
-        return await serving.on_engine(partial(render, tools=tools))
-    except APIError as exc:
-        if not (tools and body.forced_tool_choice and str(exc.message).startswith("tools:")):
-            raise
-        return await serving.on_engine(partial(render, tools=None))
+    return await serving.on_engine(partial(render, tools=tools))
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:
