@@ -84,6 +84,17 @@ def test_langchain_bind_tools_auto_on_a_template_without_tools(plain_chatml_serv
         assert call["name"] == "get_weather" and Forecast.model_validate(call["args"])
 
 
+def test_litellm_tools_with_the_default_tool_choice_on_a_template_without_tools(plain_chatml_server,
+                                                                                plain_chatml_checkpoint):
+    import litellm
+
+    messages = [{"role": "user", "content": ASK}]
+    response = litellm.completion(model=f"hosted_vllm/{MODEL}", api_base=f"{plain_chatml_server}/v1", api_key=KEY,
+                                  messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    assert response.usage.prompt_tokens == described_length(plain_chatml_checkpoint, messages, TOOLS)
+    assert valid_calls_or_text(response.choices[0].message)
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
 def test_langchain_and_pydantic_ai_run_tools_on_the_default_model(tmp_path):
