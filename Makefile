@@ -4,8 +4,10 @@ PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
 STAGE   ?=
 PYTEST_ARGS ?=
+# make test skips the tests marked slow (make test-slow runs only those; MARK= runs everything).
+MARK    ?= not slow
 
-.PHONY: demo test lint docs docs-serve docs-check serve exercises check hint peek soak clean
+.PHONY: demo test test-slow lint docs docs-serve docs-check serve exercises check hint peek soak clean
 
 ifeq ($(wildcard .exercises.json),)
 $(STAMP): pyproject.toml
@@ -27,8 +29,13 @@ endif
 demo: $(STAMP)
 	$(PY) -m stage5_server.demo
 
+# The suite on two workers. The slow tests (the default model's real-weights parity, the
+# notebooks, the soak, data parallelism, ...) run in make test-slow; CI (.ci/run) runs both.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup -m "$(MARK)" $(if $(STAGE),--stage $(STAGE),) $(PYTEST_ARGS)
+
+test-slow:
+	$(MAKE) test MARK=slow
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -43,7 +43,7 @@ MARKER = ".exercises.json"
 # Never copied into a learner's copy when the tree is walked without git.
 SKIP_DIRS = {".git", ".venv", "build", "site", ".cache", "__pycache__", ".pytest_cache", ".hypothesis",
              ".ipynb_checkpoints", ".ruff_cache"}
-SKIP_FILES = {MARKER, ".ci-report.xml"}
+SKIP_FILES = {MARKER, ".ci-report-test.xml", ".ci-report-test-slow.xml"}
 
 # stage -> {file: [qualified function names]}, derived from the task table.
 EXERCISES: dict[int, dict[str, list[str]]] = {

@@ -21,10 +21,14 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
 os.environ.setdefault("STAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "stagedserve"))
 # Under xdist, share the cores among the workers: with more torch threads than cores, every
 # parallel op waits on a descheduled thread (a decode step of the 135M default model ran 9x slower).
+# OMP_NUM_THREADS carries the share to every engine a test builds (stage5 would otherwise take
+# every physical core) and to the server processes tests start.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @dataclass(frozen=True)
