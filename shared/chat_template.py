@@ -13,6 +13,9 @@ become control tokens; the text between them is tokenized with special tokens sp
 control-token string inside a message is ordinary text. Benign conversations tokenize exactly
 as before: transformers also tokenizes the text between special tokens piece by piece.
 
+A template that cannot show tools gets the conversation with the tools, calls and results
+written as text first (``shared/tool_prompt.py``); that text is the caller's like any other.
+
 ``control_tokens_in_messages=True`` restores the plain behaviour, for trusted callers.
 vLLM: ``vllm/entrypoints/chat_utils.py`` (``apply_hf_chat_template``), which renders and
 tokenizes the text as one string.
@@ -20,10 +23,14 @@ tokenizes the text as one string.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
+from functools import partial
 from typing import Any
+
+from shared.tool_prompt import describe_tools, log_tools_described, template_shows_tools, uses_tools
 
 logger = logging.getLogger("stagedserve")
 
@@ -35,8 +42,11 @@ def apply_chat_template(hf, messages: list[dict], *, add_generation_prompt: bool
                         tools: list[dict] | None = None, chat_template: str | None = None,
                         template_kwargs: dict | None = None, control_tokens_in_messages: bool = False) -> list[int]:
     """Token ids of the rendered conversation; control tokens only where the template put them."""
-    kwargs = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template,
-                  **(template_kwargs or {}))
+    kwargs = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template, **(template_kwargs or {}))
+    if uses_tools(messages, tools) and not shows_tools(hf, kwargs):
+        messages, tools = describe_tools(messages, tools), None  # the tools described as text
+        log_tools_described()
+    kwargs["tools"] = tools
     text = render(hf, messages, **kwargs)
     check_tools_rendered(text, messages, tools)
     if control_tokens_in_messages:
@@ -74,6 +84,22 @@ def render(hf, messages: list[dict], **kwargs) -> str:
         raise ValueError(f"chat_template: not a valid template ({exc})") from None
     except jinja2.TemplateError as exc:  # the template's own raise_exception("...")
         raise ValueError(f"messages: the chat template refused this conversation ({exc})") from None
+
+
+_SHOWS_TOOLS: dict[str, bool] = {}  # per template and template variables
+
+
+def shows_tools(hf, kwargs: dict) -> bool:
+    """Whether this chat template (with these variables) writes tools into the prompt; probed
+    once per template (``shared/tool_prompt.py``)."""
+    template = kwargs.get("chat_template") or getattr(hf, "chat_template", None)
+    key = json.dumps([template, {k: v for k, v in kwargs.items() if k != "chat_template"}], sort_keys=True,
+                     default=repr)
+    if key not in _SHOWS_TOOLS:
+        if len(_SHOWS_TOOLS) >= 64:  # request templates are many only on a trusting server
+            _SHOWS_TOOLS.clear()
+        _SHOWS_TOOLS[key] = template_shows_tools(partial(render, hf, **kwargs))
+    return _SHOWS_TOOLS[key]
 
 
 def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | None) -> None:

@@ -4,7 +4,9 @@ With ``tools``, ``tool_choice`` decides how calls come about: ``none`` shows the
 (vLLM shows them unless ``--exclude-tools-when-tool-choice-none``); ``auto`` shows them and reads
 calls out of the text with ``--tool-call-parser`` (``tool_parsers.py``; needs
 ``--enable-auto-tool-choice``); ``required`` or a named function forces the call by structured
-output, on any model. Calls come back as ``tool_calls`` with ``finish_reason: "tool_calls"``.
+output, on any model. A template that cannot show tools (the default model's) gets them
+described by the server in a Hermes system block, and the history's calls and results as text
+(``shared/tool_prompt.py``). Calls come back as ``tool_calls`` with ``finish_reason: "tool_calls"``.
 
 vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 """
@@ -173,8 +175,8 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
 
 
 async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids; the tools shown unless ``tool_choice`` is none (a forced call goes on
-    without them when the template cannot show them: the grammar carries the schema)."""
+    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none: by the chat
+    template, or described by the server where the template cannot show them."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
@@ -183,12 +185,7 @@ async def render_conversation(serving: OpenAIServing, body: ChatCompletionReques
     render = partial(serving.engine.tokenizer.apply_chat_template, body.conversation(), True,
                      chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
                      control_tokens_in_messages=options.control_tokens_in_messages)
-    try:
-        return await serving.on_engine(partial(render, tools=tools))
-    except APIError as exc:
-        if not (tools and body.forced_tool_choice and str(exc.message).startswith("tools:")):
-            raise
-        return await serving.on_engine(partial(render, tools=None))
+    return await serving.on_engine(partial(render, tools=tools))
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:

@@ -252,13 +252,44 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, words)
     assert (error["param"] or "").startswith(param) and words in error["message"], error
 
 
-def test_a_template_that_cannot_show_tools_refuses_auto_but_forced_calls_still_work(server):
-    r = chat(server, tools=TOOLS, chat_template=PLAIN_CHATML)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "does not render tools" in r.json()["error"]["message"]
+def described_prompt_length(tiny_llama, messages: list[dict], tools: list[dict] | None) -> int:
+    """Tokens of ``messages`` on PLAIN_CHATML with the tools, calls and results written as text."""
+    from shared import Tokenizer
+    from shared.tool_prompt import describe_tools
+
+    hf = Tokenizer(tiny_llama).hf
+    text = hf.apply_chat_template(describe_tools(messages, tools), chat_template=PLAIN_CHATML, tokenize=False,
+                                  add_generation_prompt=True)
+    return len(hf.encode(text, add_special_tokens=False))
+
+
+def test_a_template_that_cannot_show_tools_gets_them_described_for_every_tool_choice(server, tiny_llama):
+    want = described_prompt_length(tiny_llama, ASK, TOOLS)
+    assert want > described_prompt_length(tiny_llama, ASK, None) + 100  # the tools are in it
+    for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        r = chat(server, tools=TOOLS, chat_template=PLAIN_CHATML, tool_choice=tool_choice, max_tokens=1)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == want, tool_choice
+    forced = {"structured_outputs": {"regex": regex_of(HERMES_CALL)}, "max_tokens": 300}
+    choice = chat(server, tools=TOOLS, chat_template=PLAIN_CHATML, **forced).json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]  # auto: the hermes parser reads the call
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
     choice = chat(server, tools=TOOLS, chat_template=PLAIN_CHATML,
                   tool_choice={"type": "function", "function": {"name": "get_time"}}).json()["choices"][0]
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["zone"] in ("UTC", "CET")
+
+
+def test_calls_and_results_in_the_history_render_on_a_template_that_cannot_show_tools(server, tiny_llama):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    for tools, tool_choice in ((TOOLS, "auto"), (TOOLS, "none"), (None, None)):
+        r = chat(server, messages=history, tools=tools, tool_choice=tool_choice, chat_template=PLAIN_CHATML,
+                 max_tokens=1)
+        assert r.status_code == 200, r.text
+        shown = tools if tool_choice != "none" else None
+        assert r.json()["usage"]["prompt_tokens"] == described_prompt_length(tiny_llama, history, shown)
 
 
 def test_defaults_refuse_auto_tool_choice_and_request_templates(plain_server):
