@@ -3,10 +3,12 @@
 New here: the attention-backend registry (``attention/``: ``torch`` | ``triton`` | ``cpu``), CUDA
 as the default device when present (bf16 weights), and a KV cache sized from free GPU memory after
 a profiling forward pass (``gpu_memory_utilization``, ``attention/memory.py``) when no explicit
-size is given. The loaded model is rearranged for speed (``model/``: fused QKV and gate-up GEMMs,
-one RoPE table per step; ``enforce_eager=False`` also compiles it). On a CPU: one torch thread per
-physical core (``engine/cpu_threads.py``), and ``dtype="auto"`` is bfloat16 where the CPU has
-native bf16 matrix units and the model is wide enough for them to win (``cpu_auto_dtype``).
+size is given. A step's inputs are gathered from a persistent input batch (``worker/``: rows
+updated in place, not rebuilt from lists). The loaded model is rearranged for speed (``model/``:
+fused QKV and gate-up GEMMs, one RoPE table per step; ``enforce_eager=False`` also compiles it).
+On a CPU: one torch thread per physical core (``engine/cpu_threads.py``), and ``dtype="auto"`` is
+bfloat16 where the CPU has native bf16 matrix units and the model is wide enough for them to win
+(``cpu_auto_dtype``).
 With ``tensor_parallel_size=N`` the model is split over N worker processes (``parallel/``); this
 process keeps the scheduler and loads no weights.
 
@@ -29,6 +31,7 @@ from stage5_server.attention.memory import profile_free_kv_memory, profiled_kv_m
 from stage5_server.engine.cpu_threads import configure_engine_threads
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.parallel import build_tensor_parallel_engine, check_tensor_parallel_size
+from stage5_server.worker import PersistentBatchEngineCore
 
 logger = logging.getLogger("stagedserve")
 
@@ -60,6 +63,7 @@ def cpu_auto_dtype(config: ModelConfig) -> torch.dtype:
 class LLM(_PrefixCachingLLM):
     stage = "stage5_server"
     engine_args = SERVER_ENGINE_ARGS
+    engine_core_class = PersistentBatchEngineCore
 
     def default_device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
