@@ -47,8 +47,8 @@ class InputBatch:
         self.device = torch.device(device)
         self.token_ids = np.zeros((0, 0), dtype=np.int32)  # [rows, tokens]
         self.block_table = np.zeros((0, 0), dtype=np.int32)  # [rows, blocks]
-        self.num_blocks = np.zeros(0, dtype=np.int64)  # [rows]: blocks written in each row
         self.num_tokens: list[int] = []  # per row: token ids written
+        self.num_blocks: list[int] = []  # per row: block ids written
         self.requests: list[Request | None] = []  # per row: its request, None when free
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
@@ -110,7 +110,7 @@ class InputBatch:
         token_ids[:old_rows, :old_tokens] = self.token_ids
         block_table[:old_rows, :self.block_table.shape[1]] = self.block_table
         self.token_ids, self.block_table = token_ids, block_table
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        self.num_blocks += [0] * (num_rows - old_rows)
         self.num_tokens += [0] * (num_rows - old_rows)
         self.requests += [None] * (num_rows - old_rows)
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
@@ -121,47 +121,57 @@ class InputBatch:
         for request_id in output.finished_req_ids | output.preempted_req_ids:
             self.remove_request(request_id)
         num_scheduled, block_tables = output.num_scheduled_tokens, output.block_tables
-        batch: ScheduledBatch = []
-        rows, num_new, starts, sample_rows = [], [], [], []
+        requests_now = output.scheduled_reqs
+        counts = [num_scheduled[request.request_id] for request in requests_now]
+        starts = [request.num_computed_tokens for request in requests_now]
+        rows = []
         token_rows, token_cols, token_values = [], [], []  # what the rows gained since their last step
         block_rows, block_cols, block_values = [], [], []
-        for request in output.scheduled_reqs:
+        row_of, requests, num_tokens, num_blocks = self.row_of, self.requests, self.num_tokens, self.num_blocks
+        token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
+        widest = 0
+        for request in requests_now:
             request_id = request.request_id
-            count = num_scheduled[request_id]
             table = block_tables[request_id]
-            row = self.row_of.get(request_id)
-            if row is None or self.requests[row] is not request:
-                row = self.add_request(request, table)  # new, resumed, or an id taken again
-            else:
-                have, total = self.num_tokens[row], request.num_tokens
-                written = int(self.num_blocks[row])
-                self._fit(total, len(table))
-                if total > have:
+            all_token_ids = request.all_token_ids
+            total, blocks = len(all_token_ids), len(table)
+            row = row_of.get(request_id)
+            if row is None or requests[row] is not request or total > token_width or blocks > block_width:
+                row = self.add_request(request, table)  # new, resumed, an id taken again, or a longer row
+                token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
+            else:  # a running request: write the tokens and blocks it gained since its last step
+                have = num_tokens[row]
+                if total == have + 1:  # a decode: the token sampled last step
+                    token_rows.append(row)
+                    token_cols.append(have)
+                    token_values.append(all_token_ids[have])
+                    num_tokens[row] = total
+                elif total > have:
                     token_rows += [row] * (total - have)
                     token_cols.extend(range(have, total))
-                    token_values.extend(request.all_token_ids[have:total])
-                    self.num_tokens[row] = total
-                if len(table) > written:
-                    block_rows += [row] * (len(table) - written)
-                    block_cols.extend(range(written, len(table)))
+                    token_values.extend(all_token_ids[have:total])
+                    num_tokens[row] = total
+                written = num_blocks[row]
+                if blocks > written:
+                    block_rows += [row] * (blocks - written)
+                    block_cols.extend(range(written, blocks))
                     block_values.extend(table[written:])
-                    self.num_blocks[row] = len(table)
-            start = request.num_computed_tokens
-            assert 0 < count and start + count <= request.num_tokens, (request, count)
-            if start + count == request.num_tokens:
-                sample_rows.append(len(batch))
-            batch.append((request, count))
+                    num_blocks[row] = blocks
             rows.append(row)
-            num_new.append(count)
-            starts.append(start)
+            if blocks > widest:
+                widest = blocks
         if token_values:
             self.token_ids[token_rows, token_cols] = token_values
         if block_values:
             self.block_table[block_rows, block_cols] = block_values
-        return batch, *self._gather(rows, num_new, starts, sample_rows)
+        # A request samples when this step reaches its last known token (not mid-way through a prefill).
+        sample_rows = [i for i, (request, start, count) in enumerate(zip(requests_now, starts, counts))
+                       if start + count == len(request.all_token_ids)]
+        batch = list(zip(requests_now, counts))
+        return batch, *self._gather(rows, counts, starts, sample_rows, widest)
 
-    def _gather(self, rows: list[int], num_new: list[int], starts: list[int],
-                sample_rows: list[int]) -> tuple[StepInputs, PagedAttentionMetadata]:
+    def _gather(self, rows: list[int], num_new: list[int], starts: list[int], sample_rows: list[int],
+                width: int) -> tuple[StepInputs, PagedAttentionMetadata]:
         rows_a = np.array(rows, dtype=np.int64)
         counts = np.array(num_new, dtype=np.int64)
         first = np.array(starts, dtype=np.int64)
@@ -174,7 +184,6 @@ class InputBatch:
         slots += positions % block_size
         seq_lens = first + counts
         query_start_loc = np.concatenate([np.zeros(1, dtype=np.int64), ends])
-        width = int(self.num_blocks[rows_a].max())
         tables = self.block_table[rows_a, :width]
         device = self.device
 
