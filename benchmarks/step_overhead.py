@@ -124,11 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    start = time.perf_counter()
     result = {**run_info("benchmarks.step_overhead", argv), "load_average": {"before": os.getloadavg()},
               "config": {"model": Path(model).name, "threads": args.threads, "steps": args.steps,
                          "prompt_len": args.prompt_len}}
     result["rows"] = [measure(model, b, args.prompt_len, args.steps, args.threads) for b in args.batch_sizes]
     result["load_average"]["after"] = os.getloadavg()
+    result["runtime_s"] = round(time.perf_counter() - start, 3)
     write_results("step_overhead", result, to_markdown(result), args.out_dir, args.markdown)
     return result
 
