@@ -36,6 +36,7 @@ from shared.request import Request, RequestStatus
 from stage2_paged.attention import PagedAttentionMetadata
 from stage3_continuous.scheduler import SchedulerOutput
 
+_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 INITIAL_TOKENS_PER_ROW = 2048  # rows widen (doubling) when a longer request arrives, up to max_model_len
 
 
@@ -176,8 +177,11 @@ class InputBatch:
         counts = np.array(num_new, dtype=np.int64)
         first = np.array(starts, dtype=np.int64)
         ends = np.cumsum(counts)
-        token_rows = np.repeat(rows_a, counts)
-        positions = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
+        if int(ends[-1]) == len(rows):  # decodes only: one token per row, at its next position
+            token_rows, positions = rows_a, first
+        else:
+            token_rows = np.repeat(rows_a, counts)
+            positions = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
         block_size = self.block_size
         slots = self.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
@@ -188,7 +192,8 @@ class InputBatch:
         device = self.device
 
         def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array).to(device=device, dtype=dtype)
+            tensor = torch.from_numpy(array.astype(_NUMPY_DTYPES[dtype], copy=False))
+            return tensor if device.type == "cpu" else tensor.to(device)
 
         inputs = StepInputs(as_tensor(input_ids, torch.long), as_tensor(positions, torch.long),
                             query_start_loc.tolist(), seq_lens.tolist(), sample_rows)
