@@ -95,3 +95,17 @@ def test_rows_widen_for_a_request_longer_than_they_were_made(tiny_llama, monkeyp
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.input_batch.token_ids.shape[1] >= max(map(len, prompts)) + 30 > initial_width
+
+
+def test_rows_of_requests_aborted_while_nothing_ran_are_taken_back(tiny_llama):
+    llm = LLM(str(tiny_llama), **ENGINE)
+    checked_against_lists(llm)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(2 * ENGINE["max_num_seqs"], seed=3)
+    first = [llm.add_request(p, params) for p in prompts[:ENGINE["max_num_seqs"]]]
+    llm.step()
+    llm.abort(first)
+    assert llm.step() == []  # nothing to run: the engine never sees these requests leave
+    outputs = llm.generate(prompts[ENGINE["max_num_seqs"]:], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert llm.engine.input_batch.num_rows == ENGINE["max_num_seqs"]
