@@ -37,7 +37,7 @@ from stage2_paged.attention import PagedAttentionMetadata
 from stage3_continuous.scheduler import SchedulerOutput
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
-INITIAL_TOKENS_PER_ROW = 2048  # rows widen (doubling) when a longer request arrives, up to max_model_len
+INITIAL_TOKENS_PER_ROW = 2048  # (or max_model_len if shorter); rows widen, doubling, when a longer request arrives
 
 
 class InputBatch:
