@@ -1,7 +1,8 @@
 """stage5 on a CPU against vLLM's CPU build and against the machine's own roofline, in one run.
 
 One seeded workload (64 requests, prompts of tens to hundreds of tokens, outputs of 32 to 128,
-greedy, EOS ignored) runs on every engine in turn: stage5 with each attention backend that runs
+greedy, EOS ignored, no detokenization: ``detokenize=False`` on both engines, nobody reads the
+text) runs on every engine in turn: stage5 with each attention backend that runs
 on a CPU, in float32 and bfloat16, and vLLM's CPU build (``benchmarks/vllm_peer.py`` in its own
 venv) in both dtypes. In the same run the machine's roofline for this model is measured:
 
@@ -22,8 +23,13 @@ and where tokens first differ each engine's token must be in the other's top 5.
 
     STAGEDSERVE_VLLM_PYTHON=<vllm venv>/bin/python python -m benchmarks.cpu_roofline --models default small
 
+The stage5 rows include ``cpu:float32:compile``: the same engine with ``enforce_eager=False``
+(torch.compile of the forward). Each stage5 row states its load time and, apart from it, its
+warm-up (two tiny generations before the timed run), which for the compiled row is the compile.
+
 The load average (``uptime``) is recorded before and after: numbers from a loaded machine
-are not worth much.
+are not worth much. ``--smoke`` checks in a few minutes that the rows run (small model, 4
+requests, eager and compiled) without touching the docs.
 """
 
 from __future__ import annotations
@@ -167,16 +173,23 @@ def run_stage5(model: str, backend: str, dtype: str, prompts, max_tokens, args, 
     llm = LLM(model=model, device="cpu", dtype=dtype, attention_backend=backend, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, kv_cache_memory=kv_memory, seed=0, **extra)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    load = time.perf_counter() - start
+    # The warm-up runs a batch of one token, and of several, in prefill and in decode: a compiled
+    # forward compiles its graphs here (a batch of one is a graph of its own), not in the timed run.
+    start = time.perf_counter()
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([prompts[0][:8]], warm, use_tqdm=False)
+    llm.generate([prompts[0][:8], prompts[1][:8]], warm, use_tqdm=False)
+    warmup = time.perf_counter() - start
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     n = args.check_requests
     check = llm.generate(prompts[:n], [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=5)
                                        for m in max_tokens[:n]], use_tqdm=False)
-    row = {"wall_s": wall, "startup_s": startup, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    row = {"wall_s": wall, "load_s": load, "warmup_s": warmup,
+           "token_ids": [list(o.outputs[0].token_ids) for o in outs],
            "check_token_ids": [list(o.outputs[0].token_ids) for o in check],
            "check_logprobs": [as_token_logprobs(o.outputs[0].logprobs) for o in check]}
     del llm
@@ -201,7 +214,7 @@ def run_vllm(python: str, model: str, dtype: str, prompts, max_tokens, args) -> 
         if done.returncode != 0:
             raise RuntimeError(f"vllm_peer.py exited {done.returncode}: {done.stderr[-1500:]}")
         result = json.loads(out.read_text())
-    result["startup_s"] = time.perf_counter() - start - result["wall_s"]
+    result["load_s"] = time.perf_counter() - start - result["wall_s"]  # vLLM's start-up, warm-up included
     result["check_logprobs"] = [[{int(t): lp for t, lp in step.items()} for step in seq]
                                 for seq in result["check_logprobs"]]
     return result
@@ -272,7 +285,8 @@ def run_model(name: str, args) -> dict:
     rows = []
     for engine, r in results.items():
         vllm = results.get(f"vllm {r['dtype']}")
-        row = {"engine": engine, "dtype": r["dtype"], "wall_s": r["wall_s"], "startup_s": r.get("startup_s"),
+        row = {"engine": engine, "dtype": r["dtype"], "wall_s": r["wall_s"], "load_s": r.get("load_s"),
+               "warmup_s": r.get("warmup_s"),
                "output_tokens": sum(map(len, r["token_ids"])),
                "output_tokens_per_s": sum(map(len, r["token_ids"])) / r["wall_s"],
                "fraction_of_roofline": roofline[r["dtype"]]["seconds"] / r["wall_s"],
@@ -323,15 +337,16 @@ def markdown(result: dict) -> str:
                          f"{g[16]:.3g} GFLOP/s at M=16, {g[64]:.3g} at M=64, {g[512]:.3g} at M=512; "
                          f"peak {r['peak_gemm_gflops']:.0f} GFLOP/s; copy {r['copy_bandwidth_gbs']:.1f} GB/s")
         lines += ["", "| engine | out tok/s | vs vLLM (same dtype) | of roofline | identical tokens (fp32) | "
-                  "divergences: near-ties | startup s |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "divergences: near-ties | load s | warm-up (compile) s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in m["engines"]:
             vs = f"{r['vs_vllm_same_dtype']:.2f}x" if r["vs_vllm_same_dtype"] else "n/a"
             same = f"{100 * r['identical_to_reference']:.0f}%" if "identical_to_reference" in r else "-"
             ch = r["check"]
             close = f"{ch['diverged']}/{ch['requests']}: {'all' if ch['all_close'] else 'NOT all'}"
+            warmup = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f}"
             lines.append(f"| {r['engine']} | {r['output_tokens_per_s']:.1f} | {vs} | "
                          f"{100 * r['fraction_of_roofline']:.0f}% | {same} | {close} | "
-                         f"{r['startup_s'] or 0:.1f} |")
+                         f"{r['load_s'] or 0:.1f} | {warmup} |")
         for name, why in m["skipped"].items():
             lines.append(f"\n- {name} skipped: {why.splitlines()[0] if why else ''}")
         lines.append("")
@@ -366,8 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["default", "small"],
                     help="checkpoint directories or names (default, tiny, small)")
-    ap.add_argument("--stage5", nargs="+", default=["torch:float32", "cpu:float32", "torch:bfloat16",
-                                                    "cpu:bfloat16"],
+    ap.add_argument("--stage5", nargs="+", default=["torch:float32", "cpu:float32", "cpu:float32:compile",
+                                                    "torch:bfloat16", "cpu:bfloat16"],
                     help="stage5 variants as BACKEND:DTYPE[:compile]; the first float32 one is the reference")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="vLLM's dtypes and the rooflines")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -382,10 +397,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", default=None, metavar="BACKEND:DTYPE",
                     help="only profile this stage5 variant on the first model (torch.profiler) and write the table "
                          "to docs/results/cpu_roofline_profile.txt")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a quick check that the rows run: the small model, 4 requests, stage5 cpu float32 eager and "
+                         "compiled, no vLLM; the results go to a temporary directory, not to the docs")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--plot", default="docs/assets/cpu_roofline.png")
     ap.add_argument("--markdown", default="docs/results/cpu_roofline.md")
     args = ap.parse_args(argv)
+    if args.smoke:
+        out = Path(tempfile.mkdtemp(prefix="cpu_roofline_smoke_"))
+        args.models, args.num_requests, args.check_requests = ["small"], 4, 2
+        args.stage5, args.dtypes, args.vllm_python = ["cpu:float32", "cpu:float32:compile"], ["float32"], None
+        args.out_dir, args.plot, args.markdown = str(out), str(out / "cpu_roofline.png"), str(out / "cpu_roofline.md")
     torch.set_num_threads(args.threads)
     if args.profile:
         model = resolve_model(args.models[0])

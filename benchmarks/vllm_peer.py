@@ -32,7 +32,8 @@ def main(workload_path: str, result_path: str) -> None:
     llm = LLM(model=work["model"], dtype=work.get("dtype", "float32"), seed=0, max_model_len=work["max_model_len"],
               max_num_seqs=work["max_num_seqs"], max_num_batched_tokens=work["max_num_batched_tokens"],
               block_size=block_size, enable_prefix_caching=False)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work["max_tokens"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in work["max_tokens"]]
     prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
     start = time.perf_counter()

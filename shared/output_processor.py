@@ -8,6 +8,7 @@ detokenization, and the engine is told to finish the request (as vLLM's
 - a request that a stop token (EOS or ``stop_token_ids``) ended does not show that token's
   text, unless ``include_stop_str_in_output``; its id stays in ``token_ids``;
 - text made by the first ``min_tokens`` tokens cannot hold a stop string;
+- a request with ``detokenize=False`` (vLLM's field) gets token ids and no text: nothing is decoded;
 - while a request runs, its text holds back the last ``len(longest stop) - 1`` characters,
   which may yet turn out to start a stop string: text once shown is never taken back.
 
@@ -67,7 +68,7 @@ class OutputProcessor:
         new_ids = request.output_token_ids[state.num_seen:]
         crossed_min_tokens = state.num_seen <= params.min_tokens < request.num_output_tokens
         state.num_seen = request.num_output_tokens
-        if state.stopped_by_string is not None:
+        if state.stopped_by_string is not None or not params.detokenize:
             return False
         if crossed_min_tokens and params.min_tokens:
             state.no_stop_before = len(self.tokenizer.decode(request.output_token_ids[:params.min_tokens]))
@@ -75,9 +76,10 @@ class OutputProcessor:
         if _ended_by_stop_token(request) and not params.include_stop_str_in_output:
             new_ids, shown_ids = new_ids[:-1], shown_ids[:-1]
         before = len(state.detokenizer.text)
-        state.detokenizer.add_tokens(new_ids)
-        if request.is_finished:
-            state.detokenizer.text = self.tokenizer.decode(shown_ids)  # flush held bytes
+        if request.is_finished:  # the whole text at once: nothing comes after it
+            state.detokenizer.text = self.tokenizer.decode(shown_ids)
+        else:
+            state.detokenizer.add_tokens(new_ids)
         if not params.stop or request.num_output_tokens <= params.min_tokens:
             return False
         text = state.detokenizer.text

@@ -39,6 +39,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words the output must never complete
     prompt_logprobs: int | None = None  # top alternatives per prompt token (computed in prefill)
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text)
+    detokenize: bool = True  # False: the output's text stays empty, only its token ids are made
     # A grammar the output must follow (``shared/structured_output.py``); a dict is taken as its fields.
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -103,6 +104,10 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "must be a bool")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "must be a bool")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings need the text: they cannot be used with detokenize=False")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 

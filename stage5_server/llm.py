@@ -1,9 +1,10 @@
 """``LLM`` for stage5: stage4's engine core on a chosen attention backend and device.
 
 New here: the attention-backend registry (``attention/``), CUDA by default when present (bf16),
-a KV cache sized from free GPU memory (``attention/memory.py``), the model rearranged for speed
-(``model/``), one torch thread per physical core on a CPU (``engine/cpu_threads.py``) with
-``dtype="auto"`` bfloat16 where it wins, and ``tensor_parallel_size=N`` (``parallel/``).
+a KV cache sized from free GPU memory (``attention/memory.py``), a step's inputs gathered from a
+persistent input batch (``worker/``), the model rearranged for speed (``model/``), one torch
+thread per physical core on a CPU (``engine/cpu_threads.py``) with ``dtype="auto"`` bfloat16
+where it wins, and ``tensor_parallel_size=N`` (``parallel/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``; the backend choice is
 ``vllm/attention/selector.py``.
@@ -24,6 +25,7 @@ from stage5_server.attention.memory import profile_free_kv_memory, profiled_kv_m
 from stage5_server.engine.cpu_threads import configure_engine_threads
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.parallel import build_tensor_parallel_engine, check_tensor_parallel_size
+from stage5_server.worker import PersistentBatchEngineCore
 
 logger = logging.getLogger("stagedserve")
 
@@ -55,6 +57,7 @@ def cpu_auto_dtype(config: ModelConfig) -> torch.dtype:
 class LLM(_PrefixCachingLLM):
     stage = "stage5_server"
     engine_args = SERVER_ENGINE_ARGS
+    engine_core_class = PersistentBatchEngineCore
 
     def default_device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import kv_fragmentation, offline_throughput, prefix_cache
+from benchmarks import kv_fragmentation, offline_throughput, prefix_cache, step_overhead
 
 
 def _outputs(tmp_path, name):
@@ -79,3 +79,13 @@ def test_tensor_parallel_smoke(tmp_path):
     assert [r["tensor_parallel_size"] for r in data["rows"]] == [1, 2]
     assert all(r["output_tokens_per_s"] > 0 for r in data["rows"])
     assert "python -m benchmarks.tensor_parallel" in (tmp_path / "tensor_parallel.md").read_text()
+
+
+def test_step_overhead_smoke(tmp_path):
+    step_overhead.main(["--batch-sizes", "4", "--steps", "3", "--prompt-len", "8", "--out-dir", str(tmp_path),
+                        "--markdown", str(tmp_path / "step_overhead.md")])
+    data = json.loads((tmp_path / "step_overhead.json").read_text())
+    [row] = data["rows"]
+    assert row["batch_size"] == 4 and row["steps"] == 3
+    assert all(row["p50_ms"][name] > 0 for name in ("schedule", "update", "prepare", "prepare_lists"))
+    assert "python -m benchmarks.step_overhead" in (tmp_path / "step_overhead.md").read_text()

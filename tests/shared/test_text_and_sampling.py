@@ -146,3 +146,19 @@ def test_a_batch_of_plain_greedy_rows_is_the_argmax_of_the_logits_as_given():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2), dtype=torch.bfloat16)
     reqs = [_request(SamplingParams(temperature=0), str(i)) for i in range(4)]
     assert sample(logits, reqs, torch.Generator()) == logits.argmax(-1).tolist()
+
+
+def test_detokenize_false_gives_the_same_token_ids_and_no_text(tiny_llama):
+    from stage4_prefix_cache import LLM
+
+    llm = LLM(str(tiny_llama), block_size=4, max_model_len=64)
+    prompts = [[5, 9, 200, 31], "Hello there"]
+    with_text = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ids_only = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
+    assert all(o.outputs[0].text for o in with_text) and not any(o.outputs[0].text for o in ids_only)
+    with pytest.raises(ValueError, match="^stop: stop strings need the text"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="^detokenize: must be a bool"):
+        SamplingParams(detokenize=1)
