@@ -498,11 +498,18 @@ def test_two_api_servers_over_two_engine_cores_serve_survive_faults_and_drain(ti
 
         # Per-request metrics are summed over both API servers; engine numbers are one series per rank.
         assert wait_until(lambda: sum(served_by(log, 0).values()) == len(PROMPTS) * 2, timeout=10)
-        for _ in range(4):  # a scrape reaches either API server: each tells the whole story
-            text = httpx.get(f"{url}/metrics", headers=auth(KEY), timeout=10).text
+        def scrape() -> str:  # reaches either API server: each tells the whole story
+            return httpx.get(f"{url}/metrics", headers=auth(KEY), timeout=10).text
+
+        # Engine counters come with each core's newest stats, which can trail its last outputs.
+        generated = len(PROMPTS) * 2 * GREEDY.max_tokens
+        assert wait_until(lambda: all(metric(scrape(), "vllm:generation_tokens_total") == generated
+                                      for _ in range(4)), timeout=10)
+        for _ in range(4):
+            text = scrape()
             assert metric(text, "vllm:request_success_total", finished_reason="length") == len(PROMPTS) * 2
             assert metric(text, "vllm:e2e_request_latency_seconds_count") == len(PROMPTS) * 2
-            assert metric(text, "vllm:generation_tokens_total") == len(PROMPTS) * 2 * GREEDY.max_tokens
+            assert metric(text, "vllm:generation_tokens_total") == generated
             assert all(metric(text, "vllm:generation_tokens_total", engine=d) > 0 for d in ("0", "1"))
 
         # kill -9 one API server while each holds two streams: its streams break, the other's finish
