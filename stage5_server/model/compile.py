@@ -31,5 +31,9 @@ class EagerAttention:
 def compile_model(model, backend) -> None:
     """Install ``backend`` behind a graph break and compile ``model.forward`` (on its first call)."""
     model.set_attention_backend(EagerAttention(backend))
+    # The layers differ in their weights and their index: with the index a dynamic int, one graph
+    # serves every layer (a static one recompiles per layer, and past dynamo's limit of eight
+    # recompiles the rest run uncompiled).
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
     model.forward = torch.compile(model.forward, dynamic=True)
     logger.info("torch.compile: the model forward compiles on its first steps (inductor, dynamic shapes)")
