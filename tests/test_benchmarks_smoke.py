@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from benchmarks import kv_fragmentation, offline_throughput, prefix_cache, step_overhead
+from benchmarks import cpu_gemm, kv_fragmentation, offline_throughput, prefix_cache, step_overhead
 
 
 def _outputs(tmp_path, name):
@@ -89,3 +90,14 @@ def test_step_overhead_smoke(tmp_path):
     assert row["batch_size"] == 4 and row["steps"] == 3
     assert all(row["p50_ms"][name] > 0 for name in ("schedule", "update", "prepare", "prepare_lists"))
     assert "python -m benchmarks.step_overhead" in (tmp_path / "step_overhead.md").read_text()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs a torch build with MKL")
+def test_cpu_gemm_smoke(tmp_path):
+    cpu_gemm.main(["--batch-sizes", "4", "--repeats", "2", "--threads", "1", "--out-dir", str(tmp_path),
+                   "--markdown", str(tmp_path / "cpu_gemm.md")])
+    rows = json.loads((tmp_path / "cpu_gemm.json").read_text())["rows"]
+    assert [r["projection"] for r in rows] == ["qkv", "gate_up", "down"]
+    assert all(r["linear_gflops"] > 0 and r["packed_gflops"] > 0 and r["packed_bytes_per_weight_byte"] > 1
+               for r in rows)
+    assert "python -m benchmarks.cpu_gemm" in (tmp_path / "cpu_gemm.md").read_text()
