@@ -6,8 +6,6 @@ Fast on a tiny Llama whose template is plain ChatML; once, slow, on the default 
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from typing import Literal
 
 import pytest
@@ -18,7 +16,7 @@ from shared.tool_prompt import describe_tools
 from tests.clients.conftest import TOOLS_KEY as KEY
 from tests.clients.conftest import TOOLS_MODEL as MODEL
 from tests.clients.test_structured_output_and_tools import ASK, Forecast, get_weather, weather_tool
-from tests.stage5.server_fixtures import serving_or_exited, spawn_serve, wait_until
+from tests.stage5.server_fixtures import serving_or_exited, spawn_serve, stop_serve, wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast for a city.",
                                            "parameters": Forecast.model_json_schema()}}]
@@ -136,11 +134,6 @@ def test_langchain_and_pydantic_ai_run_tools_on_the_default_model(tmp_path):
         assert isinstance(result.output, Forecast)  # validated by pydantic-ai against the output type
         assert all(isinstance(c, Forecast) for c in calls)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        stop_serve(process)
     log.seek(0)
     assert log.read().count("the chat template does not show tools") == 1  # logged once

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -149,6 +150,16 @@ def spawn_serve(model, log: IO, *args: str, env: dict[str, str] | None = None) -
                                cwd=REPO, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)},
                                stdout=log, stderr=subprocess.STDOUT)
     return process, f"http://127.0.0.1:{port}"
+
+
+def stop_serve(process: subprocess.Popen, timeout: float = 60) -> int:
+    """Ctrl-C for a ``spawn_serve`` process; its exit code (killed, and the timeout raised, if it hangs)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
 
 
 def serving_or_exited(process: subprocess.Popen, url: str) -> Callable[[], bool]:

@@ -4,8 +4,6 @@ from flags or the environment, ``make-tiny-model``, the ``bench`` hook, and a re
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import types
 
@@ -15,7 +13,7 @@ import pytest
 from stage5_server.cli import main, make_parser
 from stage5_server.cli.args import parse_size
 from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys
-from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, wait_until
+from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, stop_serve, wait_until
 
 
 def parse(*argv: str):
@@ -155,12 +153,7 @@ def test_stagedserve_serve_runs_a_secured_server_and_stops_cleanly_on_sigint(tin
                                     "max_tokens": 3})
         assert response.status_code == 200
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        code = stop_serve(process, timeout=30)
     log.seek(0)
     output = log.read()
     assert code == 0, output

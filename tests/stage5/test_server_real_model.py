@@ -5,9 +5,6 @@ model (bfloat16 where the CPU has bf16 units) and on every checkpoint the test s
 
 from __future__ import annotations
 
-import signal
-import subprocess
-
 import pytest
 import torch
 from openai import OpenAI
@@ -16,7 +13,7 @@ from shared import Tokenizer, default_model, tiny_chat_model
 from stage5_server.cli import main
 from tests.invariants.real_model import CHATS, MAX_TOKENS, smollm2_reference
 from tests.shared.gguf_files import write_gguf
-from tests.stage5.server_fixtures import serving_or_exited, spawn_serve, wait_until
+from tests.stage5.server_fixtures import serving_or_exited, spawn_serve, stop_serve, wait_until
 
 KEY = "test-key-real-model"
 
@@ -45,12 +42,7 @@ def test_serve_with_no_model_answers_with_transformers_tokens_on_the_default_mod
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert len([p for p in pieces if p]) > 1 and "".join(pieces) == "The capital of France is Paris."
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        stop_serve(process)
     log.seek(0)
     output = log.read()
     assert "engine arguments from the command line: {'dtype': 'float32'}" in output
