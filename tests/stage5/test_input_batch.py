@@ -109,3 +109,18 @@ def test_rows_of_requests_aborted_while_nothing_ran_are_taken_back(tiny_llama):
     outputs = llm.generate(prompts[ENGINE["max_num_seqs"]:], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
     assert llm.engine.input_batch.num_rows == ENGINE["max_num_seqs"]
+
+
+def test_a_finished_or_aborted_request_is_not_kept_alive_by_its_row(tiny_llama):
+    llm = LLM(str(tiny_llama), **ENGINE)
+    rows = llm.engine.input_batch
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first, second, third = random_prompts(3, seed=4)
+    llm.generate([first, second], params, use_tqdm=False)
+    assert not any(rows.requests) and not rows.row_of  # no step comes after the last: freed already
+    request_id = llm.add_request(third, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    llm.step()
+    llm.step()
+    assert list(rows.row_of) == [request_id]
+    llm.abort(request_id)
+    assert not any(rows.requests) and not rows.row_of
