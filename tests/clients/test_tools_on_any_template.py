@@ -101,6 +101,7 @@ def test_langchain_and_pydantic_ai_run_tools_on_the_default_model(tmp_path):
     from langchain_core.messages import AIMessage
     from langchain_openai import ChatOpenAI
     from pydantic_ai import Agent
+    from pydantic_ai.messages import ToolReturnPart
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -132,7 +133,10 @@ def test_langchain_and_pydantic_ai_run_tools_on_the_default_model(tmp_path):
 
         result = agent.run_sync(ASK)  # its tool and its output tool, with tool_choice required
         assert isinstance(result.output, Forecast)  # validated by pydantic-ai against the output type
-        assert all(isinstance(c, Forecast) for c in calls)
+        # Whatever the model called its own tool with went back to it as that call's result.
+        returned = [part.content for message in result.all_messages() for part in message.parts
+                    if isinstance(part, ToolReturnPart) and part.tool_name == "get_forecast"]
+        assert returned == [get_weather(c.city, c.days) for c in calls]
     finally:
         stop_serve(process)
     log.seek(0)
