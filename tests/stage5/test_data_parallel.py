@@ -272,8 +272,13 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
             # The same group through the other API server, then another group: never.
             assert wait_until(settled) and cached(two.url, "key-a2") == 32
             assert wait_until(settled) and cached(two.url, "key-b") == 0
+            def scrape(url: str) -> str:
+                return httpx.get(f"{url}/metrics", headers=auth("key-b"), timeout=10).text
+
             for server in (one, two):
-                text = httpx.get(f"{server.url}/metrics", headers=auth("key-b"), timeout=10).text
+                # Engine counters come with each core's newest stats, which can trail its last outputs.
+                assert wait_until(lambda url=server.url: metric(scrape(url), "vllm:prefix_cache_hits_total") >= 32)
+                text = scrape(server.url)
                 assert {metric(text, "vllm:prefix_cache_queries_total", engine=str(d)) is not None
                         for d in (0, 1)} == {True}  # every rank, from either API server
                 assert metric(text, "vllm:prefix_cache_hits_total") >= 32
