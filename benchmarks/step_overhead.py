@@ -5,11 +5,13 @@ stage 3's list-built inputs, side by side on the same steps.
 so the forward pass is short; it is not timed). For every measured step the benchmark times:
 
 - the scheduler: ``schedule()`` and ``update_from_output()`` (stage 4's, unchanged);
-- the inputs stage5 hands the model: ``InputBatch.prepare`` (``stage5_server/worker/``);
+- the inputs stage5 hands the model: ``Scheduler.runner_input`` (what the workers are sent: new
+  requests whole, running ones as deltas; ``stage5_server/core/``), then ``InputBatch.prepare``
+  (the rows brought up to date and the tensors gathered; ``stage5_server/worker/``);
 - on the same ``SchedulerOutput``, the preparation stages 3 and 4 do (``scheduled_batch``,
   ``prepare_inputs``, ``kv_layout``, ``build_paged_metadata``), whose tensors are the same.
 
-"scheduler + inputs" is ``schedule`` + ``update_from_output`` + ``prepare``: the engine's own
+"scheduler + inputs" is ``schedule`` + ``update_from_output`` + ``runner_input`` + ``prepare``: the engine's own
 work per step outside the forward pass and sampling, before output processing.
 
     python -m benchmarks.step_overhead [--batch-sizes 64 256 --prompt-len 128 --steps 50]
@@ -49,8 +51,10 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
               cpu_threads=threads,
               num_kv_blocks=batch_size * (-(-max_len // BLOCK_SIZE) + 1))
     engine = llm.engine
-    scheduler, input_batch = engine.scheduler, engine.input_batch
-    timings: dict[str, list[float]] = {"schedule": [], "update": [], "prepare": [], "prepare_lists": []}
+    scheduler = engine.scheduler
+    input_batch = engine.model_executor.driver_worker.model_runner.input_batch
+    timings: dict[str, list[float]] = {"schedule": [], "update": [], "runner_input": [], "prepare": [],
+                                       "prepare_lists": []}
     recording = [False]
 
     def timed(name, fn):
@@ -65,12 +69,20 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     prepare = timed("prepare", input_batch.prepare)
     lists = timed("prepare_lists", list_built_inputs)
 
-    def prepare_both(output):
-        result = prepare(output)
-        lists(output, input_batch.block_size)
+    schedule = timed("schedule", scheduler.schedule)
+    scheduled = []
+
+    def schedule_and_keep():
+        scheduled[:] = [schedule()]
+        return scheduled[0]
+
+    def prepare_both(step):
+        result = prepare(step)
+        lists(scheduled[0], input_batch.block_size)
         return result
 
-    scheduler.schedule = timed("schedule", scheduler.schedule)
+    scheduler.schedule = schedule_and_keep
+    scheduler.runner_input = timed("runner_input", scheduler.runner_input)
     scheduler.update_from_output = timed("update", scheduler.update_from_output)
     input_batch.prepare = prepare_both
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -85,11 +97,11 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     llm.abort([str(i) for i in range(batch_size)])
     p50 = {name: summarize(values)["p50"] * 1e3 for name, values in timings.items()}
     mean = {name: 1e3 * sum(values) / len(values) for name, values in timings.items()}
-    ours = p50["schedule"] + p50["update"] + p50["prepare"]
+    ours = p50["schedule"] + p50["update"] + p50["runner_input"] + p50["prepare"]
     return {"batch_size": batch_size, "steps": len(timings["schedule"]), "p50_ms": p50, "mean_ms": mean,
             "scheduler_and_inputs_ms_p50": ours,
             "scheduler_and_list_inputs_ms_p50": p50["schedule"] + p50["update"] + p50["prepare_lists"],
-            "prepare_speedup": p50["prepare_lists"] / p50["prepare"]}
+            "prepare_speedup": p50["prepare_lists"] / (p50["runner_input"] + p50["prepare"])}
 
 
 def to_markdown(result: dict) -> str:
@@ -108,7 +120,8 @@ def to_markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         p = r["p50_ms"]
-        lines.append(f"| {r['batch_size']} | {p['schedule']:.3f} | {p['update']:.3f} | {p['prepare']:.3f} | "
+        lines.append(f"| {r['batch_size']} | {p['schedule']:.3f} | {p['update']:.3f} | "
+                     f"{p['runner_input'] + p['prepare']:.3f} | "
                      f"{p['prepare_lists']:.3f} | {r['prepare_speedup']:.1f}x | "
                      f"{r['scheduler_and_inputs_ms_p50']:.3f} |")
     return "\n".join(lines) + "\n"

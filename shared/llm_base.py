@@ -89,8 +89,12 @@ class BaseLLM:
             raise ValueError(f"max_num_seqs: must be an integer >= 1, got {self.args['max_num_seqs']!r}")
         self.engine: EngineCore = self._build_engine()
         # Compiles structured-output grammars off the engine loop; the engine schedules a request once it is ready.
-        self.structured_output_manager = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                                 self.model_config.eos_token_ids)
+        self._start_frontend(StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                     self.model_config.eos_token_ids))
+
+    def _start_frontend(self, structured_output_manager: StructuredOutputManager) -> None:
+        """The offline front end over a built ``self.engine``: request ids, outputs, grammars."""
+        self.structured_output_manager = structured_output_manager
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("%s engine ready: model=%s device=%s dtype=%s max_model_len=%d", self.stage,
@@ -119,60 +123,22 @@ class BaseLLM:
 
     def kv_cache_tokens(self) -> int:
         """How many tokens of K/V the cache holds: ``kv_cache_memory`` bytes when given, else the automatic size."""
-        memory = self.args["kv_cache_memory"]
+        memory = check_kv_cache_memory(self.args["kv_cache_memory"])
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
         if memory is None:
-            return self.automatic_kv_cache_tokens(per_token)
-        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
-            raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
+            return automatic_kv_cache_tokens(per_token, self.args["max_num_seqs"], self.max_model_len)
         return memory // per_token
 
-    def automatic_kv_cache_tokens(self, per_token: int, processes: int = 1) -> int:
-        """The CPU default: ``min(4 GiB, half the memory available now)``, shared by ``processes``
-        on this host (tensor-parallel ranks), and no more than ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens fill at once (more would only keep evicted prefixes, and cost a
-        block object each)."""
-        free = available_memory()
-        memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free)) // processes
-        tokens = min(memory // per_token, self.args["max_num_seqs"] * self.max_model_len)
-        logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
-                    tokens * per_token / 2**30, free / 2**30)
-        return tokens
-
     def set_kv_cache_capacity(self, capacity: int, pool_arg: str, error: str) -> None:
-        """Record that the KV cache holds ``capacity`` tokens, and make one ``max_model_len`` sequence
-        fit in it: when the user set neither ``max_model_len`` nor the KV size, lower ``max_model_len``
-        to the capacity with a warning; otherwise (or when not even 2 tokens fit) raise ``ValueError(error)``."""
+        """Record that the KV cache holds ``capacity`` tokens and fit ``max_model_len`` to it
+        (``fit_max_model_len``)."""
         self.kv_cache_capacity = capacity
-        if capacity >= self.max_model_len:
-            return
-        given = [name for name in ("max_model_len", "kv_cache_memory", pool_arg) if self.args.get(name) is not None]
-        if given or capacity < 2:
-            raise ValueError(error)
-        per_token = kv_bytes_per_token(self.model_config, self.dtype)
-        logger.warning("max_model_len: lowered from %d to %d tokens, all that the automatically sized KV cache "
-                       "(%.2f GiB) holds; set --max-model-len (max_model_len=) for another length, or "
-                       "--kv-cache-memory (kv_cache_memory=) to give the KV cache more memory",
-                       self.max_model_len, capacity, capacity * per_token / 2**30)
-        self.max_model_len = capacity
+        self.max_model_len = fit_max_model_len(capacity, self.max_model_len, self.args, pool_arg, error,
+                                               kv_bytes_per_token(self.model_config, self.dtype))
 
     # ---- the public API ---------------------------------------------------------------
     def cache_config_info(self) -> dict[str, str]:
-        """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
-        stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``."""
-        capacity = getattr(self, "kv_cache_capacity", None)  # set while the stage built its engine
-        info = {"cache_dtype": str(self.dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
-        block_size = self.args.get("block_size")
-        if block_size and capacity is not None:
-            info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
-                        num_gpu_blocks_override=str(self.args.get("num_kv_blocks")))
-        for field, arg in (("enable_prefix_caching", "enable_prefix_caching"),
-                           ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
-                           ("gpu_memory_utilization", "gpu_memory_utilization"),
-                           ("kv_cache_memory_bytes", "kv_cache_memory")):
-            if arg in self.args:
-                info[field] = str(self.args[arg])
-        return info
+        return cache_config_info(self.args, self.dtype, getattr(self, "kv_cache_capacity", None))
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
@@ -305,6 +271,24 @@ class BaseLLM:
         return request_id, parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
 
 
+def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | None) -> dict[str, str]:
+    """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
+    stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``.
+    ``capacity``: the tokens the cache holds, once known."""
+    info = {"cache_dtype": str(dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
+    block_size = args.get("block_size")
+    if block_size and capacity is not None:
+        info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
+                    num_gpu_blocks_override=str(args.get("num_kv_blocks")))
+    for field, arg in (("enable_prefix_caching", "enable_prefix_caching"),
+                       ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
+                       ("gpu_memory_utilization", "gpu_memory_utilization"),
+                       ("kv_cache_memory_bytes", "kv_cache_memory")):
+        if arg in args:
+            info[field] = str(args[arg])
+    return info
+
+
 def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]], vocab_size: int) -> None:
     """Token ids in ``params`` index the logits: each must be in ``[0, vocab_size)``."""
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
@@ -333,6 +317,42 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, 
         raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                          f"max_model_len={max_model_len}")
     return token_ids
+
+
+def check_kv_cache_memory(memory: Any) -> int | None:
+    if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0):
+        raise ValueError(f"kv_cache_memory: must be a positive number of bytes, got {memory!r}")
+    return memory
+
+
+def automatic_kv_cache_tokens(per_token: int, max_num_seqs: int, max_model_len: int, processes: int = 1) -> int:
+    """The CPU default: ``min(4 GiB, half the memory available now)``, shared by ``processes``
+    on this host (tensor-parallel ranks), and no more than ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens fill at once (more would only keep evicted prefixes, and cost a
+    block object each)."""
+    free = available_memory()
+    memory = min(CPU_KV_CACHE_MEMORY, int(FREE_MEMORY_FRACTION * free)) // processes
+    tokens = min(memory // per_token, max_num_seqs * max_model_len)
+    logger.info("KV cache sized automatically: %d tokens (%.2f GiB; %.2f GiB available)", tokens,
+                tokens * per_token / 2**30, free / 2**30)
+    return tokens
+
+
+def fit_max_model_len(capacity: int, max_model_len: int, args: dict[str, Any], pool_arg: str, error: str,
+                      per_token: int) -> int:
+    """The ``max_model_len`` a KV cache of ``capacity`` tokens can serve: unchanged when one sequence
+    fits; lowered to the capacity, with a warning, when the user set neither ``max_model_len`` nor the
+    KV size; otherwise (or when not even 2 tokens fit) ``ValueError(error)``."""
+    if capacity >= max_model_len:
+        return max_model_len
+    given = [name for name in ("max_model_len", "kv_cache_memory", pool_arg) if args.get(name) is not None]
+    if given or capacity < 2:
+        raise ValueError(error)
+    logger.warning("max_model_len: lowered from %d to %d tokens, all that the automatically sized KV cache "
+                   "(%.2f GiB) holds; set --max-model-len (max_model_len=) for another length, or "
+                   "--kv-cache-memory (kv_cache_memory=) to give the KV cache more memory",
+                   max_model_len, capacity, capacity * per_token / 2**30)
+    return capacity
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

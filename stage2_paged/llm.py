@@ -40,8 +40,12 @@ def check_pool_holds_one_sequence(llm: BaseLLM, num_blocks, block_size: int) -> 
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
     llm.set_kv_cache_capacity(num_blocks * block_size, "num_kv_blocks",
-                              f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
-                              f"max_model_len={llm.max_model_len} sequence; lower max_model_len or add blocks")
+                              pool_too_small(num_blocks, block_size, llm.max_model_len))
+
+
+def pool_too_small(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    return (f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
+            f"max_model_len={max_model_len} sequence; lower max_model_len or add blocks")
 
 
 def make_paged_cache(llm: BaseLLM, block_size: int, num_blocks: int) -> PagedKVCache:

@@ -22,7 +22,6 @@ class LLM(BaseLLM):
     stage = "stage3_continuous"
     engine_args = CONTINUOUS_ARGS
     stats_logger_class = StatsLogger  # a later stage logs more by naming its own
-    engine_core_class = EngineCore  # a later stage prepares a step's inputs its own way by naming its own
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
@@ -45,8 +44,8 @@ class LLM(BaseLLM):
         scheduler = self._make_scheduler(self._cache_config(block_size, num_blocks))
         check_budget_takes_a_whole_prompt(self.args, self.max_model_len)
         kv_cache = make_paged_cache(self, block_size, num_blocks)
-        return self.engine_core_class(self.model, scheduler, kv_cache, self.device,
-                                      self.args["seed"], stats_logger=self._stats_logger())
+        return EngineCore(self.model, scheduler, kv_cache, self.device, self.args["seed"],
+                          stats_logger=self._stats_logger())
 
 
 def check_budget_takes_a_whole_prompt(args: dict, max_model_len: int) -> None:

@@ -108,7 +108,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(num_scheduled) < self.config.max_num_seqs:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_tokens_to_compute(request), budget)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 # Victims come from the requests not yet granted tokens this step (this one
                 # included): a granted request's new blocks must stay for this forward pass.
@@ -203,6 +203,10 @@ class Scheduler:
         self.finish_requests(list(output.num_scheduled_tokens), RequestStatus.FINISHED_ABORTED)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """Input positions a running request still lacks: one for a decode, the prompt's rest mid-prefill."""
+        return request.num_tokens - request.num_computed_tokens
+
     def _peek_waiting(self) -> Request | None:
         """The next waiting request in policy order; one whose grammar is still compiling waits
         without holding up the others (vLLM's ``WAITING_FOR_FSM``)."""

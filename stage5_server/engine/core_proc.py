@@ -225,35 +225,41 @@ def _configure_process(log_prefix: str, log_level: int) -> None:
     logger.setLevel(log_level)
 
 
-def _build_llm(model_path: str, engine_args: dict[str, Any], engine_index: int):
-    """``(LLM, EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
+def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int):
+    """``((EngineCore, its grammar manager), EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
+        from shared.llm_base import cache_config_info
+        from shared.tokenizer import Tokenizer
+        from stage5_server.config import EngineConfig
+        from stage5_server.core import build_engine_core
         from stage5_server.engine.plugins import load_engine_plugins
-        from stage5_server.llm import LLM
+        from stage5_server.llm import LLM, grammar_manager
 
-        llm = LLM(model=model_path, **engine_args)
-        load_engine_plugins(llm)
+        core = build_engine_core(EngineConfig.create(model_path, **engine_args))
+        load_engine_plugins(core)
+        config = core.config
+        grammars = grammar_manager(config, Tokenizer(config.tokenizer_path))
     except BaseException as exc:
         return None, EngineCoreStartupError(type(exc).__name__, str(exc), traceback.format_exc(), engine_index)
-    return llm, EngineCoreReady(
-        pid=os.getpid(), model_path=str(llm.model_path), stage=llm.stage, max_model_len=llm.max_model_len,
-        vocab_size=llm.model_config.vocab_size, eos_token_ids=list(llm.model_config.eos_token_ids),
-        tokenizer=str(llm.args["tokenizer"] or llm.model_path),
-        engine_args={k: plain(v) for k, v in llm.args.items()}, cache_config=llm.cache_config_info(),
+    return (core, grammars), EngineCoreReady(
+        pid=os.getpid(), model_path=str(config.model_path), stage=LLM.stage, max_model_len=config.max_model_len,
+        vocab_size=config.model_config.vocab_size, eos_token_ids=list(config.model_config.eos_token_ids),
+        tokenizer=config.tokenizer_path, engine_args={k: plain(v) for k, v in config.args.items()},
+        cache_config=cache_config_info(config.args, config.dtype, core.num_kv_blocks * config.cache.block_size),
         engine_index=engine_index)
 
 
 def _serve(context: zmq.Context, sockets: list[zmq.Socket], report: zmq.Socket, name: str, unreported: str,
            model_path: str, engine_args: dict[str, Any], engine_index: int,
-           make_loop: Callable[[Any], EngineCoreLoop]) -> None:
+           make_loop: Callable[..., EngineCoreLoop]) -> None:
     """Build the engine, send its ``EngineCoreReady`` (or start-up error) on ``report``, run its loop;
     close ``sockets`` at the end. A dead core exits with status 1."""
     try:
-        llm, ready = _build_llm(model_path, engine_args, engine_index)
+        built, ready = _build_core(model_path, engine_args, engine_index)
         report.send(encoder.encode(ready))
-        if llm is None:
+        if built is None:
             return
-        loop = make_loop(llm)
+        loop = make_loop(*built)
         loop.run()
         logger.info("%s exiting", name)
         if loop.dead:
@@ -279,8 +285,8 @@ def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address:
                                 SNDTIMEO=SEND_TIMEOUT_MS)
     input_socket = open_socket(context, zmq.PULL, connect=input_address, LINGER=0)
     _serve(context, [input_socket, output_socket], output_socket, "engine core process", "no API server to report to",
-           model_path, engine_args, 0, lambda llm: ZmqCoreLoop(llm.engine, input_socket, output_socket, parent_pid,
-                                                               llm.structured_output_manager))
+           model_path, engine_args, 0, lambda core, grammars: ZmqCoreLoop(core, input_socket, output_socket, parent_pid,
+                                                                          grammars))
 
 
 def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
@@ -306,5 +312,5 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
     sockets = [s for s in (input_socket, output_socket, handshake, stats_socket) if s is not None]
     _serve(context, sockets, handshake, f"engine core rank {engine_index}",
            "the launcher did not take the start-up report", model_path, engine_args, engine_index,
-           lambda llm: MultiClientCoreLoop(llm.engine, engine_index, input_socket, output_socket, stats_socket,
-                                           parent_pid, llm.structured_output_manager))
+           lambda core, grammars: MultiClientCoreLoop(core, engine_index, input_socket, output_socket,
+                                                      stats_socket, parent_pid, grammars))

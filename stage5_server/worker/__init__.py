@@ -1,23 +1,19 @@
-"""The model runner's side of a step: the inputs of the forward pass, kept between steps.
+"""A worker and its model runner: what runs a step's forward pass, on one device or on every rank.
 
-stages 3 and 4 rebuild a step's inputs from Python lists every step (``shared/model_runner.py``
-``prepare_inputs`` and stage 3's ``kv_layout``: one list element per token, the block tables
-padded row by row, then ``torch.tensor``), which reads well and costs a Python loop over every
-token and every block of the batch. Here each running request owns a row of preallocated
-arrays that are updated in place as it joins, grows and leaves (``input_batch.py``), and a step's
-token ids, positions, slot mapping and block tables are gathered from those rows with a few
-array operations; ``engine_core.py`` is stage 4's engine core with that input preparation.
-The packed order of the tokens is the one stage 3 uses, so the forward pass sees the same
-tensors and greedy outputs stay token-identical.
+``worker.py`` (``Worker``: the device, the model or its shard, the KV cache, the attention
+backend), ``model_runner.py`` (``ModelRunner``: inputs from the persistent batch, forward, logits,
+sampling), ``input_batch.py`` (``InputBatch``: one row per running request, updated in place),
+``runner_io.py`` (``ModelRunnerInput`` / ``ModelRunnerOutput``: what crosses from the engine core to
+every worker and back).
 
-This is its own room, beside ``engine/`` (the serving loop, front ends and clients, which never
-look inside a step) and ``attention/`` (which reads the metadata built here), because it is
-what vLLM keeps in ``vllm/v1/worker/``: ``gpu_input_batch.py`` (``InputBatch``),
-``block_table.py`` (``BlockTable``) and ``gpu_model_runner.py`` (``_update_states``,
-``_prepare_inputs``).
+vLLM: ``vllm/v1/worker/`` (``gpu_worker.py``, ``gpu_model_runner.py``, ``gpu_input_batch.py``,
+``block_table.py``) and ``vllm/v1/outputs.py``.
 """
 
-from stage5_server.worker.engine_core import PersistentBatchEngineCore
-from stage5_server.worker.input_batch import InputBatch
+from stage5_server.worker.input_batch import CachedRequestState, InputBatch
+from stage5_server.worker.model_runner import ModelRunner
+from stage5_server.worker.runner_io import CachedRequestData, ModelRunnerInput, ModelRunnerOutput, NewRequestData
+from stage5_server.worker.worker import Worker
 
-__all__ = ["InputBatch", "PersistentBatchEngineCore"]
+__all__ = ["CachedRequestData", "CachedRequestState", "InputBatch", "ModelRunner", "ModelRunnerInput",
+           "ModelRunnerOutput", "NewRequestData", "Worker"]

@@ -1,43 +1,99 @@
 """A persistent input batch: one row per running request, updated in place between steps.
 
-Each request that runs owns a row of two preallocated arrays: its token ids (prompt, then each
-sampled token as it arrives) and its block table. A row is filled once when the request is
-scheduled for the first time (or again after a preemption); afterwards a step writes only what
-changed: the token sampled last step and, every ``block_size`` tokens, a new block id. A
-request that finishes or is preempted gives its row back for the next one.
+stages 3 and 4 rebuild a step's inputs from Python lists every step (``shared/model_runner.py``
+``prepare_inputs`` and stage 3's ``kv_layout``). Here each running request owns a row of two
+preallocated arrays, its token ids and its block table, filled once when the request arrives (or
+comes back after a preemption) and afterwards written only where it changed: the tokens it
+sampled, a new block every ``block_size`` tokens (``update``, from the step's ``ModelRunnerInput``).
+Draft tokens under verification are written past the row's known tokens and overwritten by what
+is accepted. Beside the rows, a ``CachedRequestState`` per request keeps what the sampler reads
+(parameters, prompt and output tokens, a seeded request's generator); it outlives a preemption.
 
 A step's inputs are then a handful of array operations over the scheduled rows, in the order
-the scheduler lists them (running requests first, as stage 3 packs them):
+the core lists them (running requests first, as stage 3 packs them):
 
 - ``positions``: each row's ``num_computed_tokens`` plus ``0 .. num_new - 1``;
 - ``input_ids``: gathered from the token rows at those positions;
 - ``slot_mapping``: ``block_table[row, position // block_size] * block_size + position % block_size``;
-- ``block_tables``: the scheduled rows, cut to the widest of them (zero past each row's blocks).
+- ``block_tables``: the scheduled rows, cut to the widest of them (zero past each row's blocks);
+- ``logits_indices``: the positions whose logits are sampled: a request's last position, and one
+  before it per draft token.
 
-The only Python left per step is a loop over the scheduled requests (not their tokens or
-blocks) to read how far each has got. The arrays are numpy views on the CPU; the finished
-tensors go to the model's device.
-
-vLLM: ``InputBatch`` in ``vllm/v1/worker/gpu_input_batch.py`` (``token_ids_cpu``,
-``add_request``, ``remove_request``), ``BlockTable`` in ``vllm/v1/worker/block_table.py``
-(``append_row``, ``compute_slot_mapping``), and ``_update_states`` / ``_prepare_inputs`` in
+vLLM: ``InputBatch`` and ``CachedRequestState`` in ``vllm/v1/worker/gpu_input_batch.py``,
+``BlockTable`` in ``vllm/v1/worker/block_table.py`` and ``_update_states`` / ``_prepare_inputs`` in
 ``vllm/v1/worker/gpu_model_runner.py``. vLLM also keeps its rows dense (``condense``) and its
-sampling parameters in the rows; here free rows are reused as they come and the sampler
-reads each request.
+sampling parameters in per-row tensors; here free rows are reused as they come.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
-from shared.model_runner import ScheduledBatch, StepInputs
-from shared.request import Request, RequestStatus
+from shared.model_runner import StepInputs
+from shared.outputs import Logprob
+from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
-from stage3_continuous.scheduler import SchedulerOutput
+from stage5_server.worker.runner_io import ModelRunnerInput, NewRequestData
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 INITIAL_TOKENS_PER_ROW = 2048  # (or max_model_len if shorter); rows widen, doubling, when a longer request arrives
+
+
+@dataclass
+class CachedRequestState:
+    """A request as the runner keeps it: what the sampler and the prompt scorer read (the names are
+    ``shared.request.Request``'s, so ``shared/sampler.py`` takes either)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    bad_words_token_ids: list[list[int]]
+    num_computed_tokens: int = 0
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # filled by the sampler, sent back
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def stop_token_ids_for_min_tokens(self) -> set[int]:
+        return {*self.sampling_params.stop_token_ids, *self.eos_token_ids}
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
+        seed = new.sampling_params.seed
+        state = cls(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
+                    tuple(new.eos_token_ids), [list(w) for w in new.bad_words_token_ids],
+                    generator=None if seed is None else torch.Generator().manual_seed(seed))
+        state.prompt_logprobs = [None] * new.num_prompt_logprobs_done
+        return state
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, gathered from the rows."""
+
+    states: list[CachedRequestState]  # the scheduled requests, in packing order
+    num_scheduled: list[int]
+    inputs: StepInputs
+    attn_metadata: PagedAttentionMetadata
+    logits_indices: list[int]  # token rows whose logits are computed, grouped by request
+    num_draft: list[int]  # per sampling request (``inputs.sample_rows``): its draft tokens
 
 
 class InputBatch:
@@ -48,50 +104,40 @@ class InputBatch:
         self.device = torch.device(device)
         self.token_ids = np.zeros((0, 0), dtype=np.int32)  # [rows, tokens]
         self.block_table = np.zeros((0, 0), dtype=np.int32)  # [rows, blocks]
-        self.num_tokens: list[int] = []  # per row: token ids written
         self.num_blocks: list[int] = []  # per row: block ids written
-        self.requests: list[Request | None] = []  # per row: its request, None when free
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
+        self.states: dict[str, CachedRequestState] = {}  # every request the workers hold, running or preempted
         self._resize(max_num_reqs, min(max_model_len, INITIAL_TOKENS_PER_ROW))
 
     @property
     def num_rows(self) -> int:
-        return len(self.requests)
+        return len(self.num_blocks)
 
     # ---- rows in and out -------------------------------------------------------------------
-    def add_request(self, request: Request, block_ids: list[int]) -> int:
-        """Give ``request`` a row holding all its tokens and blocks (replacing any row it had)."""
-        self.remove_request(request.request_id)
-        if not self.free_rows:
-            self._reclaim_rows()
+    def add_request(self, state: CachedRequestState, block_ids: list[int]) -> int:
+        """Give a request a row holding all its tokens and blocks (replacing any row it had)."""
+        self.remove_row(state.request_id)
         if not self.free_rows:
             self._resize(2 * self.num_rows, self.token_ids.shape[1])
         row = self.free_rows.pop()
-        num_tokens = request.num_tokens
-        self._fit(num_tokens, len(block_ids))
-        self.token_ids[row, :num_tokens] = request.all_token_ids
+        self._fit(state.num_tokens, len(block_ids))
+        self.token_ids[row, :state.num_prompt_tokens] = state.prompt_token_ids
+        self.token_ids[row, state.num_prompt_tokens:state.num_tokens] = state.output_token_ids
         self.block_table[row, :self.num_blocks[row]] = 0
         self.block_table[row, :len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
-        self.num_tokens[row] = num_tokens
-        self.requests[row] = request
-        self.row_of[request.request_id] = row
+        self.row_of[state.request_id] = row
         return row
 
-    def remove_request(self, request_id: str) -> None:
+    def remove_row(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
-            self.requests[row] = None
             self.free_rows.append(row)
 
-    def _reclaim_rows(self) -> None:
-        """Free the rows of requests that stopped running without being reported (a step that
-        scheduled no tokens is never executed, so the requests it reported as finished or
-        preempted are not seen here)."""
-        for request in list(filter(None, self.requests)):
-            if request.status != RequestStatus.RUNNING:
-                self.remove_request(request.request_id)
+    def remove_request(self, request_id: str) -> None:
+        self.remove_row(request_id)
+        self.states.pop(request_id, None)
 
     def _fit(self, num_tokens: int, num_blocks: int) -> None:
         """Widen every row (doubling) so that one holds ``num_tokens`` tokens and ``num_blocks`` blocks."""
@@ -112,64 +158,77 @@ class InputBatch:
         block_table[:old_rows, :self.block_table.shape[1]] = self.block_table
         self.token_ids, self.block_table = token_ids, block_table
         self.num_blocks += [0] * (num_rows - old_rows)
-        self.num_tokens += [0] * (num_rows - old_rows)
-        self.requests += [None] * (num_rows - old_rows)
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
 
     # ---- one step --------------------------------------------------------------------------
-    def prepare(self, output: SchedulerOutput) -> tuple[ScheduledBatch, StepInputs, PagedAttentionMetadata]:
-        """Bring the rows up to date with ``output`` and gather the step's inputs from them."""
-        for request_id in output.finished_req_ids | output.preempted_req_ids:
+    def update(self, step: ModelRunnerInput) -> None:
+        """Bring the states and rows up to date with ``step``: forget finished requests, free the rows
+        of preempted ones, (re)fill new ones, write what running ones gained."""
+        for request_id in step.finished_req_ids:
             self.remove_request(request_id)
-        num_scheduled, block_tables = output.num_scheduled_tokens, output.block_tables
-        requests_now = output.scheduled_reqs
-        counts = [num_scheduled[request.request_id] for request in requests_now]
-        starts = [request.num_computed_tokens for request in requests_now]
-        rows = []
-        token_rows, token_cols, token_values = [], [], []  # what the rows gained since their last step
+        for request_id in step.preempted_req_ids:
+            self.remove_row(request_id)
+        for new in step.new_reqs:
+            state = self.states.get(new.req_id)
+            if state is None:  # first seen; a resumed request keeps its state (and its generator's draws)
+                state = self.states[new.req_id] = CachedRequestState.from_new(new)
+            else:
+                state.output_token_ids = list(new.output_token_ids)
+            state.num_computed_tokens = new.num_computed_tokens
+            self.add_request(state, new.block_ids)
+        token_rows, token_cols, token_values = [], [], []
         block_rows, block_cols, block_values = [], [], []
-        row_of, requests, num_tokens, num_blocks = self.row_of, self.requests, self.num_tokens, self.num_blocks
-        token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
-        widest = 0
-        for request in requests_now:
-            request_id = request.request_id
-            table = block_tables[request_id]
-            all_token_ids = request.all_token_ids
-            total, blocks = len(all_token_ids), len(table)
-            row = row_of.get(request_id)
-            if row is None or requests[row] is not request or total > token_width or blocks > block_width:
-                row = self.add_request(request, table)  # new, resumed, an id taken again, or a longer row
-                token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
-            else:  # a running request: write the tokens and blocks it gained since its last step
-                have = num_tokens[row]
-                if total == have + 1:  # a decode: the token sampled last step
-                    token_rows.append(row)
-                    token_cols.append(have)
-                    token_values.append(all_token_ids[have])
-                    num_tokens[row] = total
-                elif total > have:
-                    token_rows += [row] * (total - have)
-                    token_cols.extend(range(have, total))
-                    token_values.extend(all_token_ids[have:total])
-                    num_tokens[row] = total
-                written = num_blocks[row]
-                if blocks > written:
-                    block_rows += [row] * (blocks - written)
-                    block_cols.extend(range(written, blocks))
-                    block_values.extend(table[written:])
-                    num_blocks[row] = blocks
-            rows.append(row)
-            if blocks > widest:
-                widest = blocks
+        for cached in step.cached_reqs:
+            state = self.states[cached.req_id]
+            row = self.row_of[cached.req_id]
+            new_tokens, new_blocks = cached.new_token_ids, cached.new_block_ids
+            if new_tokens:
+                have = state.num_tokens
+                if have + len(new_tokens) > self.token_ids.shape[1]:
+                    self._fit(have + len(new_tokens), 0)
+                token_rows += [row] * len(new_tokens)
+                token_cols.extend(range(have, have + len(new_tokens)))
+                token_values.extend(new_tokens)
+                state.output_token_ids.extend(new_tokens)
+            if new_blocks:
+                written = self.num_blocks[row]
+                if written + len(new_blocks) > self.block_table.shape[1]:
+                    self._fit(0, written + len(new_blocks))
+                block_rows += [row] * len(new_blocks)
+                block_cols.extend(range(written, written + len(new_blocks)))
+                block_values.extend(new_blocks)
+                self.num_blocks[row] = written + len(new_blocks)
+            state.num_computed_tokens = cached.num_computed_tokens
         if token_values:
             self.token_ids[token_rows, token_cols] = token_values
         if block_values:
             self.block_table[block_rows, block_cols] = block_values
-        # A request samples when this step reaches its last known token (not mid-way through a prefill).
-        sample_rows = [i for i, (request, start, count) in enumerate(zip(requests_now, starts, counts))
-                       if start + count == len(request.all_token_ids)]
-        batch = list(zip(requests_now, counts))
-        return batch, *self._gather(rows, counts, starts, sample_rows, widest)
+        for request_id, drafts in step.spec_token_ids.items():  # past the known tokens, until verified
+            state, row = self.states[request_id], self.row_of[request_id]
+            self._fit(state.num_tokens + len(drafts), 0)
+            self.token_ids[row, state.num_tokens:state.num_tokens + len(drafts)] = drafts
+
+    def prepare(self, step: ModelRunnerInput) -> PreparedStep:
+        """``update``, then gather the step's inputs from the scheduled rows."""
+        self.update(step)
+        states = [self.states[request_id] for request_id in step.scheduled_req_ids]
+        counts = step.num_scheduled_tokens
+        starts = [state.num_computed_tokens for state in states]
+        rows = [self.row_of[request_id] for request_id in step.scheduled_req_ids]
+        widest = max(self.num_blocks[row] for row in rows)
+        # A request samples when this step reaches its last known token (not mid-way through a
+        # prefill); with draft tokens, at the position before each of them too.
+        sample_rows, num_draft, logits_indices = [], [], []
+        end = 0
+        for i, (state, start, count) in enumerate(zip(states, starts, counts)):
+            end += count
+            drafts = len(step.spec_token_ids.get(state.request_id, ()))
+            if start + count == state.num_tokens + drafts:
+                sample_rows.append(i)
+                num_draft.append(drafts)
+                logits_indices.extend(range(end - 1 - drafts, end))
+        inputs, meta = self._gather(rows, counts, starts, sample_rows, widest)
+        return PreparedStep(states, list(counts), inputs, meta, logits_indices, num_draft)
 
     def _gather(self, rows: list[int], num_new: list[int], starts: list[int], sample_rows: list[int],
                 width: int) -> tuple[StepInputs, PagedAttentionMetadata]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared import SamplingParams
 from tests.invariants.prompts import PROMPTS
+from tests.stage5.server_fixtures import engine_kv_cache
 
 MIN_STAGE = 2
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -37,7 +38,7 @@ def test_live_block_tables_never_share_a_physical_block(stage, tiny_llama):
 
 def test_every_written_slot_belongs_to_a_block_the_engine_gave_out(stage, tiny_llama, monkeypatch):
     llm = stage.make_llm(tiny_llama, **_no_sharing_kwargs(stage))
-    cache = llm.engine.kv_cache
+    cache = engine_kv_cache(llm)
     written_steps = []
     real_write = cache.write
 

@@ -6,6 +6,7 @@ import pytest
 
 from shared import SamplingParams
 from tests.invariants.prompts import PROMPTS
+from tests.stage5.server_fixtures import engine_runner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -26,8 +27,8 @@ def test_all_kv_returns_to_the_pool_after_requests_finish(stage, tiny_llama):
 
 def test_kv_returns_to_the_pool_when_a_step_fails(stage, tiny_llama, monkeypatch):
     llm = stage.make_llm(tiny_llama)
-    runner = llm.engine.runner
-    real_execute = runner.execute
+    runner, method = engine_runner(llm)
+    real_execute = getattr(runner, method)
     calls = {"n": 0}
 
     def failing_execute(*args, **kwargs):
@@ -36,12 +37,12 @@ def test_kv_returns_to_the_pool_when_a_step_fails(stage, tiny_llama, monkeypatch
             raise RuntimeError("injected failure in the forward pass")
         return real_execute(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", failing_execute)
+    monkeypatch.setattr(runner, method, failing_execute)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(list(PROMPTS), GREEDY, use_tqdm=False)
     assert llm.engine.kv_cache_usage() == 0
     assert not llm.has_unfinished_requests()
-    monkeypatch.setattr(runner, "execute", real_execute)
+    monkeypatch.setattr(runner, method, real_execute)
     assert_serves(llm)
 
 

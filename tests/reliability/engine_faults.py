@@ -2,7 +2,7 @@
 
 An engine plugin (``STAGEDSERVE_ENGINE_PLUGINS=tests.reliability.engine_faults:install``, see
 ``stage5_server/engine/plugins.py``) or a direct ``install(llm)`` wraps the model runner's
-``execute``. A test steers it through files in a directory (``EngineFaults``), so it can act at
+forward pass. A test steers it through files in a directory (``EngineFaults``), so it can act at
 the moment it chooses even when the engine core is another process:
 
 - ``step_delay``: sleep this many seconds before each forward pass (a slow model, on any machine);
@@ -45,10 +45,11 @@ class EngineFaults:
 
 
 def install(llm, directory: str | Path | None = None) -> None:
-    """Wrap ``llm``'s runner; ``directory`` defaults to ``$STAGEDSERVE_FAULTS_DIR``."""
+    """Wrap the runner of ``llm`` (an ``LLM`` or an engine core); ``directory`` defaults to
+    ``$STAGEDSERVE_FAULTS_DIR``."""
     folder = Path(directory or os.environ[FAULTS_DIR_ENV])
-    runner = engine_runner(llm)
-    execute = runner.execute
+    runner, method = engine_runner(llm)
+    execute = getattr(runner, method)
 
     def execute_with_faults(*args, **kwargs):
         delay = folder / "step_delay"
@@ -60,4 +61,4 @@ def install(llm, directory: str | Path | None = None) -> None:
             return execute(*args, **kwargs)
         raise RuntimeError("injected model failure")
 
-    runner.execute = execute_with_faults
+    setattr(runner, method, execute_with_faults)

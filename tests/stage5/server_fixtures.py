@@ -84,18 +84,26 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return total if found else None
 
 
-def engine_runner(llm) -> Any:
-    """The model runner whose ``execute`` runs a step's forward pass."""
-    engine = llm.engine
-    runner = getattr(engine, "runner", None) or getattr(engine, "model_runner", None)
-    assert runner is not None and hasattr(runner, "execute"), "engine has no runner.execute to patch"
-    return runner
+def engine_runner(llm_or_core) -> tuple[Any, str]:
+    """The model runner that runs a step's forward pass, and the name of that method: stage 5's driver
+    worker's ``execute_model`` (given its ``LLM`` or its engine core), stages 1-4's ``runner.execute``."""
+    engine = getattr(llm_or_core, "engine", llm_or_core)
+    executor = getattr(engine, "model_executor", None)
+    if executor is not None:
+        return executor.driver_worker.model_runner, "execute_model"
+    return engine.runner, "execute"
+
+
+def engine_kv_cache(llm) -> Any:
+    """The paged KV cache the forward pass writes (stage 5: its driver worker's)."""
+    executor = getattr(llm.engine, "model_executor", None)
+    return llm.engine.kv_cache if executor is None else executor.driver_worker.kv_cache
 
 
 def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1) -> dict[str, int]:
-    """Make the runner's ``execute`` raise on its ``on_call``-th call (1-based), ``times`` times in a row."""
-    runner = engine_runner(llm)
-    original = runner.execute
+    """Make the runner's forward pass raise on its ``on_call``-th call (1-based), ``times`` times in a row."""
+    runner, method = engine_runner(llm)
+    original = getattr(runner, method)
     state = {"calls": 0, "failures": 0}
 
     def execute(*args, **kwargs):
@@ -105,7 +113,7 @@ def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1) -> dict[
             raise RuntimeError("injected engine failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, method, execute)
     return state
 
 

@@ -3,7 +3,9 @@ preparation gives, step after step, while requests join, grow, are preempted, ab
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import torch
 
@@ -13,20 +15,32 @@ from stage2_paged.attention import build_paged_metadata
 from stage3_continuous.engine import kv_layout, scheduled_batch
 from stage4_prefix_cache import LLM as PrefixCachingLLM
 from stage5_server import LLM
-from stage5_server.worker import PersistentBatchEngineCore, input_batch
+from stage5_server.executor import UniProcExecutor
+from stage5_server.worker import InputBatch, input_batch
 
 ENGINE = dict(device="cpu", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24, block_size=4)
+
+
+def rows_of(llm: LLM) -> InputBatch:
+    return llm.engine.model_executor.driver_worker.model_runner.input_batch
 
 
 def checked_against_lists(llm: LLM) -> list[int]:
     """Make every step of ``llm`` compare its gathered inputs with the list-built ones; returns the
     number of tokens of each step compared."""
-    batch_of_rows = llm.engine.input_batch
-    prepare = batch_of_rows.prepare
+    batch_of_rows = rows_of(llm)
+    prepare, schedule = batch_of_rows.prepare, llm.engine.scheduler.schedule
     checked: list[int] = []
+    scheduled = []
 
-    def compared(output):
-        batch, inputs, meta = prepare(output)
+    def scheduled_and_kept():
+        scheduled.append(schedule())
+        return scheduled[-1]
+
+    def compared(step):
+        prepared = prepare(step)
+        inputs, meta, output = prepared.inputs, prepared.attn_metadata, scheduled[-1]
+        batch = list(zip(prepared.states, prepared.num_scheduled))
         expected_batch = scheduled_batch(output)
         expected = prepare_inputs(expected_batch, "cpu")
         slots, tables = kv_layout(expected_batch, output.block_tables, batch_of_rows.block_size)
@@ -41,9 +55,10 @@ def checked_against_lists(llm: LLM) -> list[int]:
             assert got.dtype == want.dtype and torch.equal(got, want), name
         assert (meta.max_query_len, meta.max_seq_len) == (expected_meta.max_query_len, expected_meta.max_seq_len)
         checked.append(int(inputs.input_ids.numel()))
-        return batch, inputs, meta
+        return prepared
 
     batch_of_rows.prepare = compared
+    llm.engine.scheduler.schedule = scheduled_and_kept
     return checked
 
 
@@ -52,8 +67,10 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(n)]
 
 
-def test_stage5_uses_the_persistent_batch_engine_core(tiny_llama):
-    assert isinstance(LLM(str(tiny_llama), **ENGINE).engine, PersistentBatchEngineCore)
+def test_stage5_runs_one_worker_in_process_with_a_persistent_batch(tiny_llama):
+    executor = LLM(str(tiny_llama), **ENGINE).engine.model_executor
+    assert isinstance(executor, UniProcExecutor)
+    assert isinstance(executor.driver_worker.model_runner.input_batch, InputBatch)
 
 
 def test_inputs_match_the_list_built_ones_through_chunked_prefill_and_preemption(tiny_llama):
@@ -66,7 +83,7 @@ def test_inputs_match_the_list_built_ones_through_chunked_prefill_and_preemption
     reference = PrefixCachingLLM(str(tiny_llama), num_kv_blocks=24, **ENGINE).generate(prompts, params,
                                                                                        use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    assert llm.engine.input_batch.num_rows == ENGINE["max_num_seqs"]  # finished requests gave their rows back
+    assert rows_of(llm).num_rows == ENGINE["max_num_seqs"]  # finished requests gave their rows back
 
 
 def test_an_aborted_request_id_taken_again_gets_a_fresh_row(tiny_llama):
@@ -94,7 +111,7 @@ def test_rows_widen_for_a_request_longer_than_they_were_made(tiny_llama, monkeyp
     prompts = random_prompts(5, seed=2)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.input_batch.token_ids.shape[1] >= max(map(len, prompts)) + 30 > initial_width
+    assert rows_of(llm).token_ids.shape[1] >= max(map(len, prompts)) + 30 > initial_width
 
 
 def test_rows_of_requests_aborted_while_nothing_ran_are_taken_back(tiny_llama):
@@ -108,19 +125,26 @@ def test_rows_of_requests_aborted_while_nothing_ran_are_taken_back(tiny_llama):
     assert llm.step() == []  # nothing to run: the engine never sees these requests leave
     outputs = llm.generate(prompts[ENGINE["max_num_seqs"]:], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
-    assert llm.engine.input_batch.num_rows == ENGINE["max_num_seqs"]
+    assert rows_of(llm).num_rows == ENGINE["max_num_seqs"]
 
 
-def test_a_finished_or_aborted_request_is_not_kept_alive_by_its_row(tiny_llama):
+def test_a_finished_or_aborted_request_is_kept_alive_by_nothing_in_the_worker(tiny_llama):
     llm = LLM(str(tiny_llama), **ENGINE)
-    rows = llm.engine.input_batch
+    rows = rows_of(llm)
+    engine_requests = []
+    add_request = llm.engine.add_request
+    llm.engine.add_request = lambda request: (engine_requests.append(weakref.ref(request)), add_request(request))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first, second, third = random_prompts(3, seed=4)
     llm.generate([first, second], params, use_tqdm=False)
-    assert not any(rows.requests) and not rows.row_of  # no step comes after the last: freed already
+    gc.collect()
+    assert len(engine_requests) == 2 and not any(ref() for ref in engine_requests)  # no step came after the last
     request_id = llm.add_request(third, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     llm.step()
     llm.step()
-    assert list(rows.row_of) == [request_id]
+    assert list(rows.row_of) == [request_id] and set(rows.states) == {request_id}  # the workers learnt of the others
     llm.abort(request_id)
-    assert not any(rows.requests) and not rows.row_of
+    gc.collect()
+    assert not engine_requests[-1]()
+    llm.generate([first], params, use_tqdm=False)  # the next step tells the workers to forget the aborted one
+    assert request_id not in rows.states and request_id not in rows.row_of

@@ -23,7 +23,8 @@ from shared import SamplingParams
 from shared.config import ModelConfig
 from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
-from stage5_server.parallel import TensorParallelError, tensor_parallel_shape
+from stage5_server.executor import MultiprocExecutor, TensorParallelError
+from stage5_server.parallel import tensor_parallel_shape
 from stage5_server.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from stage5_server.parallel.parallel_state import resolve_interface
 from stage5_server.server import create_app
@@ -140,19 +141,45 @@ def test_seeded_sampling_is_identical_to_one_process(pair):
 
 def test_each_rank_holds_half_the_heads_and_the_kv_budget_is_per_rank(pair):
     single, split = pair
-    ranks = split.engine.executor.workers
+    ranks = split.engine.model_executor.workers
     assert [(w["rank"], w["num_heads"], w["num_kv_heads"]) for w in ranks] == [(0, 2, 1), (1, 2, 1)]
     # Same kv_cache_memory per device, half the KV heads per rank: twice the blocks.
     blocks = lambda llm: llm.engine.scheduler.kv_cache_manager.block_pool.num_blocks  # noqa: E731
     assert blocks(split) == 2 * blocks(single)
-    assert split.model is None  # the engine process holds no weights
+    assert isinstance(split.engine.model_executor, MultiprocExecutor)  # the engine process holds no weights
+
+
+def worker_parts(worker) -> tuple:
+    """Run on a worker (``collective_rpc`` with a function): its classes and whether it samples."""
+    runner = worker.model_runner
+    return type(worker), type(runner), type(runner.input_batch), runner.is_driver
+
+
+def test_every_rank_runs_the_single_device_worker_runner_and_batch_and_only_rank_0_samples(pair):
+    single, split = pair
+    one_device = single.engine.model_executor.collective_rpc(worker_parts)
+    assert split.engine.model_executor.collective_rpc(worker_parts) == [one_device[0][:3] + (True,),
+                                                                        one_device[0][:3] + (False,)]
+
+
+def test_prompt_logprobs_are_the_same_as_one_process(pair):
+    single, split = pair
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, logprobs=1)
+    expected = single.generate(PROMPTS[:2], params, use_tqdm=False)
+    for got, want in zip(split.generate(PROMPTS[:2], params, use_tqdm=False), expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        top = lambda output: [sorted(e) if e else e for e in output.prompt_logprobs]  # noqa: E731
+        assert top(got) == top(want)
+        for position, entry in enumerate(got.prompt_logprobs[1:], start=1):
+            for token, logprob in entry.items():
+                assert logprob.logprob == pytest.approx(want.prompt_logprobs[position][token].logprob, abs=1e-4)
 
 
 def test_rank_traffic_stays_on_loopback(pair):
     """Every socket of every rank, listening or connected, is on a loopback address (a TCP rendezvous
     store would listen on all interfaces: the ranks meet through a file instead)."""
     _, split = pair
-    for pid in split.engine.executor.pids:
+    for pid in split.engine.model_executor.pids:
         sockets = [c for c in psutil.Process(pid).net_connections(kind="inet") if c.laddr]
         assert sockets, "the ranks talk over sockets"
         for conn in sockets:
@@ -176,7 +203,7 @@ def test_server_on_two_ranks_answers_with_the_same_tokens(pair):
 
 def test_shutdown_stops_every_worker(pair):
     _, split = pair
-    processes = split.engine.executor.processes
+    processes = split.engine.model_executor.processes
     split.shutdown()
     assert all(not p.is_alive() for p in processes)
     with pytest.raises(TensorParallelError, match="down"):
@@ -206,7 +233,7 @@ def test_one_kv_head_replicated_on_both_ranks_and_an_odd_vocabulary(tmp_path):
     expected = token_ids(LLM(model=str(path), **ENGINE_KWARGS).generate(PROMPTS, GREEDY, use_tqdm=False))
     split = LLM(model=str(path), tensor_parallel_size=2, **ENGINE_KWARGS)
     try:
-        assert [w["num_kv_heads"] for w in split.engine.executor.workers] == [1, 1]
+        assert [w["num_kv_heads"] for w in split.engine.model_executor.workers] == [1, 1]
         assert token_ids(split.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     finally:
         split.shutdown()
@@ -225,7 +252,7 @@ def test_a_rank_killed_mid_generation_fails_the_request_and_health_instead_of_ha
             request = threading.Thread(target=lambda: box.update(response=http.post("/v1/completions", json=body)))
             request.start()
             assert wait_until(lambda: engine.stats.num_generation_tokens >= 3, timeout=30), "generation never began"
-            os.kill(split.engine.executor.pids[1], signal.SIGKILL)
+            os.kill(split.engine.model_executor.pids[1], signal.SIGKILL)
             killed = time.monotonic()
             request.join(60)
             assert not request.is_alive(), "the request hangs after a rank died"
@@ -233,7 +260,7 @@ def test_a_rank_killed_mid_generation_fails_the_request_and_health_instead_of_ha
             assert box["response"].status_code == 503, box["response"].text
             assert box["response"].json()["error"]["code"] == "engine_unavailable"
             assert wait_until(lambda: http.get("/health").status_code == 503, timeout=10)
-        executor = split.engine.executor
+        executor = split.engine.model_executor
         assert all(p.exitcode is not None for p in executor.processes), "no rank outlives the failure"
         assert "rank 1" in str(executor.failure) and "exited with code -9" in str(executor.failure)
         # The engine stays down, and says so at once.

@@ -1,29 +1,37 @@
-"""Start one worker process per rank, send every step to all of them, and notice when one dies.
+"""The multiprocess executor: one worker process per tensor-parallel rank, each step sent to all of them.
 
-The engine process keeps the scheduler and the KV accounting and holds no weights. Each step
-goes down a pipe to every worker (rank 0's answer carries the logits) while every worker
+The engine process keeps the scheduler and the KV accounting and holds no weights. Each worker
+process builds the same ``Worker`` a single device uses (its shard of the model, its share of the
+KV cache) and serves ``(method, args)`` calls over a pipe until told to stop or the pipe closes.
+Every step goes to every rank, and rank 0's answer, the sampled tokens, comes back. Every worker
 process is watched: a rank that exits or errs fails the step at once, naming it, and the others
 are stopped. Workers are ``spawn``-ed daemons; a worker whose pipe closes exits by itself.
 
-vLLM: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``, ``collective_rpc``, the
-worker monitor); nano-vllm: ``engine/model_runner.py``.
+vLLM: ``vllm/v1/executor/multiproc_executor.py`` (``MultiprocExecutor``, ``WorkerProc``,
+``collective_rpc``, the worker monitor); nano-vllm: ``engine/model_runner.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
+import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 import torch
+import torch.distributed as dist
 
+from stage5_server.config import EngineConfig
 from stage5_server.engine.errors import EngineDeadError
-from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S
-from stage5_server.parallel.worker import StepBatch, WorkerSettings, worker_main
+from stage5_server.engine.processes import set_process_name
+from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, init_tensor_parallel
+from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
 
 logger = logging.getLogger("stagedserve")
 
@@ -34,34 +42,34 @@ class TensorParallelError(EngineDeadError):
 
 
 class MultiprocExecutor:
-    def __init__(self, model_path: str, world_size: int, dtype: torch.dtype, device_type: str, interface: str,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.world_size = world_size
+    def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.world_size = world_size = config.parallel.tensor_parallel_size
         self.failure: TensorParallelError | None = None
         self._store_dir = tempfile.mkdtemp(prefix="stagedserve-tp-")  # mode 0700: only this user meets here
-        settings = WorkerSettings(model_path, world_size, dtype, device_type, interface,
-                                  f"{self._store_dir}/rendezvous", timeout_s)
+        store_path = f"{self._store_dir}/rendezvous"
         context = multiprocessing.get_context("spawn")
         self.processes, self.pipes = [], []
         for rank in range(world_size):
             engine_end, worker_end = context.Pipe()
-            process = context.Process(target=worker_main, args=(rank, settings, worker_end), daemon=True,
-                                      name=f"stagedserve-tp-rank{rank}")
+            process = context.Process(target=worker_main, args=(rank, config, store_path, timeout_s, worker_end),
+                                      daemon=True, name=f"stagedserve-tp-rank{rank}")
             process.start()
             worker_end.close()
             self.processes.append(process)
             self.pipes.append(engine_end)
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.pipes, self._store_dir)
         self.workers = self._gather_replies("start-up")
-        logger.info("tensor parallel: %d ranks up on interface %s: %s", world_size, interface,
+        logger.info("tensor parallel: %d ranks up on interface %s: %s", world_size,
+                    config.parallel.distributed_interface,
                     ", ".join(f"rank {w['rank']} pid {w['pid']} {w['device']}" for w in self.workers))
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def collective_rpc(self, method: str, *args) -> list:
-        """Call ``method(*args)`` on every worker; their results in rank order."""
+    def collective_rpc(self, method: str | Callable, *args) -> list:
+        """Call ``method(*args)`` on every worker (a function: ``method(worker, *args)``); their results in rank
+        order."""
         if self.failure is not None:
             raise TensorParallelError(f"the tensor-parallel engine is down: {self.failure}")
         for rank, pipe in enumerate(self.pipes):
@@ -71,8 +79,8 @@ class MultiprocExecutor:
                 self._fail(f"rank {rank} is gone (its pipe is closed)", method)
         return self._gather_replies(method)
 
-    def execute_model(self, step: StepBatch) -> torch.Tensor | None:
-        return self.collective_rpc("execute_model", step)[0]
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", step)[0]  # the driver's answer; the others return None
 
     def _gather_replies(self, what: str) -> list:
         results: list = [None] * self.world_size
@@ -135,3 +143,37 @@ def _stop_workers(processes, pipes, store_dir: str, grace_s: float = 5.0) -> Non
     for pipe in pipes:
         pipe.close()
     shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def worker_main(rank: int, config: EngineConfig, store_path: str, timeout_s: float, conn) -> None:
+    """A worker's life: answer ``(method, args)`` with ``("ok", result)`` or ``("error", tb)``; exit after an error."""
+    set_process_name(f"ss-tp-{rank}")
+    world_size = config.parallel.tensor_parallel_size
+    try:
+        device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
+        if device.type == "cpu":  # the ranks share the cores instead of each claiming all of them
+            threads = os.environ.get("OMP_NUM_THREADS")
+            torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world_size))
+        init_tensor_parallel(rank, world_size, store_path, config.parallel.distributed_interface, device, timeout_s)
+        worker = Worker(config, rank)
+        conn.send(("ok", worker.describe()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:  # the engine process is gone: nobody to serve
+                break
+            if method == "shutdown":
+                break
+            try:
+                result = getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+                break
+            conn.send(("ok", result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

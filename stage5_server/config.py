@@ -1,0 +1,160 @@
+"""One typed, validated engine configuration: every engine argument checked once, before anything loads.
+
+``EngineConfig.create(model, **engine_args)`` takes the names ``LLM(...)`` and ``stagedserve serve``
+accept (stage 4's, plus stage 5's own below), refuses an unknown one or a bad value with a
+``ValueError`` naming it, resolves what "auto" means (device, dtype, attention backend, the
+network interface of tensor-parallel traffic) and groups the rest as vLLM does (cache, scheduler,
+parallel). Everything downstream (``core/builder.py``, the workers, the engine process, data
+parallel ranks) reads this object and checks nothing again. The one value that can still change
+is ``max_model_len``: the builder lowers it when the user set no length and the automatically
+sized KV cache holds less.
+
+vLLM: ``VllmConfig`` in ``vllm/config/__init__.py`` (``ModelConfig``, ``CacheConfig``,
+``SchedulerConfig``, ``ParallelConfig``), built from ``EngineArgs`` in ``vllm/engine/arg_utils.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from shared.config import ModelConfig
+from shared.llm_base import COMMON_ARGS, DTYPES, check_kv_cache_memory
+from shared.named_models import default_model, resolve_model
+from stage2_paged.llm import check_block_size
+from stage3_continuous.config import SchedulerConfig
+from stage4_prefix_cache.kv_cache_utils import get_hash_fn
+from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
+from stage5_server.attention import resolve_attention_backend
+from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
+
+SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
+                      "tensor_parallel_size": 1,
+                      "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
+                      "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
+                      "cpu_threads": None}  # torch threads on a CPU; None: one per physical core
+ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
+# bfloat16 pays on a CPU with native bf16 (AMX, AVX512-BF16) once the GEMMs are wide enough:
+# measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
+# checkpoints of hidden 128 and 256 (oneDNN's per-call cost dominates there; performance page).
+CPU_BF16_MIN_HIDDEN_SIZE = 512
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How the paged KV cache is sized and shared (vLLM's ``CacheConfig``)."""
+
+    block_size: int
+    num_kv_blocks: int | None  # None: from kv_cache_memory, or sized automatically
+    kv_cache_memory: int | None  # bytes of K/V per rank
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    block_shuffle_seed: int | None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    distributed_interface: str | None  # resolved when there are ranks: the loopback interface unless one is named
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tokenizer_path: str
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    max_model_len: int
+    scheduler: SchedulerConfig
+    cache: CacheSettings
+    parallel: ParallelConfig
+    attention_backend: str  # a name in ATTENTION_BACKENDS
+    enforce_eager: bool | None
+    cpu_threads: int | None
+    log_stats_interval: float | None
+    args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
+
+    @classmethod
+    def create(cls, model: str | None = None, **engine_args: Any) -> EngineConfig:
+        for name in engine_args:
+            if name not in ENGINE_ARGS:
+                raise ValueError(f"{name}: not an engine argument of stage5_server; accepted: {sorted(ENGINE_ARGS)}")
+        args = {**ENGINE_ARGS, **engine_args}
+        model_path = default_model() if model is None else resolve_model(model)  # a name or .gguf: a directory
+        model_config = ModelConfig.from_pretrained(model_path)
+        device = torch.device(args["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(args["dtype"], device, model_config)
+        max_model_len = args["max_model_len"] or model_config.max_position_embeddings
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len: must be an integer >= 2, got {max_model_len!r}")
+        if not isinstance(args["max_num_seqs"], int) or args["max_num_seqs"] < 1:
+            raise ValueError(f"max_num_seqs: must be an integer >= 1, got {args['max_num_seqs']!r}")
+        tensor_parallel_size = check_tensor_parallel_size(args["tensor_parallel_size"], model_config, device)
+        if args["enforce_eager"] not in (None, True, False):
+            raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
+        cpu_threads = args["cpu_threads"]
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"cpu_threads: must be a positive integer, got {cpu_threads!r}")
+        utilization = args["gpu_memory_utilization"]
+        if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
+        if not isinstance(args["enable_prefix_caching"], bool):
+            raise ValueError(f"enable_prefix_caching: must be a bool, got {args['enable_prefix_caching']!r}")
+        get_hash_fn(args["prefix_caching_hash_algo"])  # a clear error for an unknown name
+        num_kv_blocks = args["num_kv_blocks"]
+        if num_kv_blocks is not None and (not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool)
+                                          or num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_kv_blocks!r}")
+        scheduler = SchedulerConfig(max_num_batched_tokens=args["max_num_batched_tokens"],
+                                    max_num_seqs=args["max_num_seqs"],
+                                    max_num_active_seqs=args["max_num_active_seqs"],
+                                    enable_chunked_prefill=args["enable_chunked_prefill"],
+                                    policy=args["scheduling_policy"])
+        cache = CacheSettings(block_size=check_block_size(args["block_size"]), num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory=check_kv_cache_memory(args["kv_cache_memory"]),
+                              gpu_memory_utilization=float(utilization),
+                              enable_prefix_caching=args["enable_prefix_caching"],
+                              prefix_caching_hash_algo=args["prefix_caching_hash_algo"],
+                              block_shuffle_seed=args["block_shuffle_seed"])
+        interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
+        return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
+                   else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
+                   max_model_len=max_model_len, scheduler=scheduler, cache=cache,
+                   parallel=ParallelConfig(tensor_parallel_size, interface),
+                   attention_backend=resolve_attention_backend(args["attention_backend"], device),
+                   enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
+                   log_stats_interval=args["log_stats_interval"], args=args)
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        return replace(self, max_model_len=max_model_len)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX tiles or AVX512-BF16: bfloat16 matrix multiplies in hardware."""
+    cpu = getattr(torch, "cpu", None)
+    return bool(cpu and (getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                         or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()))
+
+
+def cpu_auto_dtype(config: ModelConfig) -> torch.dtype:
+    """What ``dtype="auto"`` means on a CPU for this model."""
+    if cpu_has_native_bf16() and config.hidden_size >= CPU_BF16_MIN_HIDDEN_SIZE:
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA, ``cpu_auto_dtype`` on a CPU; else a name from ``DTYPES``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return cpu_auto_dtype(config) if device.type == "cpu" else \
+            torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown {dtype!r}; choose auto or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]

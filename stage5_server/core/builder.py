@@ -1,0 +1,74 @@
+"""Build an engine core from an ``EngineConfig``: the one way every entry point gets one.
+
+``LLM``, the engine-core process, every data-parallel rank and the benchmarks call
+``build_engine_core(config)``:
+
+1. the executor starts the workers (each loads its model or shard);
+2. the KV pool is sized: ``num_kv_blocks`` if given, else ``kv_cache_memory`` bytes per rank, else
+   what the GPU's profile leaves (``determine_available_memory``, the tightest rank decides), else
+   the CPU default (``shared.llm_base.automatic_kv_cache_tokens``, shared by the ranks on this host);
+   a ``max_model_len`` the user did not set comes down to what the pool holds;
+3. the scheduler is built over that pool, and every worker allocates its blocks.
+
+vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
+``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shared.llm_base import automatic_kv_cache_tokens, fit_max_model_len
+from stage2_paged.llm import pool_too_small
+from stage3_continuous.llm import check_budget_takes_a_whole_prompt
+from stage4_prefix_cache.scheduler import CacheConfig, StatsLogger
+from stage5_server.config import EngineConfig
+from stage5_server.core.engine_core import EngineCore
+from stage5_server.core.scheduler import Scheduler
+from stage5_server.engine.cpu_threads import configure_engine_threads
+from stage5_server.executor import Executor, make_executor
+
+logger = logging.getLogger("stagedserve")
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    if config.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
+        configure_engine_threads(config.cpu_threads)  # the ranks of a split model share the cores instead
+    logger.info("attention backend: %s (device %s)", config.attention_backend, config.device)
+    executor = make_executor(config)
+    try:
+        block_size = config.cache.block_size
+        per_token = executor.collective_rpc("kv_bytes_per_token")[0]
+        num_blocks = config.cache.num_kv_blocks or kv_cache_tokens(config, executor, per_token) // block_size
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+        max_model_len = fit_max_model_len(num_blocks * block_size, config.max_model_len, config.args,
+                                          "num_kv_blocks", pool_too_small(num_blocks, block_size, config.max_model_len),
+                                          per_token)
+        config = config.with_max_model_len(max_model_len)
+        check_budget_takes_a_whole_prompt(config.args, max_model_len)
+        cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
+                                   enable_prefix_caching=config.cache.enable_prefix_caching,
+                                   prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
+        scheduler = Scheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
+        executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
+    except BaseException:
+        executor.shutdown()
+        raise
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens)%s", num_blocks, block_size, num_blocks * block_size,
+                f" on each of {executor.world_size} ranks" if executor.world_size > 1 else "")
+    interval = config.log_stats_interval
+    return EngineCore(config, scheduler, executor, StatsLogger(interval) if interval else None)
+
+
+def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:
+    """Tokens of K/V per rank when ``num_kv_blocks`` is not given."""
+    memory = config.cache.kv_cache_memory
+    if memory is None and config.device.type == "cuda":
+        num_tokens = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+        memory = min(executor.collective_rpc("determine_available_memory", num_tokens))
+        logger.info("KV cache sized from GPU memory: %.2f GiB -> %d tokens", memory / 2**30, memory // per_token)
+    if memory is None:
+        return automatic_kv_cache_tokens(per_token, config.scheduler.max_num_seqs, config.max_model_len,
+                                         processes=config.parallel.tensor_parallel_size)
+    return memory // per_token

@@ -1,0 +1,94 @@
+"""The engine core: schedule, execute on the workers, update, once per step.
+
+``step()`` is the whole loop of vLLM V1 in four lines: the scheduler decides what runs
+(``SchedulerOutput``), the executor runs it on every worker (``ModelRunnerInput`` in,
+``ModelRunnerOutput`` out: a list of tokens per request), the logprobs the runner computed are
+put on their requests, and the scheduler appends the tokens, rolls back rejected drafts and
+finishes what must stop. Where the workers live (this process, or one process per rank) is the
+executor's business; the core is the same.
+
+A step whose execution raises fails the requests in it (the scheduler frees their KV) and the
+error goes up to the caller; the core itself can step again, unless the executor is dead.
+
+vLLM: ``EngineCore.step`` in ``vllm/v1/engine/core.py``.
+"""
+
+from __future__ import annotations
+
+from shared.metrics import SchedulerStats
+from shared.request import Request, RequestStatus
+from stage4_prefix_cache.scheduler import StatsLogger
+from stage5_server.config import EngineConfig
+from stage5_server.core.scheduler import Scheduler
+from stage5_server.executor import Executor
+from stage5_server.worker import ModelRunnerOutput
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, model_executor: Executor,
+                 stats_logger: StatsLogger | None = None):
+        self.config = config
+        self.scheduler = scheduler
+        self.model_executor = model_executor
+        self.max_model_len = scheduler.max_model_len
+        self.stats_logger = stats_logger
+        self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.cache_config.num_blocks
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def live_block_ids(self) -> dict[str, list[int]]:
+        manager = self.scheduler.kv_cache_manager
+        return {r.request_id: manager.get_block_ids(r.request_id) for r in self.scheduler.running}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()
+
+    def step(self) -> list[Request]:
+        output = self.scheduler.schedule()
+        if self.step_trace is not None:
+            self.step_trace.append(dict(output.num_scheduled_tokens))
+        if output.total_num_scheduled_tokens == 0:
+            return output.aborted_reqs
+        runner_input = self.scheduler.runner_input(output)
+        try:
+            result = self.model_executor.execute_model(runner_input)
+        except Exception:
+            self.scheduler.runner_input_failed(runner_input)
+            self.scheduler.recover_from_failed_step(output)  # free their KV, then let the caller know
+            raise
+        requests = {r.request_id: r for r in output.scheduled_reqs}
+        add_logprobs(requests, result)
+        updated = self.scheduler.update_from_output(output, result.by_request())
+        for request_id in result.logprobs:  # a stop inside a list of tokens drops the tokens after it
+            request = requests[request_id]
+            del request.logprobs[request.num_output_tokens:]
+        if self.stats_logger:
+            self.stats_logger.maybe_log(self.stats())
+        return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
+
+
+def add_logprobs(requests: dict[str, Request], result: ModelRunnerOutput) -> None:
+    for request_id, entries in result.prompt_logprobs.items():
+        requests[request_id].prompt_logprobs.extend(entries)
+    for request_id, entries in result.logprobs.items():
+        requests[request_id].logprobs.extend(entries)

@@ -1,0 +1,137 @@
+"""stage 4's scheduler, with two additions for an engine whose workers may live in other processes.
+
+1. **Several new tokens per request per step.** A running request may carry draft tokens
+   (``Request.spec_token_ids``): a decode then asks for ``1 + k`` positions inside the same token
+   budget and KV allocation, and the drafts go to the workers in
+   ``SchedulerOutput.scheduled_spec_decode_tokens``. The runner returns the accepted drafts plus one
+   token; ``update_from_output`` rolls ``num_computed_tokens`` back past the rejected positions, so
+   their KV slots are written again by the next step and never read. The prefix cache hashes only
+   known tokens (``KVCacheManager.allocate_slots``), so drafts never enter a block hash.
+2. **The workers' view of the step** (``runner_input``): the plain-data ``ModelRunnerInput`` every
+   rank receives, sending a request whole once and afterwards only what it gained; and the
+   structured-output masks of the requests that sample, computed here where the grammars live.
+
+vLLM: ``vllm/v1/core/sched/scheduler.py`` (``num_tokens_with_spec``, the rejected-token rollback in
+``update_from_output``, ``get_grammar_bitmask``) and ``vllm/v1/core/sched/output.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.request import Request
+from stage3_continuous.config import SchedulerConfig
+from stage4_prefix_cache.scheduler import CacheConfig
+from stage4_prefix_cache.scheduler import Scheduler as _PrefixCachingScheduler
+from stage4_prefix_cache.scheduler import SchedulerOutput as _SchedulerOutput
+from stage5_server.worker.runner_io import CachedRequestData, ModelRunnerInput, NewRequestData
+
+
+@dataclass
+class SchedulerOutput(_SchedulerOutput):
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
+
+
+class Scheduler(_PrefixCachingScheduler):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int,
+                 vocab_size: int):
+        super().__init__(scheduler_config, cache_config, max_model_len)
+        self.vocab_size = vocab_size  # the width of a structured-output mask
+        self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
+        self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
+        self.preempted_on_workers: set[str] = set()
+
+    # ---- several tokens per step -------------------------------------------------------------
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        num_new = super()._num_tokens_to_compute(request)
+        if num_new == 1 and request.spec_token_ids:  # a decode that also verifies its drafts
+            return 1 + len(request.spec_token_ids)
+        return num_new
+
+    def add_draft_tokens(self, request: Request, draft_token_ids: list[int]) -> None:
+        """Propose ``draft_token_ids`` to follow ``request``'s last token; verified in its next decode.
+        Cut to what ``max_model_len`` leaves; a request under a grammar takes none (its mask is
+        computed for one position a step)."""
+        room = self.max_model_len - request.num_tokens
+        usable = request.structured_output_request is None and not request.is_finished
+        request.spec_token_ids = list(draft_token_ids[:max(0, room)]) if usable else []
+
+    def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []  # proposed for a position the recompute samples afresh
+        super()._preempt(request)
+
+    def schedule(self) -> SchedulerOutput:
+        base = super().schedule()
+        drafts = {}
+        for request in base.scheduled_running_reqs:
+            if request.spec_token_ids:
+                num_drafts = base.num_scheduled_tokens[request.request_id] - 1  # the budget may cut some
+                if num_drafts > 0:
+                    drafts[request.request_id] = request.spec_token_ids[:num_drafts]
+                request.spec_token_ids = []
+        self.finished_on_workers |= base.finished_req_ids
+        self.preempted_on_workers |= base.preempted_req_ids
+        return SchedulerOutput(**vars(base), scheduled_spec_decode_tokens=drafts)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        rejected = {rid: len(drafts) + 1 - len(sampled_token_ids[rid])
+                    for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+                    if sampled_token_ids.get(rid)}
+        updated = super().update_from_output(scheduler_output, sampled_token_ids)
+        for rid, num_rejected in rejected.items():
+            request = self.requests.get(rid)  # gone if it finished
+            if request is not None and num_rejected > 0:
+                request.num_computed_tokens -= num_rejected
+        return updated
+
+    # ---- the workers' view ---------------------------------------------------------------------
+    def runner_input(self, output: SchedulerOutput) -> ModelRunnerInput:
+        """What every worker needs to run ``output``: new requests whole, running ones as deltas."""
+        sent = self.sent_to_workers
+        finished, preempted = self.finished_on_workers, self.preempted_on_workers
+        for request_id in finished | preempted:
+            sent.pop(request_id, None)
+        new_reqs, cached_reqs, req_ids, counts = [], [], [], []
+        for request in output.scheduled_reqs:
+            request_id = request.request_id
+            table = output.block_tables[request_id]
+            have = sent.get(request_id)
+            if have is None:
+                new_reqs.append(NewRequestData(
+                    request_id, request.prompt_token_ids, request.output_token_ids, request.sampling_params,
+                    request.eos_token_ids, request.bad_words_token_ids, table, request.num_computed_tokens,
+                    len(request.prompt_logprobs)))
+                sent[request_id] = [request.num_tokens, len(table)]
+            else:
+                num_tokens, num_blocks = have
+                cached_reqs.append(CachedRequestData(request_id, request.all_token_ids[num_tokens:],
+                                                     table[num_blocks:], request.num_computed_tokens))
+                have[0], have[1] = request.num_tokens, len(table)
+            req_ids.append(request_id)
+            counts.append(output.num_scheduled_tokens[request_id])
+        self.finished_on_workers, self.preempted_on_workers = set(), set()
+        runner_input = ModelRunnerInput(new_reqs, cached_reqs, counts, req_ids, output.scheduled_spec_decode_tokens,
+                                        finished, preempted)
+        self._add_grammar_bitmask(output, runner_input)
+        return runner_input
+
+    def runner_input_failed(self, runner_input: ModelRunnerInput) -> None:
+        """The step carrying ``runner_input`` raised before the workers took it: tell them again."""
+        self.finished_on_workers |= runner_input.finished_req_ids
+        self.preempted_on_workers |= runner_input.preempted_req_ids
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput, runner_input: ModelRunnerInput) -> None:
+        """The masks of the requests with a grammar that sample this step (they reach their last token)."""
+        sampling = [r for r in output.scheduled_reqs if r.structured_output_request is not None
+                    and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] == r.num_tokens]
+        if not sampling:
+            return
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.full((len(sampling), words), -1, dtype=torch.int32)  # -1: every token allowed
+        for row, request in enumerate(sampling):
+            request.structured_output_request.fill_bitmask(bitmask, row, request.output_token_ids)
+        runner_input.grammar_bitmask = bitmask
+        runner_input.grammar_req_ids = [r.request_id for r in sampling]

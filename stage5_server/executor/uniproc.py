@@ -1,0 +1,31 @@
+"""The one-device executor: a single worker, in the engine core's own process.
+
+Its calls are plain method calls; the worker is the same one a tensor-parallel rank runs.
+
+vLLM: ``UniProcExecutor`` in ``vllm/v1/executor/uniproc_executor.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stage5_server.config import EngineConfig
+from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
+
+
+class UniProcExecutor:
+    world_size = 1
+
+    def __init__(self, config: EngineConfig):
+        self.driver_worker = Worker(config)
+
+    def collective_rpc(self, method: str | Callable, *args) -> list:
+        """``method(*args)`` on the worker (a function: ``method(worker, *args)``), as a one-element list."""
+        worker = self.driver_worker
+        return [getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)]
+
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(step)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,109 @@
+"""The model runner: one step's forward pass over the persistent input batch, then sampling.
+
+``execute_model(step)`` brings the ``InputBatch`` up to date with the step's ``ModelRunnerInput``,
+gathers the inputs, runs the model, scores prompt positions for requests that asked for
+``prompt_logprobs``, and computes logits at every position that samples: a request's last
+position, plus one per draft token under verification. The same code runs on every rank; only
+the driver (rank 0) samples and answers, the other ranks' logits go unused.
+
+Sampling gives each request a *list* of tokens. Without draft tokens that list has one token.
+With drafts ``d_1 .. d_k`` (scheduled as ``k`` extra positions after the last known token) the
+runner samples at each position in turn, each with the outputs so far extended by the drafts
+before it, and keeps going while the token it samples equals the draft: the list is the accepted
+drafts and then the first token that differs (or one past the last draft). Every token kept is a
+draw from the target model's own distribution given the tokens before it, so the output is what
+plain decoding gives (token for token under greedy); the rejected positions' KV is simply
+overwritten later, since the scheduler rolls ``num_computed_tokens`` back past them.
+
+vLLM: ``GPUModelRunner.execute_model`` and ``sample_tokens`` in ``vllm/v1/worker/gpu_model_runner.py``;
+the accept-while-equal rule is ``vllm/v1/sample/rejection_sampler.py`` for a draft that gives no
+probabilities (as n-gram drafts do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model import DecoderModel
+from shared.model_runner import score_prompt_tokens
+from shared.sampler import sample
+from shared.structured_output import unpack_bitmask
+from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
+from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True):
+        self.model = model
+        self.input_batch = input_batch
+        self.is_driver = is_driver
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests
+
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
+        prepared = self.input_batch.prepare(step)
+        inputs = prepared.inputs
+        hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        scored_before = [len(state.prompt_logprobs) for state in prepared.states]
+        score_prompt_tokens(self.model, list(zip(prepared.states, prepared.num_scheduled)), inputs, hidden)
+        logits = None
+        if prepared.logits_indices:  # every rank computes them (the vocabulary is split across ranks)
+            rows = torch.tensor(prepared.logits_indices, device=hidden.device)
+            logits = self.model.compute_logits(hidden[rows])
+        if not self.is_driver:
+            return None
+        output = self.sample_tokens(step, prepared, logits) if logits is not None else ModelRunnerOutput([], [])
+        for state, before in zip(prepared.states, scored_before):
+            if len(state.prompt_logprobs) > before:
+                output.prompt_logprobs[state.request_id] = state.prompt_logprobs[before:]
+        return output
+
+    def sample_tokens(self, step: ModelRunnerInput, prepared: PreparedStep, logits: torch.Tensor) -> ModelRunnerOutput:
+        states = [prepared.states[i] for i in prepared.inputs.sample_rows]
+        first_rows, offset = [], 0
+        for num_draft in prepared.num_draft:
+            first_rows.append(offset)
+            offset += 1 + num_draft
+        if offset == len(states):  # no drafts: one logits row per request
+            first = logits
+        else:
+            first = logits[first_rows]
+        first = apply_grammar_bitmask(first, states, step)
+        sampled = [[token] for token in sample(first, states, self.generator)]
+        if offset != len(states):
+            self._verify_drafts(step, states, prepared.num_draft, first_rows, logits, sampled)
+        output = ModelRunnerOutput([state.request_id for state in states], sampled)
+        for state in states:
+            if state.logprobs:
+                output.logprobs[state.request_id], state.logprobs = state.logprobs, []
+        return output
+
+    def _verify_drafts(self, step: ModelRunnerInput, states: list[CachedRequestState], num_draft: list[int],
+                       first_rows: list[int], logits: torch.Tensor, sampled: list[list[int]]) -> None:
+        """Extend each request's list while its sampled token equals the next draft (module docstring)."""
+        drafts = [step.spec_token_ids.get(state.request_id, []) for state in states]
+        num_outputs = [state.num_output_tokens for state in states]
+        for position in range(1, max(num_draft) + 1):
+            active = [i for i, tokens in enumerate(sampled)
+                      if num_draft[i] >= position and tokens[-1] == drafts[i][position - 1]]
+            if not active:
+                break
+            for i in active:  # the sampler sees the drafts accepted so far as outputs
+                states[i].output_token_ids.append(drafts[i][position - 1])
+            tokens = sample(logits[[first_rows[i] + position for i in active]], [states[i] for i in active],
+                            self.generator)
+            for i, token in zip(active, tokens):
+                sampled[i].append(token)
+        for state, before in zip(states, num_outputs):  # the core sends the real outputs next step
+            del state.output_token_ids[before:]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, states: list[CachedRequestState],
+                          step: ModelRunnerInput) -> torch.Tensor:
+    """-inf wherever a request's grammar forbids the token; the masks come computed from the core."""
+    if step.grammar_bitmask is None:
+        return logits
+    row_of = {state.request_id: row for row, state in enumerate(states)}
+    rows = [row_of[request_id] for request_id in step.grammar_req_ids]
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    allowed[rows] = unpack_bitmask(step.grammar_bitmask, logits.shape[-1])
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

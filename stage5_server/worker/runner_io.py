@@ -1,0 +1,78 @@
+"""What crosses from the engine core to every worker and back, once per step.
+
+The scheduler's ``SchedulerOutput`` holds live ``Request`` objects: fine in one process, but a
+tensor-parallel rank lives in another. So the core distills each step into a ``ModelRunnerInput``
+of plain data that every rank receives alike, one process or many:
+
+- ``new_reqs``: a request the workers have not seen, or one that comes back after preemption:
+  everything the runner needs to keep it (tokens, block table, sampling parameters);
+- ``cached_reqs``: a request the workers already hold: only what it gained since its last step
+  (the tokens it sampled, the blocks it was given) and how far its KV now reaches;
+- ``spec_token_ids``: draft tokens scheduled for verification (their positions are part of the
+  request's ``num_scheduled_tokens``);
+- ``finished_req_ids``: requests the workers can forget; ``preempted_req_ids``: requests whose rows
+  they can free (each comes back later as a new request);
+- ``grammar_bitmask``: the structured-output mask of each request that samples, computed in the
+  core, where the grammars live.
+
+The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill,
+one for a decode, several when draft tokens were accepted) and the logprobs it was asked for.
+
+vLLM: ``NewRequestData``, ``CachedRequestData`` and ``SchedulerOutput`` in
+``vllm/v1/core/sched/output.py`` (there the scheduler ships these itself); ``ModelRunnerOutput``
+in ``vllm/v1/outputs.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.outputs import Logprob
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    bad_words_token_ids: list[list[int]]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_logprobs_done: int  # prompt positions already scored (a resumed request keeps them)
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # appended to the request since the workers last saw it
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class ModelRunnerInput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: list[int]  # per request, in the order ``scheduled_req_ids``
+    scheduled_req_ids: list[str]  # running requests first, then new ones (stage 3's packing order)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)  # their rows go; their state stays
+    grammar_bitmask: torch.Tensor | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
+    grammar_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # the requests that sampled this step
+    sampled_token_ids: list[list[int]]  # per request: the tokens it gained (accepted drafts, then one more)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one entry per token gained
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # newly scored positions
+
+    def by_request(self) -> dict[str, list[int]]:
+        return dict(zip(self.req_ids, self.sampled_token_ids))

@@ -1,0 +1,75 @@
+"""One worker per rank: its device, its model (whole, or its tensor-parallel shard), its KV cache,
+the attention backend over that cache, and the model runner. The same class on one device and on
+every rank of a split model; the executor decides only where each worker lives.
+
+Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
+GPU, ``determine_available_memory`` (the builder sizes the pool from them) -> ``initialize_kv_cache``
+(allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step.
+
+vLLM: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``load_model``, ``determine_available_memory``,
+``initialize_from_config``, ``execute_model``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shared.llm_base import kv_bytes_per_token
+from shared.weights import load_model
+from stage2_paged.kv_cache import PagedKVCache
+from stage5_server.attention import ATTENTION_BACKENDS
+from stage5_server.attention.memory import profile_free_kv_memory
+from stage5_server.config import EngineConfig
+from stage5_server.model import compile_model, fuse_projections
+from stage5_server.parallel.sharded_model import load_sharded_model
+from stage5_server.worker.input_batch import InputBatch
+from stage5_server.worker.model_runner import ModelRunner
+from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        world_size = config.parallel.tensor_parallel_size
+        self.device = torch.device("cuda", rank) if world_size > 1 and config.device.type == "cuda" else config.device
+        if world_size == 1:
+            model, _ = load_model(config.model_path, config.dtype, self.device)
+        else:
+            model, _ = load_sharded_model(config.model_path, rank, world_size, config.dtype, self.device)
+        # q/k/v (gate/up) fused into one GEMM each; a compiled forward fuses RoPE into its own loops.
+        self.compiled = config.enforce_eager is False and world_size == 1
+        self.model = fuse_projections(model, step_rope=not self.compiled)
+        self.kv_cache: PagedKVCache | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def describe(self) -> dict:
+        config = self.model.config  # this rank's share: its heads
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
+                "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads}
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers, on this rank (its own KV heads only)."""
+        return kv_bytes_per_token(self.model.config, self.config.dtype)
+
+    def determine_available_memory(self, num_tokens: int) -> int:
+        """Bytes of GPU memory the KV cache can have on this rank (``attention/memory.py``)."""
+        return profile_free_kv_memory(self.model, self.device, num_tokens, self.config.cache.gpu_memory_utilization)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        config, model_config = self.config, self.model.config
+        self.kv_cache = PagedKVCache(num_blocks, block_size, model_config.num_hidden_layers,
+                                     model_config.num_key_value_heads, model_config.head_dim, config.dtype,
+                                     self.device)
+        backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
+        if self.compiled:
+            compile_model(self.model, backend)
+        else:
+            self.model.set_attention_backend(backend)
+        input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, block_size, self.device)
+        self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.rank == 0)
+
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(step)
