@@ -158,7 +158,7 @@ class Scheduler:
             scheduled_running_reqs=scheduled_running,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            block_tables={rid: self.kv_cache_manager.get_block_ids(rid) for rid in num_scheduled},
+            block_tables=self._block_tables(num_scheduled),
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
             aborted_reqs=aborted,
@@ -203,6 +203,9 @@ class Scheduler:
         self.finish_requests(list(output.num_scheduled_tokens), RequestStatus.FINISHED_ABORTED)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _block_tables(self, request_ids) -> dict[str, list[int]]:
+        return {rid: self.kv_cache_manager.get_block_ids(rid) for rid in request_ids}
+
     def _num_tokens_to_compute(self, request: Request) -> int:
         """Input positions a running request still lacks: one for a decode, the prompt's rest mid-prefill."""
         return request.num_tokens - request.num_computed_tokens

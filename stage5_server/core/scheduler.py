@@ -17,6 +17,7 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``num_tokens_with_spec``, the rejecte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,27 @@ from stage4_prefix_cache.scheduler import CacheConfig
 from stage4_prefix_cache.scheduler import Scheduler as _PrefixCachingScheduler
 from stage4_prefix_cache.scheduler import SchedulerOutput as _SchedulerOutput
 from stage5_server.worker.runner_io import CachedRequestData, ModelRunnerInput, NewRequestData
+
+
+class BlockTables(Mapping):
+    """The scheduled requests' block tables as physical block ids, each built when first read: the
+    workers are sent only the blocks a request gained (``runner_input``), so most steps read none."""
+
+    def __init__(self, kv_cache_manager, request_ids):
+        self.kv_cache_manager, self.request_ids, self.built = kv_cache_manager, request_ids, {}
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        if request_id not in self.request_ids:
+            raise KeyError(request_id)
+        if request_id not in self.built:
+            self.built[request_id] = self.kv_cache_manager.get_block_ids(request_id)
+        return self.built[request_id]
+
+    def __iter__(self):
+        return iter(self.request_ids)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass
@@ -43,9 +65,12 @@ class Scheduler(_PrefixCachingScheduler):
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
         self.preempted_on_workers: set[str] = set()
 
+    def _block_tables(self, request_ids) -> BlockTables:
+        return BlockTables(self.kv_cache_manager, dict.fromkeys(request_ids))
+
     # ---- several tokens per step -------------------------------------------------------------
     def _num_tokens_to_compute(self, request: Request) -> int:
-        num_new = super()._num_tokens_to_compute(request)
+        num_new = len(request.all_token_ids) - request.num_computed_tokens
         if num_new == 1 and request.spec_token_ids:  # a decode that also verifies its drafts
             return 1 + len(request.spec_token_ids)
         return num_new
@@ -94,27 +119,33 @@ class Scheduler(_PrefixCachingScheduler):
         finished, preempted = self.finished_on_workers, self.preempted_on_workers
         for request_id in finished | preempted:
             sent.pop(request_id, None)
-        new_reqs, cached_reqs, req_ids, counts = [], [], [], []
+        new_reqs, new_counts = [], []
+        cached, cached_counts = CachedRequestData(), []
+        num_scheduled, tables = output.num_scheduled_tokens, self.kv_cache_manager.req_to_blocks
         for request in output.scheduled_reqs:
             request_id = request.request_id
-            table = output.block_tables[request_id]
+            blocks = tables[request_id]
             have = sent.get(request_id)
             if have is None:
                 new_reqs.append(NewRequestData(
                     request_id, request.prompt_token_ids, request.output_token_ids, request.sampling_params,
-                    request.eos_token_ids, request.bad_words_token_ids, table, request.num_computed_tokens,
-                    len(request.prompt_logprobs)))
-                sent[request_id] = [request.num_tokens, len(table)]
+                    request.eos_token_ids, request.bad_words_token_ids, [b.block_id for b in blocks],
+                    request.num_computed_tokens, len(request.prompt_logprobs)))
+                new_counts.append(num_scheduled[request_id])
+                sent[request_id] = [request.num_tokens, len(blocks)]
             else:
                 num_tokens, num_blocks = have
-                cached_reqs.append(CachedRequestData(request_id, request.all_token_ids[num_tokens:],
-                                                     table[num_blocks:], request.num_computed_tokens))
-                have[0], have[1] = request.num_tokens, len(table)
-            req_ids.append(request_id)
-            counts.append(output.num_scheduled_tokens[request_id])
+                cached.req_ids.append(request_id)
+                cached.new_token_ids.append(request.all_token_ids[num_tokens:])
+                cached.new_block_ids.append([b.block_id for b in blocks[num_blocks:]] if len(blocks) > num_blocks
+                                            else [])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+                cached_counts.append(num_scheduled[request_id])
+                have[0], have[1] = request.num_tokens, len(blocks)
+        req_ids = cached.req_ids + [new.req_id for new in new_reqs]  # the order the workers pack them in
         self.finished_on_workers, self.preempted_on_workers = set(), set()
-        runner_input = ModelRunnerInput(new_reqs, cached_reqs, counts, req_ids, output.scheduled_spec_decode_tokens,
-                                        finished, preempted)
+        runner_input = ModelRunnerInput(new_reqs, cached, cached_counts + new_counts, req_ids,
+                                        output.scheduled_spec_decode_tokens, finished, preempted)
         self._add_grammar_bitmask(output, runner_input)
         return runner_input
 

@@ -161,13 +161,51 @@ class InputBatch:
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
 
     # ---- one step --------------------------------------------------------------------------
-    def update(self, step: ModelRunnerInput) -> None:
+    def update(self, step: ModelRunnerInput) -> tuple[list[CachedRequestState], list[int]]:
         """Bring the states and rows up to date with ``step``: forget finished requests, free the rows
-        of preempted ones, (re)fill new ones, write what running ones gained."""
+        of preempted ones, write what running ones gained, (re)fill new ones. Returns the scheduled
+        requests' states and rows, in the step's order (running ones, then new ones)."""
         for request_id in step.finished_req_ids:
             self.remove_request(request_id)
         for request_id in step.preempted_req_ids:
             self.remove_row(request_id)
+        token_rows, token_cols, token_values = [], [], []
+        block_rows, block_cols, block_values = [], [], []
+        states, row_of, num_blocks, token_width = self.states, self.row_of, self.num_blocks, self.token_ids.shape[1]
+        cached = step.cached_reqs
+        scheduled_states, scheduled_rows = [], []
+        for request_id, new_tokens, new_blocks, num_computed in zip(
+                cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state, row = states[request_id], row_of[request_id]
+            scheduled_states.append(state)
+            scheduled_rows.append(row)
+            if new_tokens:
+                have = len(state.prompt_token_ids) + len(state.output_token_ids)
+                if have + len(new_tokens) > token_width:
+                    self._fit(have + len(new_tokens), 0)
+                    token_width = self.token_ids.shape[1]
+                if len(new_tokens) == 1:  # a decode: the token sampled last step
+                    token_rows.append(row)
+                    token_cols.append(have)
+                    token_values.append(new_tokens[0])
+                else:
+                    token_rows += [row] * len(new_tokens)
+                    token_cols.extend(range(have, have + len(new_tokens)))
+                    token_values.extend(new_tokens)
+                state.output_token_ids += new_tokens
+            if new_blocks:
+                written = num_blocks[row]
+                if written + len(new_blocks) > self.block_table.shape[1]:
+                    self._fit(0, written + len(new_blocks))
+                block_rows += [row] * len(new_blocks)
+                block_cols.extend(range(written, written + len(new_blocks)))
+                block_values.extend(new_blocks)
+                num_blocks[row] = written + len(new_blocks)
+            state.num_computed_tokens = num_computed
+        if token_values:
+            self.token_ids[token_rows, token_cols] = token_values
+        if block_values:
+            self.block_table[block_rows, block_cols] = block_values
         for new in step.new_reqs:
             state = self.states.get(new.req_id)
             if state is None:  # first seen; a resumed request keeps its state (and its generator's draws)
@@ -175,58 +213,36 @@ class InputBatch:
             else:
                 state.output_token_ids = list(new.output_token_ids)
             state.num_computed_tokens = new.num_computed_tokens
-            self.add_request(state, new.block_ids)
-        token_rows, token_cols, token_values = [], [], []
-        block_rows, block_cols, block_values = [], [], []
-        for cached in step.cached_reqs:
-            state = self.states[cached.req_id]
-            row = self.row_of[cached.req_id]
-            new_tokens, new_blocks = cached.new_token_ids, cached.new_block_ids
-            if new_tokens:
-                have = state.num_tokens
-                if have + len(new_tokens) > self.token_ids.shape[1]:
-                    self._fit(have + len(new_tokens), 0)
-                token_rows += [row] * len(new_tokens)
-                token_cols.extend(range(have, have + len(new_tokens)))
-                token_values.extend(new_tokens)
-                state.output_token_ids.extend(new_tokens)
-            if new_blocks:
-                written = self.num_blocks[row]
-                if written + len(new_blocks) > self.block_table.shape[1]:
-                    self._fit(0, written + len(new_blocks))
-                block_rows += [row] * len(new_blocks)
-                block_cols.extend(range(written, written + len(new_blocks)))
-                block_values.extend(new_blocks)
-                self.num_blocks[row] = written + len(new_blocks)
-            state.num_computed_tokens = cached.num_computed_tokens
-        if token_values:
-            self.token_ids[token_rows, token_cols] = token_values
-        if block_values:
-            self.block_table[block_rows, block_cols] = block_values
+            scheduled_states.append(state)
+            scheduled_rows.append(self.add_request(state, new.block_ids))
         for request_id, drafts in step.spec_token_ids.items():  # past the known tokens, until verified
             state, row = self.states[request_id], self.row_of[request_id]
             self._fit(state.num_tokens + len(drafts), 0)
             self.token_ids[row, state.num_tokens:state.num_tokens + len(drafts)] = drafts
+        return scheduled_states, scheduled_rows
 
     def prepare(self, step: ModelRunnerInput) -> PreparedStep:
         """``update``, then gather the step's inputs from the scheduled rows."""
-        self.update(step)
-        states = [self.states[request_id] for request_id in step.scheduled_req_ids]
-        counts = step.num_scheduled_tokens
+        states, rows = self.update(step)
+        assert len(states) == len(step.scheduled_req_ids), "a scheduled request the workers do not hold"
+        num_blocks, drafts_of = self.num_blocks, step.spec_token_ids
         starts = [state.num_computed_tokens for state in states]
-        rows = [self.row_of[request_id] for request_id in step.scheduled_req_ids]
-        widest = max(self.num_blocks[row] for row in rows)
+        widest = max(num_blocks[row] for row in rows)
         # A request samples when this step reaches its last known token (not mid-way through a
         # prefill); with draft tokens, at the position before each of them too.
         sample_rows, num_draft, logits_indices = [], [], []
         end = 0
-        for i, (state, start, count) in enumerate(zip(states, starts, counts)):
+        for i, (state, start, count) in enumerate(zip(states, starts, step.num_scheduled_tokens)):
             end += count
-            drafts = len(step.spec_token_ids.get(state.request_id, ()))
-            if start + count == state.num_tokens + drafts:
+            drafts = len(drafts_of[state.request_id]) if drafts_of and state.request_id in drafts_of else 0
+            if start + count == len(state.prompt_token_ids) + len(state.output_token_ids) + drafts:
                 sample_rows.append(i)
                 num_draft.append(drafts)
-                logits_indices.extend(range(end - 1 - drafts, end))
+                if drafts:
+                    logits_indices.extend(range(end - 1 - drafts, end))
+                else:
+                    logits_indices.append(end - 1)
+        counts = step.num_scheduled_tokens
         inputs, meta = self._gather(rows, counts, starts, sample_rows, widest)
         return PreparedStep(states, list(counts), inputs, meta, logits_indices, num_draft)
 

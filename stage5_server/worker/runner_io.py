@@ -48,18 +48,20 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    req_id: str
-    new_token_ids: list[int]  # appended to the request since the workers last saw it
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    """The running requests the workers already hold, one entry per request in each list."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # appended since the workers last saw it
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
 class ModelRunnerInput:
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: CachedRequestData
     num_scheduled_tokens: list[int]  # per request, in the order ``scheduled_req_ids``
-    scheduled_req_ids: list[str]  # running requests first, then new ones (stage 3's packing order)
+    scheduled_req_ids: list[str]  # ``cached_reqs`` then ``new_reqs``, in their order (stage 3's packing order)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)  # their rows go; their state stays
