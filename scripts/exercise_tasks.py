@@ -424,7 +424,7 @@ only 4; a 9-token prompt whose first 8 are cached reuses 8. Count the lookup in
     5: [
         Task(
             name="reshape_and_cache",
-            file="stage5_server/attention/kernels/reshape_and_cache.py",
+            file="stage5_server/kernels/reshape_and_cache.py",
             function="_reshape_and_cache_kernel",
             spec="""
 The Triton kernel that writes this step's new K and V rows into their cache slots.

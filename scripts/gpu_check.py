@@ -104,7 +104,7 @@ def make_paged_batch(torch, seq_lens, q_lens, *, block_size, num_heads, num_kv_h
 
 def check_correctness(torch) -> list[dict]:
     from stage2_paged.attention import paged_attention
-    from stage5_server.attention.kernels import (
+    from stage5_server.kernels import (
         paged_decode_attention,
         paged_prefill_attention,
         reshape_and_cache,
@@ -233,8 +233,8 @@ def time_cuda(torch, fn, iters: int, flush) -> float:
 
 def bench_decode(torch, args, copy_bw: float) -> list[dict]:
     from stage2_paged.attention import paged_attention
-    from stage5_server.attention.kernels import choose_num_splits, paged_decode_attention
-    from stage5_server.attention.kernels.paged_attention import _num_sms
+    from stage5_server.kernels import choose_num_splits, paged_decode_attention
+    from stage5_server.kernels.paged_attention import _num_sms
 
     dtype = torch.bfloat16
     elem = torch.finfo(dtype).bits // 8

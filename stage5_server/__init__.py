@@ -2,12 +2,17 @@
 engine core steps on its own (on a thread, or in a process of its own), and a secured
 OpenAI-compatible HTTP server streams its results.
 
-The engine core is stage 4's, imported; stage 5 adds rooms around it, one idea each:
-``attention/`` (the backend registry, the Triton kernels, KV sizing; ``vllm/v1/attention/``),
-``engine/`` (the async engine on a thread or over ZeroMQ; ``vllm/v1/engine/``), ``server/``
-(the OpenAI-compatible app, keys and trust groups, metrics; ``vllm/entrypoints/openai/``),
-``parallel/`` (tensor parallelism; ``vllm/distributed/``), ``cli/`` and ``bench/`` (the
-``stagedserve`` command and its load benchmark; ``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
+Stage 4's scheduler and KV cache manager run inside vLLM V1's chain: ``config.py``
+(``EngineConfig``, every argument checked once), ``core/`` (``build_engine_core``, ``EngineCore``,
+the scheduler with draft tokens; ``vllm/v1/engine/core.py``), ``executor/`` and ``worker/`` (where
+the workers live, and each rank's ``Worker``, ``ModelRunner`` and ``InputBatch``;
+``vllm/v1/executor/``, ``vllm/v1/worker/``). Around it, one idea a room: ``attention/`` (the
+backend registry, KV sizing; ``vllm/v1/attention/``), ``kernels/`` (the Triton kernels),
+``model/`` (the model rearranged for speed), ``engine/`` (the async engine on a thread or over
+ZeroMQ; ``vllm/v1/engine/``), ``server/`` (the OpenAI-compatible app, keys and trust groups,
+metrics; ``vllm/entrypoints/openai/``), ``parallel/`` (tensor parallelism; ``vllm/distributed/``),
+``cli/`` and ``bench/`` (the ``stagedserve`` command and its load benchmark;
+``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
 
 Everything but ``LLM`` is imported on first use, so ``from stage5_server import LLM`` loads
 neither fastapi nor pyzmq nor msgspec.
@@ -19,7 +24,9 @@ import importlib
 
 from stage4_prefix_cache import *  # noqa: F403  (re-export the whole surface of the stage before)
 from stage4_prefix_cache import __all__ as _stage4_all
-from stage5_server.llm import LLM
+from stage5_server.config import EngineConfig  # noqa: F401  (in __all__ below)
+from stage5_server.core import EngineCore, Scheduler, SchedulerOutput, build_engine_core  # noqa: F401
+from stage5_server.llm import LLM  # noqa: F401
 
 _EXPORTS = {
     "ATTENTION_BACKENDS": "stage5_server.attention", "TritonAttentionBackend": "stage5_server.attention",
@@ -37,4 +44,5 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-__all__ = [n for n in _stage4_all if n != "LLM"] + ["LLM", *_EXPORTS]
+_OWN = ["EngineConfig", "EngineCore", "LLM", "Scheduler", "SchedulerOutput", "build_engine_core"]
+__all__ = [n for n in _stage4_all if n not in _OWN] + _OWN + list(_EXPORTS)

@@ -2,7 +2,7 @@
 
 The model calls one backend object per step for every layer (``shared/model.py``); stage 5 picks
 it from a registry: ``torch`` (stage 2's readable reference, any device), ``triton``
-(``triton_backend.py`` over ``kernels/``, CUDA, or a CPU under ``TRITON_INTERPRET=1`` for tests)
+(``triton_backend.py`` over ``stage5_server/kernels/``, CUDA, or a CPU under ``TRITON_INTERPRET=1`` for tests)
 or ``cpu`` (``cpu_attn.py``, batched SDPA). By default CUDA gets ``triton``, a CPU ``cpu``,
 anything else ``torch``; ``triton`` where it cannot run is a ``ValueError`` at start-up.
 ``memory.py`` sizes the KV cache from free GPU memory.

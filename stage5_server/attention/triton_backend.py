@@ -1,5 +1,5 @@
 """The ``triton`` attention backend: new K/V written by ``reshape_and_cache``, attention by the
-kernels in ``kernels/``, both reading stage 2's KV layout through the block tables.
+kernels in ``stage5_server/kernels/``, both reading stage 2's KV layout through the block tables.
 
 vLLM: ``vllm/v1/attention/backends/triton_attn.py``.
 """
@@ -11,7 +11,7 @@ from stage2_paged.attention import PagedAttentionMetadata
 
 class TritonAttentionBackend:
     def __init__(self, kv_cache):
-        from stage5_server.attention import kernels  # imported here: Triton reads TRITON_INTERPRET at import
+        from stage5_server import kernels  # imported here: Triton reads TRITON_INTERPRET at import
 
         self.kernels = kernels
         self.kv_cache = kv_cache

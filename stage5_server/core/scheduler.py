@@ -57,10 +57,10 @@ class SchedulerOutput(_SchedulerOutput):
 
 
 class Scheduler(_PrefixCachingScheduler):
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int,
-                 vocab_size: int):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int = 1 << 30,
+                 vocab_size: int | None = None):
         super().__init__(scheduler_config, cache_config, max_model_len)
-        self.vocab_size = vocab_size  # the width of a structured-output mask
+        self.vocab_size = vocab_size  # the width of a structured-output mask (the builder passes the model's)
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
         self.preempted_on_workers: set[str] = set()
@@ -160,6 +160,8 @@ class Scheduler(_PrefixCachingScheduler):
                     and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] == r.num_tokens]
         if not sampling:
             return
+        if self.vocab_size is None:
+            raise ValueError("vocab_size: a scheduler of requests with structured output needs the model's vocab_size")
         words = -(-self.vocab_size // 32)
         bitmask = torch.full((len(sampling), words), -1, dtype=torch.int32)  # -1: every token allowed
         for row, request in enumerate(sampling):

@@ -4,7 +4,7 @@
 layer. After loading, q, k and v become one GEMM whose output is split, gate and up another (four
 larger GEMMs instead of seven), and the step's cos/sin table is built once. The weights are the
 same, their rows concatenated, so float32 outputs stay token-identical; under tensor parallelism
-each rank fuses its own shards.
+each rank fuses its own shards. Every projection, fused or not, ends up a ``linear.Linear``.
 
 vLLM: ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` in
 ``vllm/model_executor/layers/linear.py`` (there the checkpoint is loaded straight into the fused weight).
@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model import Attention, DecoderModel, RotaryEmbedding
+from stage5_server.model.linear import Linear, use_linear_method
 
 
-def _merged(*linears: nn.Linear) -> nn.Linear:
+def _merged(*linears: nn.Linear) -> Linear:
     """One Linear whose output rows are the given Linears' rows, in order (biases alike)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
-    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    merged = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     merged.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         merged.bias = nn.Parameter(bias, requires_grad=False)
@@ -106,4 +107,4 @@ def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderMode
             layer.mlp = FusedMLP(layer.mlp)
     if step_rope and not isinstance(model.rotary_emb, StepRotaryEmbedding):
         model.rotary_emb = StepRotaryEmbedding(model.rotary_emb)
-    return model
+    return use_linear_method(model)  # every projection behind the one linear seam (``linear.py``)

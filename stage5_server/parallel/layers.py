@@ -1,6 +1,7 @@
 """The layers that split one weight matrix across ranks, and where the ranks talk (Megatron-LM's split).
 
-``ColumnParallelLinear`` splits the *output* features (q/k/v by head, gate/up by column): each
+Both linear kinds are ``model/linear.py``'s ``Linear`` (one ``LinearMethod`` seam for every
+product). ``ColumnParallelLinear`` splits the *output* features (q/k/v by head, gate/up by column): each
 rank computes whole heads with no talk. ``RowParallelLinear`` splits the *input* features: one
 ``all_reduce`` adds the ranks' partial sums (after ``o_proj`` and ``down_proj``).
 ``VocabParallelEmbedding`` holds a slice of the vocabulary (zeros outside it, then an all-reduce);
@@ -17,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage5_server.model.linear import Linear
 from stage5_server.parallel.parallel_state import all_gather, all_reduce
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Output rows ``[start, start + out_features)`` of the full weight (and bias)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, start: int):
@@ -31,7 +33,7 @@ class ColumnParallelLinear(nn.Linear):
         return full[self.start:self.start + self.out_features]  # weight [out, in] and bias [out] alike
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input columns ``[start, start + in_features)`` of the full weight; the outputs are summed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, start: int):
@@ -44,7 +46,7 @@ class RowParallelLinear(nn.Linear):
         return full[:, self.start:self.start + self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = all_reduce(self.method.apply(self, x))
         return out if self.bias is None else out + self.bias
 
 

@@ -22,19 +22,19 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from stage2_paged.attention import paged_attention  # noqa: E402
-from stage5_server.attention.kernels import (  # noqa: E402
+from stage5_server.kernels import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     reshape_and_cache,
     triton_paged_attention,
 )
-from stage5_server.attention.kernels import paged_attention as kernels_module  # noqa: E402
-from stage5_server.attention.kernels.reshape_and_cache import INTERPRET  # noqa: E402
+from stage5_server.kernels import paged_attention as kernels_module  # noqa: E402
+from stage5_server.kernels.reshape_and_cache import INTERPRET  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 if DEVICE == "cpu" and not INTERPRET:
-    pytest.skip("stage5_server.attention.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels "
+    pytest.skip("stage5_server.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels "
                 "are compiled for a GPU; set TRITON_INTERPRET=1 before anything imports stage5_server",
                 allow_module_level=True)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}

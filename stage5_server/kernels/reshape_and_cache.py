@@ -33,7 +33,7 @@ def check_device(*tensors: torch.Tensor) -> None:
     if device.type == "cpu" and not INTERPRET:
         raise RuntimeError(
             "Triton kernels need a GPU; to run them on CPU tensors set TRITON_INTERPRET=1 "
-            "in the environment before importing stage5_server.attention.kernels"
+            "in the environment before importing stage5_server.kernels"
         )
     if device.type != "cpu" and INTERPRET:
         raise RuntimeError("TRITON_INTERPRET=1 runs kernels on CPU tensors only; unset it to use the GPU")

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stage5_server.attention.kernels.reshape_and_cache import INTERPRET, check_device
+from stage5_server.kernels.reshape_and_cache import INTERPRET, check_device
 
 # Split-K tuning: each split covers at least this many tokens, and we aim for about
 # TARGET_WAVES programs per streaming multiprocessor before splitting further.

@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache: the GPU path of stage5's ``triton`` attention backend.
+"""stage5's GPU kernels, in Triton: today the paged-attention kernels behind the ``triton``
+attention backend (``attention/triton_backend.py``); GEMM kernels will live here too.
 
 ``reshape_and_cache`` writes a step's new K/V into their cache slots; ``triton_paged_attention``
 is a drop-in for stage2's torch ``paged_attention`` that reads K/V straight through the block
@@ -10,13 +11,13 @@ vLLM: ``vllm/attention/ops/triton_reshape_and_cache_flash.py``,
 ``vllm/attention/ops/triton_decode_attention.py``, ``vllm/attention/ops/triton_unified_attention.py``.
 """
 
-from stage5_server.attention.kernels.paged_attention import (
+from stage5_server.kernels.paged_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     triton_paged_attention,
 )
-from stage5_server.attention.kernels.reshape_and_cache import reshape_and_cache
+from stage5_server.kernels.reshape_and_cache import reshape_and_cache
 
 __all__ = [
     "choose_num_splits",
