@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in args.dtypes:
         llm = LLM(model=resolve_model(str(gguf_file)), device="cpu", dtype=dtype, max_model_len=256,
                   max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=4096, cpu_threads=args.threads)
-        measured["params"] = sum(p.numel() for p in llm.model.parameters())
+        measured["params"] = sum(p.numel() for p in llm.engine.model_executor.driver_worker.model.parameters())
         prompt_ids = llm.tokenizer.apply_chat_template(PROMPT)
         measure(llm, prompt_ids, 1, 4)  # warm-up
         rows += [{"dtype": str(llm.dtype).removeprefix("torch."), **measure(llm, prompt_ids, b, args.output_len)}
