@@ -34,6 +34,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from stage5_server.cli.options import chat_options_from, log_api_keys
 from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
 from stage5_server.engine.processes import set_process_name
 from stage5_server.server.chat_options import ChatOptions
@@ -185,7 +186,6 @@ def _raise_stop(signum, frame) -> None:
 
 def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
                          api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int) -> int:
-    from stage5_server.cli.serve import chat_options_from, log_api_keys
     from stage5_server.server.auth import APIKeys
 
     try:  # refuse bad keys here, before any process starts

@@ -21,12 +21,12 @@ import sys
 from typing import Any
 
 from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
+from stage5_server.cli.options import API_KEY_ENV, chat_options_from, log_api_keys
 
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # engine/routing.py
 
 logger = logging.getLogger("stagedserve")
 
-API_KEY_ENV = "STAGEDSERVE_API_KEY"
 DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 # The engine thread and the event loop share one GIL; a shorter switch interval than
 # Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
@@ -157,24 +157,11 @@ def serving_process_count(api_server_count: int, data_parallel_size: int, tensor
     return counts
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def configure_logging(level: str = "info") -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                             datefmt="%m-%d %H:%M:%S")
     logger.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
-
-
-def chat_options_from(args: argparse.Namespace):
-    """The tool-calling and chat-template flags as the server reads them (a ValueError names a bad one)."""
-    from stage5_server.server.chat_options import ChatOptions
-
-    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                       trust_request_chat_template=args.trust_request_chat_template,
-                       control_tokens_in_messages=args.allow_control_tokens_in_messages)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -274,14 +261,3 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
     log_api_keys(args, api_keys, app.state.api_keys.groups if api_keys else [])
     for line in describe_routes(app):
         logger.info("route: %s", line)
-
-
-def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:
-    if api_keys:
-        source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
-        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source, ", ".join(groups))
-    elif _is_loopback(args.host):
-        logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
-    else:
-        logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
-                       "set --api-key or %s", args.host, API_KEY_ENV)

@@ -1,0 +1,35 @@
+"""What the single-process server (``serve.py``) and the multi-API-server supervisor
+(``api_servers.py``) both take from the parsed ``stagedserve serve`` flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger("stagedserve")
+
+API_KEY_ENV = "STAGEDSERVE_API_KEY"
+
+
+def chat_options_from(args: argparse.Namespace):
+    """The tool-calling and chat-template flags as the server reads them (a ValueError names a bad one)."""
+    from stage5_server.server.chat_options import ChatOptions
+
+    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       control_tokens_in_messages=args.allow_control_tokens_in_messages)
+
+
+def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:
+    if api_keys:
+        source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+        logger.info("API keys: %d from %s, trust groups: %s", len(api_keys), source, ", ".join(groups))
+    elif _is_loopback(args.host):
+        logger.warning("no API key: every route is open to anyone who can reach %s", args.host)
+    else:
+        logger.warning("no API key and host %s is not loopback: anyone on the network can use this server; "
+                       "set --api-key or %s", args.host, API_KEY_ENV)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
