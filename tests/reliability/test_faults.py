@@ -87,7 +87,7 @@ def one_at_a_time(request, tiny_llama, tmp_path_factory):
 
 def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(one_at_a_time):
     engine, url, expected, faults = one_at_a_time
-    faults.slow_steps(0.05)  # keep the long request running (~5 s) and the short ones (~0.3 s) while they queue
+    faults.slow_steps(0.05)  # keep the long request running (~5 s) while the short ones queue
     ranks = len(engine.stats_by_engine)
 
     async def scenario():
@@ -99,21 +99,31 @@ def test_a_failed_model_step_fails_the_requests_in_it_and_not_the_ones_waiting(o
 
             running = post("the long one, running when the step fails", 100)
             await until(client, running=1, waiting=0)
+            if ranks == 2:  # hold the idle rank's first step until all four requests are routed
+                idle_rank = min(engine.in_flight_by_engine, key=engine.in_flight_by_engine.get)
+                faults.hold_steps(engine.engine_pids[idle_rank])
             waiting = [post(p, 6) for p in PROMPTS[1:4]]
+            if ranks == 2:
+                # Then two steps: the first publishes its short request running, the second the one it took in
+                # meanwhile waiting; held again, it cannot finish one (~0.3 s) between two polls of /metrics.
+                await until_routed(engine, 4)
+                faults.hold_steps(engine.engine_pids[idle_rank], after=2)
             # One rank: 1 running, 3 waiting. Two: rank 1 runs one short request, each rank queues one.
             await until(client, running=ranks, waiting=4 - ranks)
-            faults.fail_next_step()
-            return await running, await asyncio.gather(*waiting)
+            faults.fail_next_step()  # claimed by the long request's step: the only core not held
+            failed = await running
+            faults.release_steps()
+            return failed, await asyncio.gather(*waiting)
 
     try:
         failed, others = asyncio.run(scenario())
     finally:
+        faults.release_steps()
         faults.slow_steps(0)
     responses = [failed, *others]
     errors = [error_of(r, 500) for r in responses if r.status_code != 200]
     assert len(errors) == 1 and errors[0]["code"] == "engine_error" and "failed" in errors[0]["message"]
-    if ranks == 1:  # the failed step held only the running request
-        assert failed.status_code == 500
+    assert failed.status_code == 500  # the failed step held only the running request
     for prompt, response in zip(PROMPTS[1:4], others):
         if response.status_code == 200:
             assert response.json()["choices"][0]["text"] == expected[PROMPTS.index(prompt)]
@@ -133,6 +143,15 @@ async def until(client: httpx.AsyncClient, running: int, waiting: int, timeout: 
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"the engine never had {running} running and {waiting} waiting")
+
+
+async def until_routed(engine, num_requests: int, timeout: float = 30) -> None:
+    """Until the API server has sent ``num_requests`` requests in flight to the engine cores (data parallel)."""
+    deadline = time.monotonic() + timeout
+    while sum(engine.in_flight_by_engine.values()) != num_requests:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the API server never had {num_requests} requests in flight")
+        await asyncio.sleep(0.005)
 
 
 class PanicException(BaseException):
