@@ -1,0 +1,79 @@
+"""The repository's layering: shared/ imports no stage, no stage imports a later one, and no module of
+stage5_server imports itself back through another (every import, at the top or inside a function;
+a package's ``__init__`` that re-exports its modules is not counted as importing them back)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ["stage1_naive", "stage2_paged", "stage3_continuous", "stage4_prefix_cache", "stage5_server"]
+
+
+def modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in (ROOT / package).rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imported(path: Path, known: dict[str, Path] | None = None) -> set[str]:
+    """Every module name ``path`` imports: ``from a.b import c`` is ``a.b.c`` when that is a module of
+    ``known``, else ``a.b``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if known and full in known else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    mods = modules(package)
+    graph = {name: sorted(n for n in imported(path, mods) if n in mods and n != name) for name, path in mods.items()}
+    cycles, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in graph[name]:
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_stage5_has_no_import_loops():
+    assert import_cycles("stage5_server") == []
+
+
+def test_the_cycle_finder_sees_a_loop(tmp_path, monkeypatch):
+    package = tmp_path / "loopy"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from loopy.b import g\n")
+    (package / "b.py").write_text("from loopy.a import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_cycles("loopy") == [["loopy.a", "loopy.b", "loopy.a"]]
+
+
+@pytest.mark.parametrize("index", range(len(STAGES) + 1))
+def test_shared_imports_no_stage_and_no_stage_imports_a_later_one(index):
+    package = "shared" if index == len(STAGES) else STAGES[index]
+    later = STAGES if package == "shared" else STAGES[index + 1:]
+    offending = {name: sorted(n for n in imported(path) if n.split(".")[0] in later)
+                 for name, path in modules(package).items()}
+    assert {name: names for name, names in offending.items() if names} == {}
