@@ -34,6 +34,7 @@ import torch
 
 from shared.model_runner import StepInputs
 from shared.outputs import Logprob
+from shared.request import Request
 from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
 from stage5_server.worker.runner_io import ModelRunnerInput, NewRequestData
@@ -58,21 +59,14 @@ class CachedRequestState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # filled by the sampler, sent back
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    # The sampler's reads, as ``Request`` answers them.
+    num_prompt_tokens = Request.num_prompt_tokens
+    num_output_tokens = Request.num_output_tokens
+    stop_token_ids_for_min_tokens = Request.stop_token_ids_for_min_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def stop_token_ids_for_min_tokens(self) -> set[int]:
-        return {*self.sampling_params.stop_token_ids, *self.eos_token_ids}
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
