@@ -53,8 +53,10 @@ class ModelRunner:
             return None
         output = self.sample_tokens(step, prepared, logits) if logits is not None else ModelRunnerOutput([], [])
         for state, before in zip(prepared.states, scored_before):
-            if len(state.prompt_logprobs) > before:
+            scored = len(state.prompt_logprobs)
+            if scored > before:  # sent to the core, which keeps them; here only their count matters
                 output.prompt_logprobs[state.request_id] = state.prompt_logprobs[before:]
+                state.prompt_logprobs[before:] = [None] * (scored - before)
         return output
 
     def sample_tokens(self, step: ModelRunnerInput, prepared: PreparedStep, logits: torch.Tensor) -> ModelRunnerOutput:
@@ -67,7 +69,7 @@ class ModelRunner:
             first = logits
         else:
             first = logits[first_rows]
-        first = apply_grammar_bitmask(first, states, step)
+        first = apply_grammar_masks(first, states, step)
         sampled = [[token] for token in sample(first, states, self.generator)]
         if offset != len(states):
             self._verify_drafts(step, states, prepared.num_draft, first_rows, logits, sampled)
@@ -97,7 +99,7 @@ class ModelRunner:
             del state.output_token_ids[before:]
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, states: list[CachedRequestState],
+def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState],
                           step: ModelRunnerInput) -> torch.Tensor:
     """-inf wherever a request's grammar forbids the token; the masks come computed from the core."""
     if step.grammar_bitmask is None:
