@@ -57,6 +57,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         raise
     logger.info("KV cache: %d blocks of %d tokens (%d tokens)%s", num_blocks, block_size, num_blocks * block_size,
                 f" on each of {executor.world_size} ranks" if executor.world_size > 1 else "")
+    logger.info("engine core ready: model=%s device=%s dtype=%s max_model_len=%d", config.model_path, config.device,
+                config.dtype, max_model_len)
     interval = config.log_stats_interval
     return EngineCore(config, scheduler, executor, StatsLogger(interval) if interval else None)
 
