@@ -1,7 +1,7 @@
 """``RequestStream``: the outputs of one request, handed from the engine's thread to one event loop.
 
-Outputs are cumulative, so a stream keeps only the newest: a consumer that falls behind skips
-intermediate outputs and loses nothing. An error, or the final output, ends the stream.
+A consumer that falls behind loses nothing: of cumulative outputs the stream keeps only the newest;
+delta outputs (``delta=True``) not read yet are merged into one. An error, or the final output, ends it.
 
 vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 """
@@ -9,6 +9,7 @@ vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from shared.outputs import RequestOutput
 
@@ -16,9 +17,10 @@ from shared.outputs import RequestOutput
 class RequestStream:
     """``put`` runs on the stream's loop (the producer schedules it there); iterate with ``async for``."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, delta: bool = False):
         self.request_id = request_id
         self.loop = loop
+        self.delta = delta
         self.finished = False  # the consumer has seen the final output or an error
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -27,6 +29,8 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
+        elif self.delta and self._output is not None:
+            self._output = merge_deltas(self._output, item)
         else:
             self._output = item
         self._ready.set()
@@ -52,3 +56,17 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta output that says what ``earlier`` then ``later`` said (completions matched by index)."""
+    completions = {c.index: c for c in earlier.outputs}
+    for new in later.outputs:
+        old = completions.get(new.index)
+        if old is None:
+            completions[new.index] = new
+            continue
+        logprobs = None if old.logprobs is None else old.logprobs + (new.logprobs or [])
+        completions[new.index] = replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                                         logprobs=logprobs)
+    return replace(later, outputs=sorted(completions.values(), key=lambda c: c.index))
