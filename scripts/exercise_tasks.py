@@ -586,7 +586,7 @@ block starts with ``data: ``, a usage chunk comes last, then ``[DONE]``).
             file="shared/output_processor.py",
             function="RequestState.text_delta",
             spec="""
-What a stream has not been sent yet: ``(new text, first new token index, end token index)``, or
+The part of the text not streamed yet: ``(new text, first new token index, end token index)``, or
 None when there is nothing to send yet.
 
 The text that may be shown is ``self.text.visible(finished)``: all of it once the request is

@@ -134,7 +134,7 @@ class AsyncEngine:
             parent, requests = _guarded(self.input_processor.process_inputs, request_id, prompt, params,
                                         priority=priority, cache_salt=cache_salt)
             if any(map(self.output_processor.has_request, {request_id, *(r.request_id for r in requests)})):
-                raise ValueError(f"request_id: {request_id!r} (or a child's id) is already in flight")
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
             stream = RequestStream(request_id, asyncio.get_running_loop(), output_kind is RequestOutputKind.DELTA)
             for index, r in enumerate(requests):
                 self.output_processor.add_request(r.request_id, prompt if isinstance(prompt, str) else None,
@@ -185,6 +185,7 @@ class AsyncEngine:
             logger.error("processing an output of request %s failed", request_id, exc_info=exc)
             self._fail([request_id], EngineError(f"the engine failed while running this request "
                                                  f"({type(exc).__name__})"), "error")
+            self._send_quietly(AbortRequests([request_id]))
         self._deliver_outputs(processed.deliveries, processed.finished)
         self.log_stats_if_due()
 

@@ -9,7 +9,6 @@ vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from shared.outputs import RequestOutput
 
@@ -30,7 +29,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._error = item
         elif self.delta and self._output is not None:
-            self._output = merge_deltas(self._output, item)
+            self._output = self._output.add(item)
         else:
             self._output = item
         self._ready.set()
@@ -57,16 +56,3 @@ class RequestStream:
             raise StopAsyncIteration
         return await self.get()
 
-
-def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One delta output that says what ``earlier`` then ``later`` said (completions matched by index)."""
-    completions = {c.index: c for c in earlier.outputs}
-    for new in later.outputs:
-        old = completions.get(new.index)
-        if old is None:
-            completions[new.index] = new
-            continue
-        logprobs = None if old.logprobs is None else old.logprobs + (new.logprobs or [])
-        completions[new.index] = replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
-                                         logprobs=logprobs)
-    return replace(later, outputs=sorted(completions.values(), key=lambda c: c.index))

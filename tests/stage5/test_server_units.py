@@ -108,6 +108,18 @@ def test_stop_strings_are_held_back_while_streaming():
     loop.close()
 
 
+def test_a_lagging_stream_merges_the_deltas_it_has_not_handed_out():
+    async def run() -> RequestOutput:
+        stream = RequestStream("r", asyncio.get_running_loop(), delta=True)
+        for text, ids, reason in (("ab", [1, 2], None), ("c", [3], "stop")):
+            stream.put(RequestOutput("r", None, [0], [CompletionOutput(0, text, ids, reason)],
+                                     finished=reason is not None))
+        return await stream.get()
+
+    out = asyncio.run(run())
+    assert (out.outputs[0].text, out.outputs[0].token_ids, out.finished) == ("abc", [1, 2, 3], True)
+
+
 def test_request_models_accept_off_values_and_name_the_field_otherwise():
     CompletionRequest.model_validate({"prompt": "x", "n": 1, "echo": False, "presence_penalty": 0.0,
                                       "logit_bias": {}, "best_of": None})
