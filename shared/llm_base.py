@@ -240,18 +240,12 @@ class BaseLLM:
 
         With ``n > 1`` the request fans out into n children (``shared/parallel_sampling.py``).
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-        check_token_ids(params, bad_words, self.model_config.vocab_size)
+        token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.model_config.vocab_size,
+                                            self.max_model_len)
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
-
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
 
         def make(rid: str, child_params: SamplingParams) -> Request:
             request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
@@ -285,6 +279,20 @@ def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | 
         if arg in args:
             info[field] = str(args[arg])
     return info
+
+
+def check_inputs(prompt: PromptType, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
+                 max_model_len: int | None) -> tuple[list[int], list[list[int]]]:
+    """A prompt as checked token ids (``prompt_token_ids``), and ``params.bad_words`` as checked token
+    sequences; the structured-output spec checked too. A ``ValueError`` names what is wrong."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+    token_ids = prompt_token_ids(prompt, tokenizer, vocab_size, max_model_len)
+    bad_words = tokenize_bad_words(params.bad_words, lambda text: tokenizer.encode(text, False))
+    check_token_ids(params, bad_words, vocab_size)  # ids outside the vocabulary would fail a step
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
+    return token_ids, bad_words
 
 
 def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]], vocab_size: int) -> None:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from shared.llm_base import PromptType, check_token_ids, prompt_token_ids
+from shared.llm_base import PromptType, check_inputs
 from shared.parallel_sampling import ParentRequest
-from shared.sampling_params import SamplingParams, tokenize_bad_words
-from shared.structured_output import check_structured_outputs
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.engine.errors import ContextLengthExceeded
 from stage5_server.engine.messages import EngineCoreRequest
@@ -40,17 +39,11 @@ class InputProcessor:
         """The checked engine requests for one prompt: ``(None, [request])``, or ``(parent, its n children)``.
         ``prompt``: text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, or
         ``{"messages": [...], **apply_chat_template's keyword arguments}``."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, dict) and "messages" in prompt:
             render = {k: v for k, v in prompt.items() if k != "messages"}
             prompt = self.tokenizer.apply_chat_template(prompt["messages"], True, **render)
-        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, max_model_len=None)  # checked below
-        self.check_lengths(len(token_ids), params.max_tokens)
-        bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-        check_token_ids(params, bad_words, self.vocab_size)  # ids outside the vocabulary would fail a step
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)  # a spec the grammar engine refuses: a 400
+        token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.vocab_size, max_model_len=None)
+        self.check_lengths(len(token_ids), params.max_tokens)  # vLLM's messages, not ``prompt_token_ids``'s
         now = time.monotonic()
 
         def make(rid: str, child_params: SamplingParams) -> EngineCoreRequest:
