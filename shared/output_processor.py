@@ -13,11 +13,11 @@ detokenization, and the engine is told to finish the request (as vLLM's
   which may yet turn out to start a stop string: text once shown is never taken back.
 
 The processor keeps a small ``RequestState`` per engine request, fed by ``OutputDelta``s (what a
-step added: stage 5's ``EngineCoreOutput`` has the same fields), never a copy of the engine's
-``Request``. Each output goes out as the caller asked (vLLM's ``RequestOutputKind``):
-``CUMULATIVE`` (everything so far), ``DELTA`` (only what is new: stage 5's server streams these as
-they are) or ``FINAL_ONLY``. A child of a parallel-sampling request (``n > 1``) is merged into its
-parent's output (``shared/parallel_sampling.py``).
+step added: stage 5's ``EngineCoreOutput`` is one, on the wire), never a copy of the engine's
+``Request``; the offline ``LLM`` and stage 5's front end both use it. Each output goes out as the
+caller asked (vLLM's ``RequestOutputKind``): ``CUMULATIVE`` (everything so far), ``DELTA`` (only
+what is new: stage 5's server streams these as they are) or ``FINAL_ONLY``. A child of a
+parallel-sampling request (``n > 1``) is merged into its parent's output (``shared/parallel_sampling.py``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class OutputDelta:
 
 class OutputText:
     """One request's text under the rules above: ``update`` with its output tokens so far, ``visible``
-    what may be shown now. Stage 5's front end keeps one per request too."""
+    what may be shown now."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
         self.tokenizer = tokenizer
