@@ -45,7 +45,7 @@ def measure(llm, prompt_ids: list[int], batch_size: int, output_len: int) -> dic
     while done < batch_size:
         done += sum(out.finished for out in llm.step())
     decode = time.perf_counter() - start - prefill
-    assert set(ids).isdisjoint(llm.output_processor.states)
+    assert set(ids).isdisjoint(llm.output_processor.request_states)
     return {"batch_size": batch_size, "prompt_tokens": len(prompt_ids), "prefill_s": prefill, "decode_s": decode,
             "decode_tokens_per_s": batch_size * (output_len - 1) / decode,
             "per_request_tokens_per_s": (output_len - 1) / decode}

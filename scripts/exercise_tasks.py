@@ -583,26 +583,26 @@ block starts with ``data: ``, a usage chunk comes last, then ``[DONE]``).
         ),
         Task(
             name="stream_deltas",
-            file="stage5_server/server/sse.py",
-            function="DeltaTracker.advance",
+            file="shared/output_processor.py",
+            function="RequestState.text_delta",
             spec="""
-The part of a cumulative output not streamed yet: ``(new text, first new token index, end
-token index)``, or None when there is nothing to send yet.
+The part of the text not streamed yet: ``(new text, first new token index, end token index)``, or
+None when there is nothing to send yet.
 
-The text to send ends at ``len(text)`` once the request is finished; before that, the last
-``self.hold`` characters are held back (they could still turn out to be the start of a stop
-string, which must never reach the client), and never before what was already sent
-(``max(self.sent_chars, len(text) - self.hold)``). An empty delta of an unfinished output is
-None. Otherwise advance ``self.sent_chars`` (never backwards: the final, stop-trimmed text can
-be shorter than what was held) and ``self.sent_tokens`` (to the output's token count) and return
-the delta with the token range it covers. The tests stream ``ab``, ``abcdef``, ``abcdefST`` then
-the final ``abcdef`` under the stop string ``STOP``: nothing, ``abc``, ``de``, ``f``; then whole
-streamed completions through the server: the SSE framing (every block a ``data:`` line, the
-text reassembled, the finish reason on the last text chunk, usage, ``[DONE]``) and a stop string
-that ends the text before it, streamed or not.
+The text that may be shown is ``self.text.visible(finished)``: all of it once the request is
+finished; before that, less the last characters that could still turn out to be the start of a
+stop string (which must never reach the client). The delta is that text after the
+``self.sent_chars`` characters already sent; an empty delta of an unfinished request is None.
+Otherwise advance ``self.sent_chars`` (never backwards: the final, stop-trimmed text can be
+shorter than what was held) and ``self.sent_tokens`` (to ``len(self.token_ids)``) and return the
+delta with the token range it covers. The tests stream ``ab``, ``cdef``, ``ST`` then ``OP`` under
+the stop string ``STOP``: nothing, ``abc``, ``de``, ``f``; then whole streamed completions through
+the server: the SSE framing (every block a ``data:`` line, the text reassembled, the finish reason
+on the last text chunk, usage, ``[DONE]``) and a stop string that ends the text before it,
+streamed or not.
 """,
             hints=(
-                "The text is `output.outputs[0].text`, the tokens `output.outputs[0].token_ids`.",
+                "`text[self.sent_chars:]` is the delta; `max(self.sent_chars, len(text))` is where it ends.",
             ),
             tests=(
                 "tests/stage5/test_server_units.py::test_stop_strings_are_held_back_while_streaming",

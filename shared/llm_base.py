@@ -26,7 +26,7 @@ from shared.config import ModelConfig
 from shared.host_memory import available_memory
 from shared.metrics import SchedulerStats
 from shared.named_models import default_model, resolve_model
-from shared.output_processor import OutputProcessor
+from shared.output_processor import OutputDelta, OutputProcessor
 from shared.outputs import RequestOutput
 from shared.parallel_sampling import ParentRequest
 from shared.request import Request, RequestStatus
@@ -156,12 +156,12 @@ class BaseLLM:
             for index, request in enumerate(requests):
                 self.engine.add_request(request)  # may still refuse it; then nothing of it is tracked
                 added.append(request.request_id)
-                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None,
-                                                  parent, index)
+                self.output_processor.add_request(request.request_id, prompt if isinstance(prompt, str) else None,
+                                                  request.prompt_token_ids, request.sampling_params,
+                                                  request.arrival_time, parent=parent, index=index)
         except BaseException:
             self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            for request_id in added:
-                self.output_processor.remove(request_id)
+            self.output_processor.abort_requests(added)
             raise
 
     def step(self) -> list[RequestOutput]:
@@ -171,16 +171,16 @@ class BaseLLM:
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         # With ``finished_only`` (``generate``), text is only needed at the end, so a request
         # is detokenized per step only when a stop string must be looked for.
-        outputs = []
-        for req in self.engine.step():
-            if finished_only and not req.is_finished and not req.sampling_params.stop:
-                continue
-            if self.output_processor.update(req):  # a stop string ended it
-                self.engine.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            output = self.output_processor.make_output(req.request_id)
-            if output.finished or not finished_only:
-                outputs.append(output)
-        return outputs
+        processor = self.output_processor
+        processed = processor.process_outputs([
+            OutputDelta.from_request(req, processor.num_output_tokens(req.request_id)) for req in self.engine.step()
+            if processor.has_request(req.request_id) and (req.is_finished or req.sampling_params.stop
+                                                          or not finished_only)])
+        if processed.failed:
+            raise processed.failed[0][1]
+        if processed.reqs_to_abort:  # stop strings ended them
+            self.engine.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return [output for _, output in processed.deliveries if output.finished or not finished_only]
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -188,10 +188,8 @@ class BaseLLM:
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests by the ids ``add_request`` returned (a parallel-sampling parent aborts its children)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        engine_ids = [e for rid in ids for e in self.output_processor.engine_request_ids(rid)]
+        engine_ids, _ = self.output_processor.abort_requests(ids)
         self.engine.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
-        for rid in ids:
-            self.output_processor.remove(rid)
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -242,18 +240,12 @@ class BaseLLM:
 
         With ``n > 1`` the request fans out into n children (``shared/parallel_sampling.py``).
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-        check_token_ids(params, bad_words, self.model_config.vocab_size)
+        token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.model_config.vocab_size,
+                                            self.max_model_len)
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
-
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
 
         def make(rid: str, child_params: SamplingParams) -> Request:
             request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
@@ -289,6 +281,20 @@ def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | 
     return info
 
 
+def check_inputs(prompt: PromptType, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
+                 max_model_len: int | None) -> tuple[list[int], list[list[int]]]:
+    """A prompt as checked token ids (``prompt_token_ids``), and ``params.bad_words`` as checked token
+    sequences; the structured-output spec checked too. A ``ValueError`` names what is wrong."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+    token_ids = prompt_token_ids(prompt, tokenizer, vocab_size, max_model_len)
+    bad_words = tokenize_bad_words(params.bad_words, lambda text: tokenizer.encode(text, False))
+    check_token_ids(params, bad_words, vocab_size)  # ids outside the vocabulary would fail a step
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs)  # a bad spec fails here, before any request
+    return token_ids, bad_words
+
+
 def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]], vocab_size: int) -> None:
     """Token ids in ``params`` index the logits: each must be in ``[0, vocab_size)``."""
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
@@ -298,9 +304,9 @@ def check_token_ids(params: SamplingParams, bad_words_token_ids: list[list[int]]
             raise ValueError(f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})")
 
 
-def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, max_model_len: int | None) -> list[int]:
     """A prompt (text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``) as
-    checked token ids; a ``ValueError`` names what is wrong."""
+    checked token ids (their length too, unless ``max_model_len`` is None); a ``ValueError`` names what is wrong."""
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
     if isinstance(prompt, str):
@@ -313,7 +319,7 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, 
         raise ValueError("prompt: empty prompt; at least one token is needed")
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
+    if max_model_len is not None and len(token_ids) >= max_model_len:
         raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                          f"max_model_len={max_model_len}")
     return token_ids

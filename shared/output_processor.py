@@ -12,132 +12,299 @@ detokenization, and the engine is told to finish the request (as vLLM's
 - while a request runs, its text holds back the last ``len(longest stop) - 1`` characters,
   which may yet turn out to start a stop string: text once shown is never taken back.
 
-A child of a parallel-sampling request (``n > 1``) is merged into its parent's output
-(``shared/parallel_sampling.py``).
+The processor keeps a small ``RequestState`` per engine request, fed by ``OutputDelta``s (what a
+step added: stage 5's ``EngineCoreOutput`` is one, on the wire), never a copy of the engine's
+``Request``; the offline ``LLM`` and stage 5's front end both use it. Each output goes out as the
+caller asked (vLLM's ``RequestOutputKind``): ``CUMULATIVE`` (everything so far), ``DELTA`` (only
+what is new: stage 5's server streams these as they are) or ``FINAL_ONLY``. A child of a
+parallel-sampling request (``n > 1``) is merged into its parent's output (``shared/parallel_sampling.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
+from typing import Any
 
-from shared.outputs import CompletionOutput, RequestOutput
+from shared.metrics import RequestTimeline
+from shared.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.parallel_sampling import ParentRequest
-from shared.request import Request, RequestStatus
+from shared.request import Request
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class OutputDelta:
+    """One engine request after a step: its new tokens and how it stands now."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_token_times: list[float]
+    new_logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when logprobs were asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, when asked for
+    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    num_preemptions: int
+    queued: float | None  # when the core took the request in
+    first_scheduled: float | None
+    finished: float | None
+
+    @classmethod
+    def from_request(cls, request: Request, num_sent: int) -> OutputDelta:
+        """The tokens after the first ``num_sent``, and the request's state."""
+        timeline, params = request.timeline, request.sampling_params
+        # Prefill scores the whole prompt before the first token is sampled: send them with that token.
+        first = num_sent == 0 and request.num_output_tokens > 0 and params.prompt_logprobs is not None
+        return cls(request.request_id, request.output_token_ids[num_sent:], timeline.token_times[num_sent:],
+                   request.logprobs[num_sent:] if params.logprobs is not None else None,
+                   request.prompt_logprobs if first else None, request.status.finish_reason, request.stop_reason,
+                   request.num_cached_tokens, request.num_preemptions, timeline.queued, timeline.first_scheduled,
+                   timeline.finished)
+
+
+class OutputText:
+    """One request's text under the rules above: ``update`` with its output tokens so far, ``visible``
+    what may be shown now."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.num_seen = 0  # output tokens already detokenized
+        self.stop_string: str | None = None  # the stop string that ended the text
+        self.no_stop_before = 0  # text made by the first min_tokens tokens holds no stop string
+
+    def update(self, token_ids: list[int], finished: bool, ended_by_stop_token: bool) -> str | None:
+        """Detokenize the tokens of ``token_ids`` (all output tokens so far) not seen yet; return the
+        stop string found in the new text, if any (the text is cut there)."""
+        params = self.params
+        new_ids = token_ids[self.num_seen:]
+        crossed_min_tokens = self.num_seen <= params.min_tokens < len(token_ids)
+        self.num_seen = len(token_ids)
+        if self.stop_string is not None or not params.detokenize:
+            return None
+        if crossed_min_tokens and params.min_tokens:
+            self.no_stop_before = len(self.tokenizer.decode(token_ids[:params.min_tokens]))
+        shown_ids = token_ids
+        if ended_by_stop_token and not params.include_stop_str_in_output:
+            new_ids, shown_ids = new_ids[:-1], shown_ids[:-1]
+        before = len(self.detokenizer.text)
+        if finished:  # the whole text at once: nothing comes after it
+            self.detokenizer.text = self.tokenizer.decode(shown_ids)
+        else:
+            self.detokenizer.add_tokens(new_ids)
+        if not params.stop or len(token_ids) <= params.min_tokens:
+            return None
+        text = self.detokenizer.text
+        search_from = max(before, self.no_stop_before) - max(map(len, params.stop))
+        hit = _find_stop(text, params.stop, max(0, search_from))
+        if hit is None:
+            return None
+        index, stop = hit
+        self.detokenizer.text = text[:index + len(stop)] if params.include_stop_str_in_output else text[:index]
+        self.stop_string = stop
+        return stop
+
+    def visible(self, finished: bool) -> str:
+        """The text so far; while running, less the last characters that may yet start a stop string."""
+        text = self.detokenizer.text
+        hold_back = max(map(len, self.params.stop), default=1) - 1
+        if not finished and hold_back and not self.params.include_stop_str_in_output:
+            text = text[:max(0, len(text) - hold_back)]
+        return text
 
 
 @dataclass
 class RequestState:
-    request: Request
+    """One engine request as the front end sees it."""
+
+    request_id: str
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    prompt_token_ids: list[int]
+    text: OutputText
+    timeline: RequestTimeline
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     parent: ParentRequest | None = None
     index: int = 0  # the child's index within its parent
-    num_seen: int = 0  # output tokens already detokenized
-    stopped_by_string: str | None = None
-    no_stop_before: int = 0  # text made by the first min_tokens tokens holds no stop string
+    queue: Any = None  # where its outputs go, for the caller (stage 5: its stream)
+    caller_id: str = ""  # the id its caller knows: its own, or its parent's
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    sent_chars: int = 0  # of the text, already in an output (DELTA)
+    sent_tokens: int = 0
+
+    def update(self, delta: OutputDelta) -> bool:
+        """Take in one step's delta; return True when a stop string just ended the request."""
+        self.token_ids += delta.new_token_ids
+        t = self.timeline
+        t.token_times += delta.new_token_times
+        if delta.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = list(delta.prompt_logprobs)
+        self.num_cached_tokens, self.num_preemptions = delta.num_cached_tokens, delta.num_preemptions
+        t.queued, t.first_scheduled, t.finished = delta.queued, delta.first_scheduled, delta.finished
+        was_finished = self.finish_reason is not None
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        finished = self.finish_reason is not None
+        by_stop_token = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        stop = self.text.update(self.token_ids, finished, by_stop_token)
+        if stop is None or was_finished:
+            return False
+        self.finish_reason, self.stop_reason = "stop", stop
+        if finished:
+            return False
+        t.finished = t.token_times[-1]
+        return True
+
+    def text_delta(self, finished: bool) -> tuple[str, int, int] | None:
+        """``(new text, first new token index, end token index)`` since the last delta; None: nothing new to
+        show yet. The text never moves backwards (the final, stop-trimmed text can be shorter than held)."""
+        text = self.text.visible(finished)
+        delta = text[self.sent_chars:]
+        if not delta and not finished:
+            return None
+        start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
+        self.sent_chars = max(self.sent_chars, len(text))
+        return delta, start, self.sent_tokens
+
+    def make_output(self) -> RequestOutput | None:
+        """This request's output of its kind, or None when there is nothing to send."""
+        finished = self.finish_reason is not None
+        if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if self.kind is not RequestOutputKind.DELTA:
+            return self.output(self.text.visible(finished), 0, len(self.token_ids))
+        delta = self.text_delta(finished)
+        return None if delta is None else self.output(*delta)
+
+    def output(self, text: str, start: int, end: int) -> RequestOutput:
+        """An output with ``text`` and output tokens ``start .. end``."""
+        completion = CompletionOutput(self.index, text, self.token_ids[start:end], self.finish_reason,
+                                      self.stop_reason, None if self.logprobs is None else self.logprobs[start:end])
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finished=self.finish_reason is not None, timeline=self.timeline,
+                             num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
+                             prompt_logprobs=self.prompt_logprobs)
+
+
+@dataclass
+class OutputProcessorOutput:
+    deliveries: list[tuple[Any, RequestOutput]] = field(default_factory=list)  # (its queue, the output)
+    reqs_to_abort: list[str] = field(default_factory=list)  # a stop string ended them: the engine must stop them
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # their output could not be made
+    finished: list[tuple[RequestOutput, SamplingParams]] = field(default_factory=list)  # whole, for stat loggers
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}  # by engine request id
-        self.parents: dict[str, ParentRequest] = {}  # by the id the caller knows
+    """The requests in flight, by engine request id, and by the id their caller knows."""
 
-    def add_request(self, request: Request, prompt: str | None, parent: ParentRequest | None = None,
-                    index: int = 0) -> None:
-        self.states[request.request_id] = RequestState(request, prompt, IncrementalDetokenizer(self.tokenizer),
-                                                       parent, index)
-        if parent is not None:
-            self.parents[parent.request_id] = parent
+    def __init__(self, tokenizer: Tokenizer, decode_logprobs: bool = False):
+        self.tokenizer = tokenizer
+        self.decode_logprobs = decode_logprobs  # fill ``Logprob.decoded_token``
+        self.request_states: dict[str, RequestState] = {}  # by engine request id
+        self.engine_ids: dict[str, list[str]] = {}  # by the caller's id: its engine requests still running
+
+    def __len__(self) -> int:
+        return len(self.engine_ids)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.states or request_id in self.parents
+        return request_id in self.engine_ids or request_id in self.request_states
 
-    def engine_request_ids(self, request_id: str) -> list[str]:
-        """The engine requests behind ``request_id``: a parent's live children, else itself."""
-        parent = self.parents.get(request_id)
-        if parent is None:
-            return [request_id]
-        return [child for child in parent.child_ids if child in self.states]
+    def num_output_tokens(self, request_id: str) -> int:
+        return len(self.request_states[request_id].token_ids)
 
-    def update(self, request: Request) -> bool:
-        """Detokenize new tokens; return True when a stop string just ended the request."""
-        state = self.states[request.request_id]
-        params = request.sampling_params
-        new_ids = request.output_token_ids[state.num_seen:]
-        crossed_min_tokens = state.num_seen <= params.min_tokens < request.num_output_tokens
-        state.num_seen = request.num_output_tokens
-        if state.stopped_by_string is not None or not params.detokenize:
-            return False
-        if crossed_min_tokens and params.min_tokens:
-            state.no_stop_before = len(self.tokenizer.decode(request.output_token_ids[:params.min_tokens]))
-        shown_ids = request.output_token_ids
-        if _ended_by_stop_token(request) and not params.include_stop_str_in_output:
-            new_ids, shown_ids = new_ids[:-1], shown_ids[:-1]
-        before = len(state.detokenizer.text)
-        if request.is_finished:  # the whole text at once: nothing comes after it
-            state.detokenizer.text = self.tokenizer.decode(shown_ids)
-        else:
-            state.detokenizer.add_tokens(new_ids)
-        if not params.stop or request.num_output_tokens <= params.min_tokens:
-            return False
-        text = state.detokenizer.text
-        search_from = max(before, state.no_stop_before) - max(map(len, params.stop))
-        hit = _find_stop(text, params.stop, max(0, search_from))
-        if hit is None:
-            return False
-        index, stop = hit
-        state.detokenizer.text = text[:index + len(stop)] if params.include_stop_str_in_output else text[:index]
-        state.stopped_by_string = stop
-        request.stop_reason = stop
-        return not request.is_finished
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float, *, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    parent: ParentRequest | None = None, index: int = 0, queue: Any = None,
+                    received: float | None = None) -> None:
+        """Track an engine request (a child ``index`` of ``parent``, when ``n > 1``)."""
+        caller_id = request_id if parent is None else parent.request_id
+        self.request_states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, OutputText(self.tokenizer, params),
+            RequestTimeline(arrival=arrival_time, received=received), kind, parent, index, queue, caller_id,
+            logprobs=[] if params.logprobs is not None else None)
+        self.engine_ids.setdefault(caller_id, []).append(request_id)
 
-    def make_output(self, request_id: str) -> RequestOutput:
-        """The output for the caller: the request's own, or its parent's with every child so far.
+    def process_outputs(self, deltas: list[OutputDelta]) -> OutputProcessorOutput:
+        """The outputs for the callers, and what the engine must be told. A request that finished is dropped
+        here (its caller's id once all its engine requests have)."""
+        result = OutputProcessorOutput()
+        for delta in deltas:
+            state = self.request_states.get(delta.request_id)
+            if state is None:
+                continue  # aborted, or ended by a stop string, while the engine was stepping
+            try:
+                if state.update(delta):
+                    result.reqs_to_abort.append(state.request_id)
+                output = state.make_output()
+                if output is not None and self.decode_logprobs:
+                    self._decode_logprob_tokens(output)
+            except BaseException as exc:  # a Rust panic while detokenizing, say: fail this request only
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                result.failed.append((delta.request_id, exc))
+                continue
+            if state.finish_reason is not None:
+                self._finished(state)
+                whole = output if state.kind is RequestOutputKind.CUMULATIVE else \
+                    state.output(state.text.visible(True), 0, len(state.token_ids))
+                result.finished.append((whole, state.text.params))
+            if state.parent is not None and output is not None:
+                output = self._merge(state, output)
+            if output is not None:
+                result.deliveries.append((state.queue, output))
+        return result
 
-        A finished request's state is dropped here; its parent's once all children finished.
-        """
-        state = self.states[request_id]
-        req = state.request
-        params = req.sampling_params
-        status = RequestStatus.FINISHED_STOPPED if state.stopped_by_string is not None else req.status
-        text = state.detokenizer.text
-        hold_back = max(map(len, params.stop), default=1) - 1
-        if not status.is_finished and hold_back and not params.include_stop_str_in_output:
-            text = text[:max(0, len(text) - hold_back)]
-        completion = CompletionOutput(
-            index=state.index,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=status.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if params.logprobs is not None else None,
-        )
-        output = RequestOutput(request_id, state.prompt, list(req.prompt_token_ids), [completion],
-                               finished=status.is_finished, timeline=req.timeline,
-                               num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
-                               prompt_logprobs=list(req.prompt_logprobs) if params.prompt_logprobs is not None
-                               else None)
-        if status.is_finished:
-            del self.states[request_id]
-        if state.parent is None:
-            return output
+    def abort_requests(self, request_ids: list[str]) -> tuple[list[str], list[Any]]:
+        """Forget requests (a caller's id, or any one of its engine ids, forgets all of them); return their
+        engine ids still running and their queues."""
+        engine_ids, queues = [], []
+        for request_id in request_ids:
+            state = self.request_states.get(request_id)
+            for engine_id in self.engine_ids.pop(request_id if state is None else state.caller_id, ()):
+                state = self.request_states.pop(engine_id)
+                engine_ids.append(engine_id)
+                if not any(state.queue is q for q in queues):
+                    queues.append(state.queue)
+        return engine_ids, queues
+
+    def _finished(self, state: RequestState) -> None:
+        del self.request_states[state.request_id]
+        running = self.engine_ids[state.caller_id]
+        running.remove(state.request_id)
+        if not running:
+            del self.engine_ids[state.caller_id]
+
+    def _merge(self, state: RequestState, output: RequestOutput) -> RequestOutput | None:
+        """A child's output as its parent's: every child's latest (CUMULATIVE), this child's new part (DELTA),
+        or, once all finished, every child's whole output (FINAL_ONLY)."""
         merged = state.parent.merge(state.index, output)
-        if merged.finished:
-            self.parents.pop(state.parent.request_id, None)
-        return merged
+        if state.kind is RequestOutputKind.DELTA:
+            return RequestOutput(merged.request_id, output.prompt, output.prompt_token_ids, output.outputs,
+                                 finished=merged.finished, timeline=merged.timeline,
+                                 num_cached_tokens=merged.num_cached_tokens, prompt_logprobs=merged.prompt_logprobs)
+        return merged if merged.finished or state.kind is RequestOutputKind.CUMULATIVE else None
 
-    def remove(self, request_id: str) -> None:
-        """Forget a request, or a parent and all its children."""
-        for engine_id in self.engine_request_ids(request_id):
-            self.states.pop(engine_id, None)
-        self.parents.pop(request_id, None)
-
-
-def _ended_by_stop_token(request: Request) -> bool:
-    """EOS or one of ``stop_token_ids`` finished it (``check_stop``), not a length cap or a stop string."""
-    return request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+    def _decode_logprob_tokens(self, output: RequestOutput) -> None:
+        for entry in [*(output.outputs[0].logprobs or ()), *(output.prompt_logprobs or ())]:
+            for token_id, logprob in (entry or {}).items():
+                if logprob.decoded_token is None:
+                    logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:

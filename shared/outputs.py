@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.metrics import RequestTimeline
 
@@ -40,3 +40,13 @@ class RequestOutput:
     num_preemptions: int = 0  # times the scheduler preempted it (and recomputed its KV later)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, later: RequestOutput) -> RequestOutput:
+        """One delta output that says what this one and then ``later`` said (completions matched by index)."""
+        completions = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = completions.get(new.index)
+            completions[new.index] = new if old is None else replace(
+                new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                logprobs=None if old.logprobs is None else old.logprobs + (new.logprobs or []))
+        return replace(later, outputs=sorted(completions.values(), key=lambda c: c.index))

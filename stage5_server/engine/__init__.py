@@ -1,15 +1,16 @@
 """The async engine: a front end that speaks asyncio, over an engine core that steps on its own.
 
 The two halves talk only in typed messages (``messages.py``). The front end
-(``frontend.AsyncEngine``) tokenizes requests, turns the core's outputs into text, finds stop
-strings and streams ``RequestOutput``s. The core (stage 4's) is driven by one busy loop
-(``core_loop.py``) on a thread (``AsyncLLM``) or in a process over ZeroMQ (``MPAsyncLLM``,
-``core_proc.py``): the same loop and messages, so both modes give the same tokens. Data
+(``frontend.AsyncEngine``) checks and tokenizes requests (``input_processor.py``), turns the core's
+outputs into text, finds stop strings (``shared/output_processor.py``) and streams ``RequestOutput``s.
+The core (stage 4's) is driven by one busy loop (``core_loop.py``) on a thread (``AsyncLLM``) or
+in a process over ZeroMQ (``MPAsyncLLM``, ``core_proc.py``): the same loop and messages, so both
+modes give the same tokens. Data
 parallelism: N core processes (``launcher.py``), a coordinator, and per API server a front end
 routing each request to a rank (``dp_client.DPAsyncLLM``, ``routing.py``).
 
 vLLM: ``vllm/v1/engine/`` (``async_llm.py``, ``core_client.py``, ``core.py``,
-``output_processor.py``, ``exceptions.py``, ``coordinator.py``, ``utils.py``).
+``input_processor.py``, ``output_processor.py``, ``exceptions.py``, ``coordinator.py``, ``utils.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 _EXPORTS = {
     "AsyncEngine": "frontend", "StatLogger": "frontend", "RequestStream": "stream", "AsyncLLM": "thread_client",
     "MPAsyncLLM": "process_client", "DPAsyncLLM": "dp_client", "EngineError": "errors",
-    "EngineDeadError": "errors", "RequestAborted": "errors",
+    "EngineDeadError": "errors", "RequestAborted": "errors", "InputProcessor": "input_processor",
 }
 
 

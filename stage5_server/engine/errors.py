@@ -17,3 +17,12 @@ class EngineDeadError(EngineError):
 
 class RequestAborted(Exception):
     """The request was aborted before it finished (``abort``, or its client went away)."""
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt, or the prompt and ``max_tokens``, do not fit in ``max_model_len``; ``param`` names which
+    (HTTP 400, ``context_length_exceeded``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message = param, message

@@ -1,15 +1,14 @@
 """``AsyncEngine``: the front end of an async engine, whether its core runs on a thread
 (``AsyncLLM``) or in a process of its own (``MPAsyncLLM``).
 
-    add_request: check the prompt, tokenize, keep a copy of the Request --AddRequest--> core
-    core --EngineCoreOutputs--> _on_outputs: update the copies, detokenize, find stop strings
-        (and abort those requests in the core), hand each RequestOutput to its request's stream
+    add_request: InputProcessor (render, tokenize, check, fan out n) --AddRequest--> core
+    core --EngineCoreOutputs--> _on_outputs: OutputProcessor (detokenize, stop strings: those requests
+        are aborted in the core) -> each RequestOutput to its request's stream
 
 The tokenizer and the request table are used under one lock: the event loop (tokenizing) and the
 output thread (detokenizing) take turns. A failure on one request's output fails it alone.
 
-vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``)
-and ``vllm/v1/engine/output_processor.py``.
+vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``).
 """
 
 from __future__ import annotations
@@ -23,24 +22,16 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from shared.llm_base import PromptType, check_token_ids, prompt_token_ids
+from shared.llm_base import PromptType
 from shared.metrics import SchedulerStats
-from shared.output_processor import OutputProcessor
+from shared.output_processor import OutputProcessor, RequestOutputKind
 from shared.outputs import RequestOutput
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams, tokenize_bad_words
-from shared.structured_output import check_structured_outputs
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage4_prefix_cache import StatsLogger
 from stage5_server.engine.errors import EngineDeadError, EngineError, RequestAborted
-from stage5_server.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineCoreInput,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-)
+from stage5_server.engine.input_processor import InputProcessor
+from stage5_server.engine.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs
 from stage5_server.engine.stream import RequestStream
 
 logger = logging.getLogger("stagedserve")
@@ -58,6 +49,17 @@ class StatLogger(Protocol):
 def is_fatal(exc: BaseException) -> bool:
     """Only these end the process; any other BaseException (a Rust panic in the tokenizer) fails one request."""
     return isinstance(exc, (KeyboardInterrupt, SystemExit))
+
+
+def _guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, a non-``Exception`` failure (a Rust panic) turned into an ``EngineError``."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        if isinstance(exc, Exception) or is_fatal(exc):
+            raise
+        logger.error("%s failed", getattr(fn, "__name__", "an engine call"), exc_info=exc)
+        raise EngineError(f"the engine failed on this request ({type(exc).__name__})") from None
 
 
 class AsyncEngine:
@@ -80,11 +82,11 @@ class AsyncEngine:
         self.engine_args = engine_args  # the resolved engine configuration
         self.cache_configs = dict(cache_configs or {})
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer, decode_logprobs=True)  # the requests in flight
         self._stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None
         self._stats = SchedulerStats()
-        self._lock = threading.Lock()  # the tokenizer, the output processor and the table below
-        self._requests: dict[str, tuple[Request, RequestStream]] = {}
+        self._lock = threading.Lock()  # the tokenizer and both processors
         self._dead: EngineDeadError | None = None
         self._stopping = False
 
@@ -118,44 +120,33 @@ class AsyncEngine:
         """Run ``fn`` (tokenization) on the caller's thread, never during detokenization."""
         self._check_running()
         with self._lock:
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as exc:
-                if isinstance(exc, Exception) or is_fatal(exc):
-                    raise
-                logger.error("%s failed", getattr(fn, "__name__", "an engine call"), exc_info=exc)
-                raise EngineError(f"the engine failed on this request ({type(exc).__name__})") from None
+            return _guarded(fn, *args, **kwargs)
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
-                          priority: int = 0, cache_salt: str | None = None,
-                          received_time: float | None = None) -> RequestStream:
-        """Check the request (a ``ValueError`` names the field) and send it to the core; return its stream.
-        ``received_time`` (``time.monotonic``): when the server got it, for its timeline."""
+                          priority: int = 0, cache_salt: str | None = None, received_time: float | None = None,
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestStream:
+        """Check the request (a ``ValueError`` names the field; ``InputProcessor`` takes every prompt form)
+        and send it, or its ``n`` children, to the core; return its stream. ``received_time``
+        (``time.monotonic``): when the server got it, for its timeline."""
         request_id = request_id or uuid.uuid4().hex
         self._check_running()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if params.n > 1:
-            raise ValueError("n: this engine runs one sample per request; send n requests (seeds seed + i)")
         with self._lock:
-            if request_id in self._requests:
+            parent, requests = _guarded(self.input_processor.process_inputs, request_id, prompt, params,
+                                        priority=priority, cache_salt=cache_salt)
+            if any(map(self.output_processor.has_request, {request_id, *(r.request_id for r in requests)})):
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
-            token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
-            bad_words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, False))
-            check_token_ids(params, bad_words, self.vocab_size)  # ids outside the vocabulary would fail a step
-            if params.structured_outputs is not None:
-                check_structured_outputs(params.structured_outputs)  # a spec the grammar engine refuses: a 400
-            request = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                              eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words)
-            request.timeline.received = received_time
-            stream = RequestStream(request_id, asyncio.get_running_loop())
-            self._requests[request_id] = (request, stream)
-            self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
+            stream = RequestStream(request_id, asyncio.get_running_loop(), output_kind is RequestOutputKind.DELTA)
+            for index, r in enumerate(requests):
+                self.output_processor.add_request(r.request_id, prompt if isinstance(prompt, str) else None,
+                                                  r.prompt_token_ids, r.sampling_params, r.arrival_time,
+                                                  kind=output_kind, parent=parent, index=index, queue=stream,
+                                                  received=received_time)
         try:
-            self._send(AddRequest(EngineCoreRequest.from_request(request)))
+            for request in requests:
+                self._send(AddRequest(request))
         except EngineDeadError:
             with self._lock:
-                self._forget(request_id)
+                self.output_processor.abort_requests([request_id])
             raise
         return stream
 
@@ -163,9 +154,9 @@ class AsyncEngine:
         """Abort requests (unknown or finished ids are ignored). Returns at once; thread-safe."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            streams = [stream for stream in (self._forget(rid) for rid in ids) if stream is not None]
+            engine_ids, streams = self.output_processor.abort_requests(ids)
         if streams:
-            self._send_quietly(AbortRequests([s.request_id for s in streams]))
+            self._send_quietly(AbortRequests(engine_ids))
             self._deliver_errors(streams, lambda rid: RequestAborted(f"request {rid} was aborted"), "abort")
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
@@ -186,44 +177,17 @@ class AsyncEngine:
             self._fail(failed.request_ids, (EngineDeadError if failed.engine_dead else EngineError)(failed.error),
                        "error")
         self._update_stats(message)
-        deliveries: list[tuple[RequestStream, RequestOutput, SamplingParams]] = []
-        stopped: list[str] = []
-        broken: list[tuple[str, BaseException]] = []
         with self._lock:
-            for core_output in message.outputs:
-                entry = self._requests.get(core_output.request_id)
-                if entry is None:
-                    continue  # aborted, or ended by a stop string, while the core was stepping
-                request, stream = entry
-                try:
-                    output = self._build_output(request, core_output, stopped)
-                except BaseException as exc:  # a Rust panic while detokenizing, say: fail this request only
-                    if is_fatal(exc):
-                        raise
-                    broken.append((request.request_id, exc))
-                    continue
-                if output.finished:
-                    self._forget(request.request_id)
-                deliveries.append((stream, output, request.sampling_params))
-        if stopped:
-            self._send_quietly(AbortRequests(stopped))
-        for request_id, exc in broken:
+            processed = self.output_processor.process_outputs(message.outputs)
+        if processed.reqs_to_abort:
+            self._send_quietly(AbortRequests(processed.reqs_to_abort))
+        for request_id, exc in processed.failed:
             logger.error("processing an output of request %s failed", request_id, exc_info=exc)
             self._fail([request_id], EngineError(f"the engine failed while running this request "
                                                  f"({type(exc).__name__})"), "error")
             self._send_quietly(AbortRequests([request_id]))
-        self._deliver_outputs(deliveries)
+        self._deliver_outputs(processed.deliveries, processed.finished)
         self.log_stats_if_due()
-
-    def _build_output(self, request: Request, core_output: EngineCoreOutput, stopped: list[str]) -> RequestOutput:
-        core_output.apply_to(request)
-        if self.output_processor.update(request):  # a stop string ended it: tell the core
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.timeline.finished = request.timeline.token_times[-1]
-            stopped.append(request.request_id)
-        output = self.output_processor.make_output(request.request_id)
-        self._decode_logprob_tokens(output)
-        return output
 
     def _update_stats(self, message: EngineCoreOutputs) -> None:
         self._stats = message.scheduler_stats
@@ -233,7 +197,7 @@ class AsyncEngine:
             self._stats_log.maybe_log(self.stats)
 
     def _engine_died(self, why: str) -> None:
-        logger.error("%s; failing %d in-flight request(s)", why, len(self._requests))
+        logger.error("%s; failing %d in-flight request(s)", why, len(self.output_processor))
         self._dead = EngineDeadError(why)
         self._fail_all(EngineError(f"{why} while running this request"), "error")
 
@@ -248,38 +212,31 @@ class AsyncEngine:
         except EngineDeadError:
             pass  # an abort for a core that is gone: nothing left to abort
 
-    def _forget(self, request_id: str) -> RequestStream | None:
-        """Drop a request from the table (caller holds ``_lock``); return its stream."""
-        entry = self._requests.pop(request_id, None)
-        self.output_processor.remove(request_id)
-        return None if entry is None else entry[1]
-
     def _fail(self, request_ids: list[str], error: BaseException, reason: str) -> None:
+        """Fail requests (and their ``n > 1`` siblings: those are aborted in the core)."""
         with self._lock:
-            streams = [s for s in (self._forget(rid) for rid in request_ids) if s is not None]
+            engine_ids, streams = self.output_processor.abort_requests(request_ids)
+        siblings = [rid for rid in engine_ids if rid not in request_ids]
+        if siblings:
+            self._send_quietly(AbortRequests(siblings))
         self._deliver_errors(streams, lambda rid: error, reason)
 
     def _fail_all(self, error: BaseException, reason: str) -> None:
         with self._lock:
-            ids = list(self._requests)
+            ids = list(self.output_processor.engine_ids)
         self._fail(ids, error, reason)
 
-    def _decode_logprob_tokens(self, output: RequestOutput) -> None:
-        """Fill ``Logprob.decoded_token`` (the caller holds the tokenizer's lock)."""
-        for entry in [*(output.outputs[0].logprobs or ()), *(output.prompt_logprobs or ())]:
-            for token_id, logprob in (entry or {}).items():
-                if logprob.decoded_token is None:
-                    logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput, SamplingParams]]) -> None:
-        """Hand outputs to their streams' loops; stamp each request's first delivery."""
+    def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput]],
+                         finished: list[tuple[RequestOutput, SamplingParams]]) -> None:
+        """Hand outputs to their streams' loops; stamp each request's first delivery; tell the stat loggers of
+        each engine request that finished (``finished``: their whole outputs)."""
         now = time.monotonic()
-        for _, output, params in items:
+        for _, output in items:
             if output.timeline.first_delivered is None:
                 output.timeline.first_delivered = now
-            if output.finished:
-                self._record("record_finished", output, params)
-        self._deliver([(stream, output) for stream, output, _ in items])
+        for output, params in finished:
+            self._record("record_finished", output, params)
+        self._deliver(items)
 
     def _deliver_errors(self, streams: list[RequestStream], make_error: Callable[[str], BaseException],
                         reason: str) -> None:

@@ -20,13 +20,9 @@ from typing import Any
 import msgspec
 
 from shared.metrics import SchedulerStats
-from shared.outputs import Logprob
-from shared.request import Request, RequestStatus
+from shared.output_processor import OutputDelta
+from shared.request import Request
 from shared.sampling_params import SamplingParams
-
-FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH_CAPPED,
-                 "abort": RequestStatus.FINISHED_ABORTED}
-
 
 # ---- front end -> engine core --------------------------------------------------------------------
 
@@ -42,13 +38,6 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
-
-    @classmethod
-    def from_request(cls, request: Request) -> EngineCoreRequest:
-        return cls(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                   sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                   priority=request.priority, cache_salt=request.cache_salt, eos_token_ids=request.eos_token_ids,
-                   bad_words_token_ids=request.bad_words_token_ids)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
@@ -87,54 +76,9 @@ class ClientHello(msgspec.Struct, tag="hello"):
 # ---- engine core -> front end --------------------------------------------------------------------
 
 
-class EngineCoreOutput(msgspec.Struct, kw_only=True):
-    """One request after a step: its new tokens and how it stands now."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_token_times: list[float]
-    new_logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when logprobs were asked for
-    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, when asked for
-    finish_reason: str | None  # "stop" | "length" | "abort", None while running
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    num_preemptions: int
-    queued: float | None  # when the core took the request in
-    first_scheduled: float | None
-    finished: float | None
-
-    @classmethod
-    def from_request(cls, request: Request, num_sent: int) -> EngineCoreOutput:
-        """The tokens after the first ``num_sent``, and the request's state."""
-        timeline = request.timeline
-        logprobs = request.logprobs[num_sent:] if request.sampling_params.logprobs is not None else None
-        # Prefill scores the whole prompt before the first token is sampled: send them with that token.
-        first = num_sent == 0 and request.num_output_tokens > 0 and request.sampling_params.prompt_logprobs is not None
-        return cls(request_id=request.request_id, new_token_ids=request.output_token_ids[num_sent:],
-                   new_token_times=timeline.token_times[num_sent:], new_logprobs=logprobs,
-                   prompt_logprobs=request.prompt_logprobs if first else None,
-                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                   num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
-                   queued=timeline.queued,
-                   first_scheduled=timeline.first_scheduled, finished=timeline.finished)
-
-    def apply_to(self, request: Request) -> None:
-        """Bring the front end's copy of the request up to date with this output."""
-        for token_id, when in zip(self.new_token_ids, self.new_token_times):
-            request.append_output_token(token_id, when)
-        if self.new_logprobs is not None:
-            request.logprobs.extend(self.new_logprobs)
-        if self.prompt_logprobs is not None:
-            request.prompt_logprobs = list(self.prompt_logprobs)
-        request.num_cached_tokens = self.num_cached_tokens
-        request.num_preemptions = self.num_preemptions
-        timeline = request.timeline
-        timeline.queued, timeline.first_scheduled, timeline.finished = self.queued, self.first_scheduled, self.finished
-        if self.finish_reason is not None:
-            request.status = FINISH_STATUS[self.finish_reason]
-            request.stop_reason = self.stop_reason
-        elif request.status == RequestStatus.WAITING:
-            request.status = RequestStatus.RUNNING
+# One request after a step: its new tokens and how it stands now. The front end's ``OutputProcessor``
+# (``shared/output_processor.py``) takes these as they come off the wire.
+EngineCoreOutput = OutputDelta
 
 
 class FailedRequests(msgspec.Struct):

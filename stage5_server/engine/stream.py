@@ -1,7 +1,7 @@
 """``RequestStream``: the outputs of one request, handed from the engine's thread to one event loop.
 
-Outputs are cumulative, so a stream keeps only the newest: a consumer that falls behind skips
-intermediate outputs and loses nothing. An error, or the final output, ends the stream.
+A consumer that falls behind loses nothing: of cumulative outputs the stream keeps only the newest;
+delta outputs (``delta=True``) not read yet are merged into one. An error, or the final output, ends it.
 
 vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 """
@@ -16,9 +16,10 @@ from shared.outputs import RequestOutput
 class RequestStream:
     """``put`` runs on the stream's loop (the producer schedules it there); iterate with ``async for``."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, delta: bool = False):
         self.request_id = request_id
         self.loop = loop
+        self.delta = delta
         self.finished = False  # the consumer has seen the final output or an error
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -27,6 +28,8 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
+        elif self.delta and self._output is not None:
+            self._output = self._output.add(item)
         else:
             self._output = item
         self._ready.set()
@@ -52,3 +55,4 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
+

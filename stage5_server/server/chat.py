@@ -59,7 +59,7 @@ class ToolCallReader:
         return parsed
 
 
-def chat_logprobs(output: RequestOutput, start: int, end: int, top_n: int) -> dict[str, Any] | None:
+def chat_logprobs(output: RequestOutput, top_n: int) -> dict[str, Any] | None:
     """The chat format: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     completion = output.outputs[0]
     if completion.logprobs is None:
@@ -70,7 +70,7 @@ def chat_logprobs(output: RequestOutput, start: int, end: int, top_n: int) -> di
         return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
     content = []
-    for token_id, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
         chosen = entry[token_id]  # the sampler always records the sampled token
         top = sorted((lp for lp in entry.values() if lp.rank <= top_n), key=lambda x: x.rank)
         content.append({**item(chosen), "top_logprobs": [item(lp) for lp in top]})
@@ -99,17 +99,17 @@ class ChatResponder(Responder):
                 message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message,
-                "logprobs": chat_logprobs(output, 0, len(c.token_ids), self.top_logprobs),
+                "logprobs": chat_logprobs(output, self.top_logprobs),
                 "finish_reason": reason, "stop_reason": c.stop_reason}
 
-    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
+    def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
         first = index not in self.started
         self.started.add(index)
         finished = output.finished
-        content, calls = text, []
+        content, calls = output.outputs[0].text, []
         if self.tool_calls is not None:
             stream = self.streams.setdefault(index, self.tool_calls.stream())
-            got = stream.feed(text)
+            got = stream.feed(content)
             if finished:
                 rest = stream.finish()
                 got = StreamDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
@@ -125,7 +125,7 @@ class ChatResponder(Responder):
         if reason == "stop" and self.call_index.get(index):
             reason = "tool_calls"
         choice = {"index": index, "delta": delta,
-                  "logprobs": chat_logprobs(output, start, end, self.top_logprobs),
+                  "logprobs": chat_logprobs(output, self.top_logprobs),
                   "finish_reason": reason,
                   "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
@@ -174,30 +174,28 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
     return ToolCallReader(parser.parse, parser.stream, max_calls), structured
 
 
-async def render_conversation(serving: OpenAIServing, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids. The tools are shown unless ``tool_choice`` is none: by the chat
-    template, or described by the server where the template cannot show them."""
+def conversation_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The prompt the engine renders (``InputProcessor``). The tools are shown unless ``tool_choice`` is
+    none: by the chat template, or described by the server where the template cannot show them."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
                        "--trust-request-chat-template to accept one per request)", param="chat_template")
-    tools = None if body.effective_tool_choice == "none" else body.tool_dicts()
-    render = partial(serving.engine.tokenizer.apply_chat_template, body.conversation(), True,
-                     chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
-                     control_tokens_in_messages=options.control_tokens_in_messages)
-    return await serving.on_engine(partial(render, tools=tools))
+    return {"messages": body.conversation(), "chat_template": body.chat_template,
+            "chat_template_kwargs": body.chat_template_kwargs,
+            "control_tokens_in_messages": options.control_tokens_in_messages,
+            "tools": None if body.effective_tool_choice == "none" else body.tool_dicts()}
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
     tool_calls, structured = tool_plan(serving, body)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, structured)
-    token_ids = await render_conversation(serving, body)
-    serving.check_lengths(len(token_ids), params.max_tokens, "messages")
+    prompt = conversation_prompt(serving, body)
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
                               body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0,
                               tool_calls=tool_calls)
-    return await serving.generate(request, [token_ids], params, salt, responder, body.stream)
+    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "messages")
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -26,7 +26,7 @@ def token_text(logprob: Logprob) -> str:
     return logprob.decoded_token or ""  # the front end decodes it
 
 
-def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset: int,
+def completion_logprobs(output: RequestOutput, text_offset: int,
                         special: frozenset[int] = frozenset()) -> dict[str, Any] | None:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
     ``special``: token ids the generated text leaves out."""
@@ -34,7 +34,7 @@ def completion_logprobs(output: RequestOutput, start: int, end: int, text_offset
     if completion.logprobs is None:
         return None
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
         token = _append(result, token_id, entry, text_offset)
         text_offset += 0 if token_id in special else len(token)
     return result
@@ -104,16 +104,16 @@ class CompletionResponder(Responder):
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        logprobs = completion_logprobs(output, 0, len(c.token_ids), 0, self.special)
+        logprobs = completion_logprobs(output, 0, self.special)
         text, logprobs = self._echoed(index, output, c.text, logprobs, 0)
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason(output) if self.generate else "length",
                 "stop_reason": c.stop_reason if self.generate else None}
 
-    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any]:
+    def chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
         first = index not in self.text_offset
         offset = self.text_offset.get(index, 0)
-        logprobs = completion_logprobs(output, start, end, offset, self.special)
+        text, logprobs = output.outputs[0].text, completion_logprobs(output, offset, self.special)
         if first:
             text, logprobs = self._echoed(index, output, text, logprobs, offset)
         elif not self.generate:
@@ -131,23 +131,19 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
     generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
     params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
                                   body.requested_structured_outputs())
-    prompts, echo = [], []
-    for prompt in body.prompts:
-        encode = serving.engine.tokenizer.encode
-        ids = prompt if isinstance(prompt, list) else await serving.on_engine(encode, prompt)
-        serving.check_lengths(len(ids), params.max_tokens, "prompt")
-        prompts.append(ids)
-        if body.echo:
-            decode = serving.engine.tokenizer.decode
-            text = prompt if isinstance(prompt, str) else await serving.on_engine(decode, ids)
-            echo.append((text, await serving.on_engine(decode, ids[:1], False)))
+    echo = []
+    for prompt in body.prompts if body.echo else ():  # the prompt's text, and its first token's
+        tokenizer = serving.engine.tokenizer
+        ids = prompt if isinstance(prompt, list) else await serving.on_engine(tokenizer.encode, prompt)
+        text = prompt if isinstance(prompt, str) else await serving.on_engine(tokenizer.decode, ids)
+        echo.append((text, await serving.on_engine(tokenizer.decode, ids[:1], False)))
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=body.logprobs)  # vLLM: echo scores the prompt too
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
                                     body.include_usage, body.continuous_usage, n=params.n,
                                     echo=echo if body.echo else None, generate=generate,
                                     special_token_ids=serving.engine.tokenizer.special_token_ids)
-    return await serving.generate(request, prompts, params, salt, responder, body.stream)
+    return await serving.generate(request, list(body.prompts), params, salt, responder, body.stream)
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from stage5_server.engine.errors import EngineDeadError, EngineError, RequestAborted
+from stage5_server.engine.errors import ContextLengthExceeded, EngineDeadError, EngineError, RequestAborted
 
 logger = logging.getLogger("stagedserve")
 
@@ -86,10 +86,14 @@ def api_error(exc: BaseException) -> APIError | None:
 
 
 @contextmanager
-def engine_errors() -> Iterator[None]:
-    """Turn what the engine raises into the ``APIError`` a client should see."""
+def engine_errors(prompt_param: str = "prompt") -> Iterator[None]:
+    """Turn what the engine raises into the ``APIError`` a client should see; a prompt too long for the
+    context is blamed on ``prompt_param``."""
     try:
         yield
+    except ContextLengthExceeded as exc:
+        param = prompt_param if exc.param == "prompt" else exc.param
+        raise APIError(400, exc.message, param=param, code="context_length_exceeded") from None
     except (ValueError, EngineError, RequestAborted) as exc:
         raise api_error(exc) from None
 

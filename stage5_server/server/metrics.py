@@ -233,10 +233,11 @@ class PrometheusStatLogger:
         for gap in timeline.itls:
             self.itl.observe(gap)
 
-    def record_parent_finished(self, n: int, outputs: list[RequestOutput]) -> None:
-        """All ``n`` samples of one prompt finished: its ``n`` and its longest sample, as vLLM's ``ParentRequest``."""
+    def record_parent_finished(self, n: int, num_tokens: list[int]) -> None:
+        """All ``n`` samples of one prompt finished (``num_tokens``: their lengths): its ``n`` and its longest
+        sample, as vLLM's ``ParentRequest``."""
         self.n.observe(n)
-        self.max_generation_tokens.observe(max((len(o.outputs[0].token_ids) for o in outputs), default=0))
+        self.max_generation_tokens.observe(max(num_tokens, default=0))
 
     def record_aborted(self, reason: str) -> None:
         """An aborted (client gone) or failed (engine error) request: counted, not timed."""

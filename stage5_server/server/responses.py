@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.outputs import RequestOutput
-from stage5_server.server.chat import ToolCallReader, render_conversation, tool_plan
+from stage5_server.server.chat import ToolCallReader, conversation_prompt, tool_plan
 from stage5_server.server.errors import APIError, bad_request_from_value_error
 from stage5_server.server.protocol import ChatCompletionRequest, StrictModel
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason, usage_of
@@ -260,7 +260,7 @@ class ResponsesResponder(Responder):
             cut = finish_reason(output) == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
-            u = usage_of([output])
+            u = usage_of([output], num_tokens=self.counts() or None)  # streamed: counted as they came
             usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                      "total_tokens": u["total_tokens"],
                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
@@ -290,7 +290,8 @@ class ResponsesResponder(Responder):
         started = self.body_of([], None)
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
-    def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
+    def frames(self, index: int, output: RequestOutput) -> list[str]:
+        text = output.outputs[0].text
         got = StreamDelta(content=text) if self.stream is None else self.stream.feed(text)
         if output.finished and self.stream is not None:
             rest = self.stream.finish()
@@ -375,11 +376,10 @@ async def create_response(serving: OpenAIServing, request: Request, body: Respon
         raise bad_request_from_value_error(exc) from None
     tool_calls, structured = tool_plan(serving, chat_body)
     params = chat_body.sampling_params(chat_body.requested_max_tokens, None, structured)
-    token_ids = await render_conversation(serving, chat_body)
-    serving.check_lengths(len(token_ids), params.max_tokens, "input")
+    prompt = conversation_prompt(serving, chat_body)
     responder = ResponsesResponder(f"resp_{uuid.uuid4().hex}", serving.served_model_name, request, False,
                                    body=body, tool_calls=tool_calls)
-    return await serving.generate(request, [token_ids], params, salt, responder, body.stream)
+    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "input")
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

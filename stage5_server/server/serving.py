@@ -1,7 +1,8 @@
 """What every generation endpoint does the same way: from a parsed request to a response.
 
-    check the model name -> the trust group's cache salt -> tokenize (``engine.call``)
-    -> check lengths -> ``engine.add_request`` -> a JSON body, or SSE chunks then ``[DONE]``
+    check the model name -> the trust group's cache salt -> ``engine.add_request`` once per prompt
+    (it renders, tokenizes, checks lengths and fans ``n`` out) -> a JSON body from the final
+    outputs, or SSE chunks of the delta outputs as they come, then ``[DONE]``
 
 An endpoint module (``completions.py``, ``chat.py``) parses its request and writes its bodies
 with a ``Responder``; ``OpenAIServing`` does the rest. ``X-Stagedserve-Timeline: 1`` (opt-in)
@@ -23,6 +24,8 @@ from typing import Any, ClassVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from shared.llm_base import PromptType
+from shared.output_processor import RequestOutputKind
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from stage5_server.engine.errors import EngineError, RequestAborted
@@ -35,7 +38,6 @@ from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
     SSE_DONE,
     ClientDisconnected,
-    DeltaTracker,
     SSEResponse,
     final_output,
     sse,
@@ -45,11 +47,12 @@ from stage5_server.server.sse import (
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 
 
-def usage_of(outputs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
-    """Usage of one response: each prompt counted once (outputs come n per prompt), every sample's tokens."""
+def usage_of(outputs: list[RequestOutput], n: int = 1, num_tokens: list[int] | None = None) -> dict[str, Any]:
+    """Usage of one response: each prompt counted once (outputs come n per prompt), every sample's tokens
+    (``num_tokens``: their counts, where ``outputs`` are deltas)."""
     firsts = outputs[::n]
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(num_tokens if num_tokens is not None else (len(o.outputs[0].token_ids) for o in outputs))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
@@ -59,9 +62,15 @@ def finish_reason(output: RequestOutput) -> str | None:
     return reason if reason in ("stop", "length") else None
 
 
+def choices_of(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per choice (prompt i's sample j is choice ``i * n + j``, vLLM's order), each with its one
+    completion and finished when that is."""
+    return [replace(o, outputs=[c], finished=c.finished) for o in outputs for c in o.outputs]
+
+
 class Responder:
     """How one request's bodies are written: the whole response, or stream chunks and a usage chunk.
-    Prompt i's sample j is choice ``i * n + j`` (vLLM's order)."""
+    A stream's outputs are deltas: one per choice (``choices_of``), with only what is new."""
 
     object: ClassVar[str]  # the ``object`` of a whole response
     chunk_object: ClassVar[str]  # the ``object`` of a stream chunk
@@ -74,6 +83,7 @@ class Responder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage so far in every chunk
         self.n = n  # samples per prompt
+        self.num_tokens: dict[int, int] = {}  # per choice: output tokens streamed so far
         self.system_fingerprint: str | None = None  # set by ``OpenAIServing.generate``
         self.with_timeline = http_request.headers.get(TIMELINE_HEADER) == "1"
 
@@ -81,8 +91,8 @@ class Responder:
         """The whole response's choice ``index``."""
         raise NotImplementedError
 
-    def chunk(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> dict[str, Any] | None:
-        """Choice ``index``'s chunk for new ``text`` and output tokens ``start .. end``; None: nothing to send yet."""
+    def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
+        """Choice ``index``'s chunk for the delta ``output``; None: nothing to send yet."""
         raise NotImplementedError
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -90,18 +100,27 @@ class Responder:
                          usage=usage_of(outputs, self.n), **self.timeline(outputs[0]))
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        return self.body(self.chunk_object, [], usage=usage_of(outputs, self.n))
+        return self.body(self.chunk_object, [], usage=usage_of(outputs, self.n, self.counts()))
+
+    def counts(self) -> list[int]:
+        return [self.num_tokens[i] for i in sorted(self.num_tokens)]
+
+    def stream_frames(self, index: int, output: RequestOutput) -> list[str]:
+        """The frames for choice ``index``'s delta ``output``, counting its tokens."""
+        self.num_tokens[index] = self.num_tokens.get(index, 0) + len(output.outputs[0].token_ids)
+        return self.frames(index, output)
 
     # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
     # Responses API overrides these for its typed events.
     def opening_frames(self) -> list[str]:
         return []
 
-    def frames(self, index: int, output: RequestOutput, text: str, start: int, end: int) -> list[str]:
-        chunk = self.chunk(index, output, text, start, end)
+    def frames(self, index: int, output: RequestOutput) -> list[str]:
+        chunk = self.chunk(index, output)
         return [] if chunk is None else [sse(chunk)]
 
     def closing_frames(self, outputs: list[RequestOutput]) -> list[str]:
+        """``outputs``: each choice's last delta."""
         return ([sse(self.usage_chunk(outputs))] if self.include_usage else []) + [SSE_DONE]
 
     def error_frames(self, error: APIError) -> list[str]:
@@ -112,7 +131,7 @@ class Responder:
                 "system_fingerprint": self.system_fingerprint, "choices": choices, **extra}
 
     def chunk_body(self, output: RequestOutput, choice: dict[str, Any]) -> dict[str, Any]:
-        usage = usage_of([output]) if self.continuous_usage else None
+        usage = usage_of([output], num_tokens=[self.num_tokens[choice["index"]]]) if self.continuous_usage else None
         return self.body(self.chunk_object, [choice], **({"usage": usage} if self.include_usage else {}),
                          **(self.timeline(output) if output.finished else {}))
 
@@ -142,11 +161,11 @@ class OpenAIServing:
         self.metrics = metrics  # told of each prompt whose n samples all finished
         self.chat_options = chat_options or ChatOptions()
 
-    def record_parents(self, outputs: list[RequestOutput], n: int) -> None:
-        """Prompt i's samples are ``outputs[i * n : (i + 1) * n]`` (the fan-out's order)."""
+    def record_parents(self, num_tokens: list[int], n: int) -> None:
+        """``num_tokens``: each choice's output tokens; prompt i's samples are ``[i * n : (i + 1) * n]``."""
         if self.metrics is not None:
-            for i in range(0, len(outputs), n):
-                self.metrics.record_parent_finished(n, outputs[i:i + n])
+            for i in range(0, len(num_tokens), n):
+                self.metrics.record_parent_finished(n, num_tokens[i:i + n])
 
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
         """Check the model name; return the request's prefix-cache salt (its trust group's)."""
@@ -171,37 +190,20 @@ class OpenAIServing:
         with engine_errors():
             return await self.engine.call(fn, *args)
 
-    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-        limit = self.engine.max_model_len
-        if num_prompt_tokens == 0:
-            raise APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param)
-        if num_prompt_tokens >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                           f"{num_prompt_tokens} input tokens, which leaves no room to generate. Please reduce the "
-                           f"length of the input.", param=prompt_param, code="context_length_exceeded")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(400, f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
-                           f"{limit} tokens and your request has {num_prompt_tokens} input tokens "
-                           f"({max_tokens} > {limit} - {num_prompt_tokens}).", param="max_tokens",
-                           code="context_length_exceeded")
-
-    async def generate(self, request: Request, prompts: list[list[int]], params: SamplingParams, salt: str,
-                       responder: Responder, stream: bool) -> Response:
-        """One engine request per prompt and sample (``n > 1`` fans out here with seeds ``seed + j``, as
-        vLLM's ``ParentRequest``), answered with a JSON body or an SSE stream."""
+    async def generate(self, request: Request, prompts: list[PromptType], params: SamplingParams, salt: str,
+                       responder: Responder, stream: bool, prompt_param: str = "prompt") -> Response:
+        """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
+        stream. ``prompt_param``: the field a prompt too long for the context is blamed on."""
         responder.system_fingerprint = self.system_fingerprint
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
         try:
-            for i, token_ids in enumerate(prompts):
-                for j in range(params.n):
-                    one = params if params.n == 1 else replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + j)
-                    request_id = responder.request_id if len(prompts) * params.n == 1 else \
-                        f"{responder.request_id}-{i}-{j}"
-                    with engine_errors():
-                        streams.append(await self.engine.add_request(token_ids, one, request_id, cache_salt=salt,
-                                                                     received_time=received))
+            for i, prompt in enumerate(prompts):
+                request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
+                with engine_errors(prompt_param):
+                    streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
+                                                                 received_time=received, output_kind=kind))
         except BaseException:
             self.engine.abort([s.request_id for s in streams])
             raise
@@ -214,9 +216,9 @@ class OpenAIServing:
         ids = [s.request_id for s in streams]
         try:
             if not streaming:
-                outputs = await unless_disconnected(request, asyncio.gather(*map(final_output, streams)))
-                self.record_parents(list(outputs), params.n)
-                return JSONResponse(responder.response(list(outputs)))
+                outputs = choices_of(await unless_disconnected(request, asyncio.gather(*map(final_output, streams))))
+                self.record_parents([len(o.outputs[0].token_ids) for o in outputs], params.n)
+                return JSONResponse(responder.response(outputs))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
             return SSEResponse(self.events(list(firsts), streams, params, responder))
         except BaseException as exc:
@@ -229,22 +231,22 @@ class OpenAIServing:
 
     async def events(self, firsts: list[RequestOutput], streams: list[RequestStream], params: SamplingParams,
                      responder: Responder) -> AsyncIterator[str]:
-        """SSE events of every choice as its outputs arrive; closing this generator early aborts them all."""
-        trackers = [DeltaTracker(params) for _ in streams]
-        latest = list(firsts)
-        waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished choice
+        """SSE events of every choice as its delta outputs arrive; closing this generator early aborts them all."""
+        latest: dict[int, RequestOutput] = {}  # per choice: its latest delta
+        waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished prompt
         try:
             for frame in responder.opening_frames():
                 yield frame
             ready = list(enumerate(firsts))
             while True:
-                for index, output in ready:
-                    latest[index] = output
-                    delta = trackers[index].advance(output)
-                    for frame in [] if delta is None else responder.frames(index, output, *delta):
-                        yield frame
+                for i, output in ready:
+                    for choice in choices_of([output]):
+                        index = i * params.n + choice.outputs[0].index
+                        latest[index] = choice
+                        for frame in responder.stream_frames(index, choice):
+                            yield frame
                     if not output.finished:
-                        waiting[asyncio.ensure_future(streams[index].get())] = index
+                        waiting[asyncio.ensure_future(streams[i].get())] = i
                 if not waiting:
                     break
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -259,6 +261,6 @@ class OpenAIServing:
             unfinished = [s.request_id for s in streams if not s.finished]
             if unfinished:
                 self.engine.abort(unfinished)
-        self.record_parents(latest, params.n)
-        for frame in responder.closing_frames(latest):
+        self.record_parents(responder.counts(), params.n)
+        for frame in responder.closing_frames([o for _, o in sorted(latest.items())]):
             yield frame

@@ -1,8 +1,8 @@
-"""Streaming: server-sent events, deltas from cumulative outputs, and noticing a client that left.
+"""Streaming: server-sent events, and noticing a client that left.
 
-``data: {json}`` events, a blank line after each, ending with ``data: [DONE]``. ``DeltaTracker``
-turns cumulative outputs into the text not sent yet, holding back a possible stop string. A
-client that disconnects, before its first token or mid-stream, aborts its request.
+``data: {json}`` events, a blank line after each, ending with ``data: [DONE]``; the engine's
+delta outputs carry the text not sent yet (a possible stop string already held back). A client
+that disconnects, before its first token or mid-stream, aborts its request.
 
 vLLM: the ``*_stream_generator`` methods of ``serving_completion.py`` and ``serving_chat.py``.
 """
@@ -20,7 +20,6 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.outputs import RequestOutput
-from shared.sampling_params import SamplingParams
 from stage5_server.engine.errors import EngineError
 from stage5_server.engine.stream import RequestStream
 
@@ -79,28 +78,6 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     if task in done:
         return task.result()
     raise ClientDisconnected
-
-
-class DeltaTracker:
-    """What a stream has not sent yet, from cumulative outputs. Text that could still start a stop string
-    is held back until the request finishes, so the streamed text equals the final trimmed text."""
-
-    def __init__(self, params: SamplingParams):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent_chars = 0
-        self.sent_tokens = 0
-
-    def advance(self, output: RequestOutput) -> tuple[str, int, int] | None:
-        """``(new text, first new token index, end token index)``, or None if nothing to send yet."""
-        completion = output.outputs[0]
-        text = completion.text
-        end = len(text) if output.finished else max(self.sent_chars, len(text) - self.hold)
-        delta = text[self.sent_chars:end]
-        if not delta and not output.finished:
-            return None
-        start_token, self.sent_tokens = self.sent_tokens, len(completion.token_ids)
-        self.sent_chars = max(self.sent_chars, end)
-        return delta, start_token, self.sent_tokens
 
 
 async def final_output(stream: RequestStream) -> RequestOutput:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import httpx
 import psutil
@@ -17,6 +18,7 @@ from openai import OpenAI
 
 from shared import SamplingParams
 from shared.metrics import RequestTimeline, SchedulerStats
+from shared.output_processor import OutputProcessor
 from shared.request import Request
 from stage5_server.cli.serve import serving_process_count
 from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
@@ -81,8 +83,9 @@ def process_gone(pid: int) -> bool:
 def test_a_request_crosses_the_wire_as_token_ids_with_its_id_and_parameters():
     params = SamplingParams(temperature=0.5, top_k=3, max_tokens=7, stop=["x"], stop_token_ids=[4], seed=11,
                             logprobs=2)
-    request = Request("cmpl-1", [5, 6, 7], params, arrival_time=12.5, priority=2, cache_salt="s", eos_token_ids=(2,))
-    message = input_decoder.decode(encoder.encode(AddRequest(EngineCoreRequest.from_request(request))))
+    request = EngineCoreRequest(request_id="cmpl-1", prompt_token_ids=[5, 6, 7], sampling_params=params,
+                                arrival_time=12.5, priority=2, cache_salt="s", eos_token_ids=(2,))
+    message = input_decoder.decode(encoder.encode(AddRequest(request)))
     copy = message.request.to_request()
     assert (copy.request_id, copy.prompt_token_ids, copy.sampling_params, copy.arrival_time, copy.priority,
             copy.cache_salt, copy.eos_token_ids) == ("cmpl-1", [5, 6, 7], params, 12.5, 2, "s", (2,))
@@ -97,13 +100,16 @@ def test_an_output_carries_only_the_tokens_not_sent_yet():
         ("r", [11, 12], [101.0, 102.0], None)
 
 
-def test_the_front_ends_copy_rebuilt_from_outputs_equals_the_cores_request():
-    core, mirror = (Request("r", [1, 2], SamplingParams(max_tokens=3)) for _ in range(2))
+def test_the_front_ends_state_rebuilt_from_outputs_matches_the_cores_request():
+    core = Request("r", [1, 2], SamplingParams(max_tokens=3, detokenize=False))
+    front_end = OutputProcessor(tokenizer=None)  # nothing to decode
+    front_end.add_request("r", None, [1, 2], core.sampling_params, core.arrival_time)
     for i, token in enumerate([10, 11, 12]):  # one token a step, each output sent over the wire
         num_sent = core.num_output_tokens
         core.append_output_token(token, now=100.0 + i)
-        output_decoder.decode(encoder.encode(outputs_of(core, num_sent))).outputs[0].apply_to(mirror)
-    assert (mirror.output_token_ids, mirror.timeline.token_times) == ([10, 11, 12], [100.0, 101.0, 102.0])
+        wire = output_decoder.decode(encoder.encode(outputs_of(core, num_sent))).outputs
+        [(_, mirror)] = front_end.process_outputs(wire).deliveries
+    assert (mirror.outputs[0].token_ids, mirror.timeline.token_times) == ([10, 11, 12], [100.0, 101.0, 102.0])
 
 
 def test_request_phases_split_the_first_token_at_the_process_boundary():
@@ -131,8 +137,9 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
     core = ZmqCoreLoop(llm.engine, sockets["to_core_peer"], sockets["from_core_peer"], os.getppid())
 
     def add(request_id: str) -> None:
-        request = Request(request_id, [5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-        sockets["to_core"].send(encoder.encode(AddRequest(EngineCoreRequest.from_request(request))))
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], arrival_time=time.monotonic(),
+                                    sampling_params=SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        sockets["to_core"].send(encoder.encode(AddRequest(request)))
         core.handle(core.receive(1.0))
 
     def received():

@@ -3,6 +3,7 @@ models, streaming deltas that never emit a stop string, and the demo's metric su
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -10,13 +11,16 @@ from prometheus_client import REGISTRY
 
 from shared import CompletionOutput, RequestOutput, RequestTimeline, SamplingParams
 from shared.metrics import SchedulerStats
+from shared.output_processor import OutputProcessor, RequestOutputKind
 from stage4_prefix_cache import StatsLogger as LoggingStatLogger
 from stage4_prefix_cache import format_stats_line
 from stage5_server.demo import histogram_quantile, summarize_metrics
+from stage5_server.engine.messages import EngineCoreOutput
+from stage5_server.engine.stream import RequestStream
 from stage5_server.server.errors import loc_to_param
 from stage5_server.server.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from stage5_server.server.protocol import ChatCompletionRequest, CompletionRequest
-from stage5_server.server.sse import SSE_DONE, DeltaTracker, sse
+from stage5_server.server.sse import SSE_DONE, sse
 
 
 def test_stats_line_reports_interval_throughput_and_engine_state():
@@ -75,17 +79,45 @@ def test_an_sse_event_is_one_data_line_of_json_then_a_blank_line():
     assert sse({}) == "data: {}\n\n" and SSE_DONE == "data: [DONE]\n\n"
 
 
+class CharTokenizer:
+    """Token id i is the character chr(i)."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(map(chr, token_ids))
+
+
 def test_stop_strings_are_held_back_while_streaming():
-    tracker = DeltaTracker(SamplingParams(stop=["STOP"]))
+    processor = OutputProcessor(CharTokenizer())
+    loop = asyncio.new_event_loop()
+    stream = RequestStream("r", loop, delta=True)
+    processor.add_request("r", None, [1], SamplingParams(stop=["STOP"]), 0.0, kind=RequestOutputKind.DELTA,
+                          queue=stream)
 
-    def out(text: str, finished: bool = False) -> RequestOutput:
-        completion = CompletionOutput(0, text, list(range(len(text))), "stop" if finished else None)
-        return RequestOutput("r", None, [1], [completion], finished=finished)
+    def step(text: str) -> tuple[list[str], list[str]]:
+        out = EngineCoreOutput(request_id="r", new_token_ids=[ord(c) for c in text], new_token_times=[0.0] * len(text),
+                               new_logprobs=None, prompt_logprobs=None, finish_reason=None, stop_reason=None,
+                               num_cached_tokens=0, num_preemptions=0, queued=None, first_scheduled=None,
+                               finished=None)
+        processed = processor.process_outputs([out])
+        return [o.outputs[0].text for _, o in processed.deliveries], processed.reqs_to_abort
 
-    assert tracker.advance(out("ab")) is None  # could still be the start of "STOP"
-    assert tracker.advance(out("abcdef"))[0] == "abc"
-    assert tracker.advance(out("abcdefST"))[0] == "de"
-    assert tracker.advance(out("abcdef", finished=True))[0] == "f"  # the stop string never went out
+    assert step("ab") == ([], [])  # could still be the start of "STOP"
+    assert step("cdef") == (["abc"], [])
+    assert step("ST") == (["de"], [])
+    assert step("OP") == (["f"], ["r"])  # the stop string never went out; the core is told to end the request
+    loop.close()
+
+
+def test_a_lagging_stream_merges_the_deltas_it_has_not_handed_out():
+    async def run() -> RequestOutput:
+        stream = RequestStream("r", asyncio.get_running_loop(), delta=True)
+        for text, ids, reason in (("ab", [1, 2], None), ("c", [3], "stop")):
+            stream.put(RequestOutput("r", None, [0], [CompletionOutput(0, text, ids, reason)],
+                                     finished=reason is not None))
+        return await stream.get()
+
+    out = asyncio.run(run())
+    assert (out.outputs[0].text, out.outputs[0].token_ids, out.finished) == ("abc", [1, 2, 3], True)
 
 
 def test_request_models_accept_off_values_and_name_the_field_otherwise():
