@@ -22,17 +22,10 @@ from stage3_continuous.scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger("stagedserve")
 
 
-class EngineCore:
-    def __init__(self, model: DecoderModel, scheduler: Scheduler, kv_cache: PagedKVCache, device: torch.device,
-                 seed: int = 0, stats_logger: StatsLogger | None = None):
-        self.scheduler = scheduler
-        self.kv_cache = kv_cache
-        self.max_model_len = scheduler.max_model_len
-        self.device = device
-        self.runner = ModelRunner(model, device, seed)
-        model.set_attention_backend(PagedAttentionBackend(kv_cache))
-        self.stats_logger = stats_logger
-        self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
+class SchedulerFacade:
+    """What an engine core answers from its scheduler alone (stage 5's engine core answers the same way)."""
+
+    scheduler: Scheduler
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -52,6 +45,19 @@ class EngineCore:
     def live_block_ids(self) -> dict[str, list[int]]:
         manager = self.scheduler.kv_cache_manager
         return {r.request_id: manager.get_block_ids(r.request_id) for r in self.scheduler.running}
+
+
+class EngineCore(SchedulerFacade):
+    def __init__(self, model: DecoderModel, scheduler: Scheduler, kv_cache: PagedKVCache, device: torch.device,
+                 seed: int = 0, stats_logger: StatsLogger | None = None):
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.max_model_len = scheduler.max_model_len
+        self.device = device
+        self.runner = ModelRunner(model, device, seed)
+        model.set_attention_backend(PagedAttentionBackend(kv_cache))
+        self.stats_logger = stats_logger
+        self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
 
     def step(self) -> list[Request]:
         output = self.scheduler.schedule()

@@ -15,8 +15,8 @@ vLLM: ``EngineCore.step`` in ``vllm/v1/engine/core.py``.
 
 from __future__ import annotations
 
-from shared.metrics import SchedulerStats
-from shared.request import Request, RequestStatus
+from shared.request import Request
+from stage3_continuous.engine import SchedulerFacade
 from stage4_prefix_cache.scheduler import StatsLogger
 from stage5_server.config import EngineConfig
 from stage5_server.core.scheduler import Scheduler
@@ -24,7 +24,7 @@ from stage5_server.executor import Executor
 from stage5_server.worker import ModelRunnerOutput
 
 
-class EngineCore:
+class EngineCore(SchedulerFacade):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, model_executor: Executor,
                  stats_logger: StatsLogger | None = None):
         self.config = config
@@ -37,25 +37,6 @@ class EngineCore:
     @property
     def num_kv_blocks(self) -> int:
         return self.scheduler.cache_config.num_blocks
-
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        self.scheduler.finish_requests(request_ids, status)
-
-    def kv_cache_usage(self) -> float:
-        return self.scheduler.kv_cache_manager.usage
-
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
-
-    def live_block_ids(self) -> dict[str, list[int]]:
-        manager = self.scheduler.kv_cache_manager
-        return {r.request_id: manager.get_block_ids(r.request_id) for r in self.scheduler.running}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
