@@ -99,6 +99,7 @@ def test_stop_strings_are_held_back_while_streaming():
                                num_cached_tokens=0, num_preemptions=0, queued=None, first_scheduled=None,
                                finished=None)
         processed = processor.process_outputs([out])
+        assert not processed.failed, processed.failed  # an output that could not be made fails its request
         return [o.outputs[0].text for _, o in processed.deliveries], processed.reqs_to_abort
 
     assert step("ab") == ([], [])  # could still be the start of "STOP"
