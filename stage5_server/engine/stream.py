@@ -1,7 +1,8 @@
 """``RequestStream``: the outputs of one request, handed from the engine's thread to one event loop.
 
 A consumer that falls behind loses nothing: of cumulative outputs the stream keeps only the newest;
-delta outputs (``delta=True``) not read yet are merged into one. An error, or the final output, ends it.
+delta outputs (``delta=True``) not read yet are merged into one. An error, or the final output, ends it;
+an output put before the error is still handed out first.
 
 vLLM: ``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``.
 """
@@ -41,7 +42,7 @@ class RequestStream:
         while self._output is None and self._error is None:
             self._ready.clear()
             await self._ready.wait()
-        if self._output is None or (self._error is not None and not self._output.finished):
+        if self._output is None:  # outputs put before the error go out first: a failure loses no tokens
             self.finished = True
             raise self._error
         out, self._output = self._output, None

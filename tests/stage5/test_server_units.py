@@ -109,6 +109,20 @@ def test_stop_strings_are_held_back_while_streaming():
     loop.close()
 
 
+def test_outputs_put_before_an_error_are_handed_out_before_it():
+    async def run() -> tuple[RequestOutput, BaseException]:
+        stream = RequestStream("r", asyncio.get_running_loop(), delta=True)
+        stream.put(RequestOutput("r", None, [0], [CompletionOutput(0, "ab", [1, 2], None)], finished=False))
+        stream.put(RuntimeError("the engine failed"))
+        first = await stream.get()
+        with pytest.raises(RuntimeError, match="the engine failed") as failure:
+            await stream.get()
+        return first, failure.value
+
+    first, error = asyncio.run(run())
+    assert first.outputs[0].text == "ab" and not first.finished and str(error) == "the engine failed"
+
+
 def test_a_lagging_stream_merges_the_deltas_it_has_not_handed_out():
     async def run() -> RequestOutput:
         stream = RequestStream("r", asyncio.get_running_loop(), delta=True)
