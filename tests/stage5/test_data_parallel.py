@@ -266,7 +266,8 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
                 return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
             def settled() -> bool:  # both API servers see both ranks idle, so least-loaded picks rank 0
-                return all(s.num_running == 0 for engine in (dp, second) for s in engine.stats_by_engine.values())
+                return all(stats.num_running == stats.num_waiting == 0 and engine.in_flight_by_engine[rank] == 0
+                           for engine in (dp, second) for rank, stats in engine.stats_by_engine.items())
 
             assert wait_until(settled) and cached(one.url, "key-a1") == 0
             # The same group through the other API server, then another group: never.
