@@ -451,7 +451,7 @@ without a GPU) and compares every slot exactly, for block sizes 8 and 16, fp32 a
         ),
         Task(
             name="engine_step",
-            file="stage5_server/engine/core_loop.py",
+            file="stage5_server/core/busy_loop.py",
             function="EngineCoreLoop.step",
             spec="""
 One iteration of the engine core's busy loop: step the core and publish what changed.

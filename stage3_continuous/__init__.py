@@ -13,12 +13,12 @@ from stage2_paged import *  # noqa: F403  (re-export the whole surface of the st
 from stage2_paged import __all__ as _stage2_all
 from stage3_continuous.config import CacheConfig, SchedulerConfig
 from stage3_continuous.dry_run import describe_step, dry_run_step
-from stage3_continuous.engine import EngineCore, StatsLogger, format_stats_line
+from stage3_continuous.engine import EngineCore, LoggingStatLogger, format_stats_line
 from stage3_continuous.kv_cache_manager import KVCacheManager
 from stage3_continuous.llm import LLM
 from stage3_continuous.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [n for n in _stage2_all if n != "LLM"] + [
     "LLM", "CacheConfig", "EngineCore", "KVCacheManager", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "StatsLogger", "describe_step", "dry_run_step", "format_stats_line",
+    "LoggingStatLogger", "describe_step", "dry_run_step", "format_stats_line",
 ]

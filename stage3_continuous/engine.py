@@ -49,7 +49,7 @@ class SchedulerFacade:
 
 class EngineCore(SchedulerFacade):
     def __init__(self, model: DecoderModel, scheduler: Scheduler, kv_cache: PagedKVCache, device: torch.device,
-                 seed: int = 0, stats_logger: StatsLogger | None = None):
+                 seed: int = 0, stats_logger: LoggingStatLogger | None = None):
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.max_model_len = scheduler.max_model_len
@@ -101,7 +101,7 @@ def kv_layout(batch: ScheduledBatch, block_tables: dict[str, list[int]],
     return slots, tables
 
 
-class StatsLogger:
+class LoggingStatLogger:
     """A periodic line like vLLM's ``LoggingStatLogger`` (``vllm/v1/metrics/loggers.py``).
 
     Throughput covers the last interval; preemptions are cumulative. An idle interval logs
@@ -143,4 +143,4 @@ class StatsLogger:
                 f"KV cache usage: {100 * after.kv_cache_usage:.1f}%", f"Preemptions: {after.num_preemptions}"]
 
 
-format_stats_line = StatsLogger.format_line
+format_stats_line = LoggingStatLogger.format_line

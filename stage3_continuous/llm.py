@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.llm_base import BaseLLM
 from stage2_paged.llm import PAGED_ARGS, make_paged_cache, resolve_num_blocks
 from stage3_continuous.config import CacheConfig, SchedulerConfig
-from stage3_continuous.engine import EngineCore, StatsLogger
+from stage3_continuous.engine import EngineCore, LoggingStatLogger
 from stage3_continuous.scheduler import Scheduler
 
 CONTINUOUS_ARGS = {
@@ -21,7 +21,7 @@ CONTINUOUS_ARGS = {
 class LLM(BaseLLM):
     stage = "stage3_continuous"
     engine_args = CONTINUOUS_ARGS
-    stats_logger_class = StatsLogger  # a later stage logs more by naming its own
+    stats_logger_class = LoggingStatLogger  # a later stage logs more by naming its own
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
@@ -35,7 +35,7 @@ class LLM(BaseLLM):
     def _make_scheduler(self, cache_config) -> Scheduler:
         return Scheduler(self._scheduler_config(), cache_config, self.max_model_len)
 
-    def _stats_logger(self) -> StatsLogger | None:
+    def _stats_logger(self) -> LoggingStatLogger | None:
         interval = self.args["log_stats_interval"]
         return self.stats_logger_class(interval) if interval else None
 

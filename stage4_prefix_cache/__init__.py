@@ -22,11 +22,11 @@ from stage4_prefix_cache.kv_cache_utils import (
     hash_request_tokens,
 )
 from stage4_prefix_cache.llm import LLM
-from stage4_prefix_cache.scheduler import CacheConfig, Scheduler, StatsLogger, format_stats_line
+from stage4_prefix_cache.scheduler import CacheConfig, LoggingStatLogger, Scheduler, format_stats_line
 
-_OVERRIDDEN = ("LLM", "Scheduler", "CacheConfig", "KVCacheManager", "StatsLogger", "format_stats_line")
+_OVERRIDDEN = ("LLM", "Scheduler", "CacheConfig", "KVCacheManager", "LoggingStatLogger", "format_stats_line")
 __all__ = [n for n in _stage3_all if n not in _OVERRIDDEN] + [
     "LLM", "BlockPool", "CacheConfig", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
-    "PrefixCacheStats", "Scheduler", "StatsLogger", "format_stats_line", "get_hash_fn", "hash_block_tokens",
+    "PrefixCacheStats", "Scheduler", "LoggingStatLogger", "format_stats_line", "get_hash_fn", "hash_block_tokens",
     "hash_request_tokens",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from stage3_continuous.llm import CONTINUOUS_ARGS
 from stage3_continuous.llm import LLM as _ContinuousLLM
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
-from stage4_prefix_cache.scheduler import CacheConfig, Scheduler, StatsLogger
+from stage4_prefix_cache.scheduler import CacheConfig, LoggingStatLogger, Scheduler
 
 PREFIX_CACHING_ARGS = {**CONTINUOUS_ARGS, "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256"}
 
@@ -13,7 +13,7 @@ PREFIX_CACHING_ARGS = {**CONTINUOUS_ARGS, "enable_prefix_caching": True, "prefix
 class LLM(_ContinuousLLM):
     stage = "stage4_prefix_cache"
     engine_args = PREFIX_CACHING_ARGS
-    stats_logger_class = StatsLogger
+    stats_logger_class = LoggingStatLogger
 
     def _cache_config(self, block_size: int, num_blocks: int) -> CacheConfig:
         if not isinstance(self.args["enable_prefix_caching"], bool):

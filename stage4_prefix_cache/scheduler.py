@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shared.metrics import SchedulerStats
 from stage3_continuous.config import CacheConfig as _PagedCacheConfig
-from stage3_continuous.engine import StatsLogger as _ContinuousStatsLogger
+from stage3_continuous.engine import LoggingStatLogger as _ContinuousStatLogger
 from stage3_continuous.scheduler import Scheduler as _ContinuousScheduler
 from stage3_continuous.scheduler import SchedulerOutput
 from stage4_prefix_cache.kv_cache_manager import KVCacheManager
@@ -51,16 +51,16 @@ class Scheduler(_ContinuousScheduler):
         return self.kv_cache_manager.reset_prefix_cache()
 
 
-class StatsLogger(_ContinuousStatsLogger):
+class LoggingStatLogger(_ContinuousStatLogger):
     """Stage 3's stats line with the prefix-cache hit rate of the interval (tokens found / looked up)."""
 
     @staticmethod
     def fields(before: SchedulerStats, after: SchedulerStats, seconds: float) -> list[str]:
-        fields = _ContinuousStatsLogger.fields(before, after, seconds)
+        fields = _ContinuousStatLogger.fields(before, after, seconds)
         queries = after.prefix_cache_queries - before.prefix_cache_queries
         hits = after.prefix_cache_hits - before.prefix_cache_hits
         fields.insert(-1, f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
         return fields
 
 
-format_stats_line = StatsLogger.format_line
+format_stats_line = LoggingStatLogger.format_line

@@ -10,20 +10,9 @@ vLLM: ``Worker.determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from shared.attention import causal_attention
-
-
-def profiled_kv_memory(args: dict[str, Any], max_model_len: int, profile: Callable[[int, float], int]) -> int:
-    """Bytes for the KV cache from ``profile(num_tokens, utilization)``, after checking the arguments."""
-    utilization = args["gpu_memory_utilization"]
-    if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-    return profile(min(args["max_num_batched_tokens"], max_model_len), utilization)
 
 
 def profile_free_kv_memory(model, device: torch.device, num_tokens: int, utilization: float) -> int:

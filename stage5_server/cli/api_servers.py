@@ -3,7 +3,7 @@
     supervisor (this process; it serves no request)
       |- coordinator                  (N > 1)
       |- engine core 0 .. N-1         (each with its tensor-parallel workers when TP > 1)
-      '- API server 0 .. A-1          (uvicorn + DPAsyncLLM, each connected to every engine core)
+      '- API server 0 .. A-1          (uvicorn + MPAsyncLLM, each connected to every engine core)
 
 The supervisor binds the socket once and hands each API server a copy (as vLLM does): all accept
 from one kernel queue, so a dead API server loses only the connections it had accepted. All get
@@ -35,8 +35,8 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from stage5_server.cli.options import chat_options_from, log_api_keys
-from stage5_server.engine.launcher import CoreEngineProcManager, EngineTopology
-from stage5_server.engine.processes import set_process_name
+from stage5_server.data_parallel.launcher import CoreEngineProcManager, EngineTopology
+from stage5_server.processes import set_process_name
 from stage5_server.server.chat_options import ChatOptions
 
 logger = logging.getLogger("stagedserve")
@@ -74,10 +74,10 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.socket) -> None:
-    """One API-server process: a ``DPAsyncLLM`` over every engine core, an app, uvicorn on the shared socket."""
+    """One API-server process: an ``MPAsyncLLM`` over every engine core, an app, uvicorn on the shared socket."""
     import uvicorn
 
-    from stage5_server.engine.dp_client import DPAsyncLLM
+    from stage5_server.engine.mp_client import MPAsyncLLM
     from stage5_server.server import create_app
 
     set_process_name(f"ss-api-{index}")
@@ -86,7 +86,7 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     level = logging.DEBUG if config.log_level in ("debug", "trace") else logging.INFO
     logger.setLevel(level)
     parent = os.getppid()
-    engine = DPAsyncLLM(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
+    engine = MPAsyncLLM.connect(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
     app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
                      trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
                      max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret,
@@ -143,7 +143,7 @@ class APIServerProcessManager:
             if process is None or process.is_alive():
                 continue
             process.join()
-            client_id = f"api{index}-{process.pid}"  # DPAsyncLLM's identity for it
+            client_id = f"api{index}-{process.pid}"  # MPAsyncLLM's identity for it
             manager.client_gone(client_id)
             quick = time.monotonic() - self._started[index] < QUICK_DEATH_S
             self._quick_deaths[index] = self._quick_deaths[index] + 1 if quick else 0

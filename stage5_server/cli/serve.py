@@ -5,7 +5,7 @@
 Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
 ``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``KEY:GROUP`` puts
 a key in a trust group. The engine core runs in a process of its own unless
-``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
+``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``data_parallel/launcher.py``) and
 ``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
@@ -23,7 +23,7 @@ from typing import Any
 from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
 from stage5_server.cli.options import API_KEY_ENV, chat_options_from, log_api_keys
 
-ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # engine/routing.py
+ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # data_parallel/routing.py
 
 logger = logging.getLogger("stagedserve")
 
@@ -186,8 +186,8 @@ def serve(args: argparse.Namespace) -> int:
                                     args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     import uvicorn
 
+    from stage5_server.core.cpu_threads import configure_frontend_threads
     from stage5_server.engine import make_async_llm
-    from stage5_server.engine.cpu_threads import configure_frontend_threads
     from stage5_server.server import create_app
 
     if args.engine_process:
@@ -249,12 +249,13 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
     logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
     logger.info("resolved engine configuration (%s): %s", engine.stage,
                 ", ".join(f"{k}={v}" for k, v in sorted(engine.engine_args.items())))
-    if hasattr(engine, "engine_pids"):
+    if not engine.engine_process:
+        logger.info("engine core: a thread of the server process")
+    elif len(engine.engine_pids) == 1:
+        logger.info("engine core: separate process (pid %d)", engine.engine_pid)
+    else:
         logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
                     ", ".join(map(str, engine.engine_pids)))
-    else:
-        logger.info("engine core: %s", f"separate process (pid {engine.engine_pid})" if engine.engine_process
-                    else "a thread of the server process")
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
                 "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
                 args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from shared.request import Request
 from stage3_continuous.engine import SchedulerFacade
-from stage4_prefix_cache.scheduler import StatsLogger
+from stage4_prefix_cache.scheduler import LoggingStatLogger
 from stage5_server.config import EngineConfig
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor
@@ -26,7 +26,7 @@ from stage5_server.worker import ModelRunnerOutput
 
 class EngineCore(SchedulerFacade):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, model_executor: Executor,
-                 stats_logger: StatsLogger | None = None):
+                 stats_logger: LoggingStatLogger | None = None):
         self.config = config
         self.scheduler = scheduler
         self.model_executor = model_executor

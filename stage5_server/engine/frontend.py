@@ -28,10 +28,10 @@ from shared.output_processor import OutputProcessor, RequestOutputKind
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage4_prefix_cache import StatsLogger
-from stage5_server.engine.errors import EngineDeadError, EngineError, RequestAborted
+from stage4_prefix_cache import LoggingStatLogger
+from stage5_server.core.errors import EngineDeadError, EngineError, RequestAborted
+from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs
 from stage5_server.engine.input_processor import InputProcessor
-from stage5_server.engine.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs
 from stage5_server.engine.stream import RequestStream
 
 logger = logging.getLogger("stagedserve")
@@ -39,7 +39,7 @@ logger = logging.getLogger("stagedserve")
 T = TypeVar("T")
 
 
-class StatLogger(Protocol):
+class StatLoggerBase(Protocol):
     """What an ``AsyncEngine`` tells a stat logger, on the thread that receives outputs."""
 
     def record_finished(self, output: RequestOutput, params: SamplingParams) -> None: ...
@@ -71,7 +71,7 @@ class AsyncEngine:
 
     def __init__(self, *, tokenizer: Tokenizer, model_path: str, stage: str, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], engine_args: dict[str, Any],
-                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None,
+                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLoggerBase] | None = None,
                  cache_configs: dict[int, dict[str, str]] | None = None):
         self.tokenizer = tokenizer  # use it only through ``call``
         self.model_path = model_path
@@ -81,10 +81,10 @@ class AsyncEngine:
         self.eos_token_ids = eos_token_ids
         self.engine_args = engine_args  # the resolved engine configuration
         self.cache_configs = dict(cache_configs or {})
-        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
         self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, decode_logprobs=True)  # the requests in flight
-        self._stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None
+        self._stats_log = LoggingStatLogger(log_stats_interval) if log_stats_interval else None
         self._stats = SchedulerStats()
         self._lock = threading.Lock()  # the tokenizer and both processors
         self._dead: EngineDeadError | None = None

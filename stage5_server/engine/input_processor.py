@@ -21,8 +21,8 @@ from shared.llm_base import PromptType, check_inputs
 from shared.parallel_sampling import ParentRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage5_server.engine.errors import ContextLengthExceeded
-from stage5_server.engine.messages import EngineCoreRequest
+from stage5_server.core.errors import ContextLengthExceeded
+from stage5_server.core.messages import EngineCoreRequest
 
 
 class InputProcessor:

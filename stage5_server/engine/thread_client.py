@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from shared.llm_base import BaseLLM, EngineCore
 from shared.structured_output import StructuredOutputManager
-from stage5_server.engine.core_loop import EngineCoreLoop
-from stage5_server.engine.errors import EngineDeadError
-from stage5_server.engine.frontend import AsyncEngine, StatLogger
-from stage5_server.engine.messages import EngineCoreInput, EngineCoreOutputs, Shutdown
+from stage5_server.core.busy_loop import EngineCoreLoop
+from stage5_server.core.errors import EngineDeadError
+from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown
+from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 
 logger = logging.getLogger("stagedserve")
 
@@ -59,7 +59,7 @@ class AsyncLLM(AsyncEngine):
     engine_process = False
 
     def __init__(self, llm: BaseLLM, *, log_stats_interval: float | None = 10.0,
-                 stat_loggers: list[StatLogger] | None = None, idle_poll_s: float = 0.5):
+                 stat_loggers: list[StatLoggerBase] | None = None, idle_poll_s: float = 0.5):
         config = llm.model_config
         super().__init__(tokenizer=llm.tokenizer, model_path=str(llm.model_path), stage=llm.stage,
                          max_model_len=llm.max_model_len, vocab_size=config.vocab_size,

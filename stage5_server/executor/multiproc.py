@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from stage5_server.config import EngineConfig
-from stage5_server.engine.errors import EngineDeadError
-from stage5_server.engine.processes import set_process_name
+from stage5_server.core.errors import EngineDeadError
 from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, init_tensor_parallel
+from stage5_server.processes import set_process_name
 from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
 
 logger = logging.getLogger("stagedserve")

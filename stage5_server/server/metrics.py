@@ -143,7 +143,7 @@ class _SchedulerStatsCollector(Collector):
 
 
 class PrometheusStatLogger:
-    """The ``/metrics`` registry of one app, an ``engine.StatLogger``; ``render()`` is the text format.
+    """The ``/metrics`` registry of one app, an ``engine.StatLoggerBase``; ``render()`` is the text format.
     ``cache_configs``: each engine core's ``vllm:cache_config_info`` labels, by rank."""
 
     def __init__(self, model_name: str, get_stats: StatsSource, max_model_len: int,

@@ -1,7 +1,7 @@
 """Faults injected into an engine core wherever it runs: this process, or an engine-core process of its own.
 
 An engine plugin (``STAGEDSERVE_ENGINE_PLUGINS=tests.reliability.engine_faults:install``, see
-``stage5_server/engine/plugins.py``) or a direct ``install(llm)`` wraps the model runner's
+``stage5_server/core/plugins.py``) or a direct ``install(llm)`` wraps the model runner's
 forward pass. A test steers it through files in a directory (``EngineFaults``), so it can act at
 the moment it chooses even when the engine core is another process:
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from stage5_server.data_parallel.launcher import environment
 from stage5_server.engine import AsyncEngine, make_async_llm
-from stage5_server.engine.launcher import environment
 from tests.reliability.engine_faults import EngineFaults, install
 from tests.stage5.server_fixtures import ENGINE_KWARGS, make_llm
 

@@ -12,7 +12,7 @@ import torch
 from shared import ModelConfig, SamplingParams
 from shared.closeness import as_token_logprobs, first_divergences
 from stage5_server.config import CPU_BF16_MIN_HIDDEN_SIZE, cpu_auto_dtype, cpu_has_native_bf16
-from stage5_server.engine.cpu_threads import configure_engine_threads, physical_cores
+from stage5_server.core.cpu_threads import configure_engine_threads, physical_cores
 from tests.invariants.prompts import PROMPTS
 
 

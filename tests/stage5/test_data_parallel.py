@@ -30,10 +30,10 @@ from shared import SamplingParams
 from shared.metrics import SchedulerStats
 from stage5_server.cli import make_parser
 from stage5_server.cli.serve import resolve_topology, serving_process_count
+from stage5_server.data_parallel.launcher import plan_devices
+from stage5_server.data_parallel.routing import LEAST_LOADED, PREFIX_AFFINITY, Router, rank_load
 from stage5_server.engine import EngineDeadError, EngineError, RequestAborted
-from stage5_server.engine.dp_client import DPAsyncLLM, combine_stats
-from stage5_server.engine.launcher import plan_devices
-from stage5_server.engine.routing import LEAST_LOADED, PREFIX_AFFINITY, Router, rank_load
+from stage5_server.engine.mp_client import MPAsyncLLM, combine_stats
 from stage5_server.server import create_app
 from tests.reliability.engine_faults import EngineFaults
 from tests.stage5.server_fixtures import (
@@ -173,7 +173,7 @@ ONE_ENGINE = pytest.mark.xdist_group("data-parallel-engine")
 
 @pytest.fixture(scope="module")
 def dp(tiny_llama):
-    engine = DPAsyncLLM.launch(str(tiny_llama), data_parallel_size=2, log_stats_interval=None, startup_timeout_s=300,
+    engine = MPAsyncLLM(str(tiny_llama), data_parallel_size=2, log_stats_interval=None, startup_timeout_s=300,
                                **ENGINE_KWARGS)
     yield engine
     engine.shutdown()
@@ -220,7 +220,7 @@ def test_an_abort_reaches_the_rank_that_holds_the_request(dp):
 
 @ONE_ENGINE
 def test_prefix_affinity_keeps_a_prefix_on_one_rank_where_least_loaded_spreads_it(dp):
-    affinity = DPAsyncLLM(dataclasses.replace(dp.topology, routing=PREFIX_AFFINITY), client_index=1,
+    affinity = MPAsyncLLM.connect(dataclasses.replace(dp.topology, routing=PREFIX_AFFINITY), client_index=1,
                           log_stats_interval=None)
     prefixes = {name: [token] * 32 for name, token in (("a", 11), ("b", 12))}
 
@@ -251,7 +251,7 @@ KEYS = {"key-a1": "group-a", "key-a2": "group-a", "key-b": "group-b"}
 def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(dp):
     """Two front ends (two API servers) over the same two engine cores, with one salt secret."""
     secret = os.urandom(32)
-    second = DPAsyncLLM(dataclasses.replace(dp.topology, api_server_count=2), client_index=1,
+    second = MPAsyncLLM.connect(dataclasses.replace(dp.topology, api_server_count=2), client_index=1,
                         log_stats_interval=None)
     prompt = list(range(20, 60))  # 40 tokens: two full blocks of 16 can be cached
     body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
@@ -265,9 +265,14 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
                 assert response.status_code == 200, response.text
                 return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-            def settled() -> bool:  # both API servers see both ranks idle, so least-loaded picks rank 0
-                return all(stats.num_running == stats.num_waiting == 0 and engine.in_flight_by_engine[rank] == 0
-                           for engine in (dp, second) for rank, stats in engine.stats_by_engine.items())
+            def settled() -> bool:
+                """Both API servers see both ranks idle, so least-loaded picks rank 0. The two views must also
+                be equal: the coordinator can deliver to one API server stats older than the last request
+                (its counters then differ), and an idle-looking stale view would route on stale loads."""
+                views = [engine.stats_by_engine for engine in (dp, second)]
+                return views[0] == views[1] and all(
+                    stats.num_running == stats.num_waiting == 0 and engine.in_flight_by_engine[rank] == 0
+                    for engine, view in zip((dp, second), views) for rank, stats in view.items())
 
             assert wait_until(settled) and cached(one.url, "key-a1") == 0
             # The same group through the other API server, then another group: never.
@@ -288,10 +293,10 @@ def test_two_api_servers_share_a_groups_cached_prefix_and_nothing_across_groups(
 
 
 def test_one_engine_core_behind_two_api_servers_tells_both_its_stats_without_a_coordinator(tiny_llama, offline):
-    one = DPAsyncLLM.launch(str(tiny_llama), data_parallel_size=1, log_stats_interval=None, startup_timeout_s=300,
+    one = MPAsyncLLM(str(tiny_llama), data_parallel_size=1, log_stats_interval=None, startup_timeout_s=300,
                             **ENGINE_KWARGS)
     assert one.topology.stats_address is None  # DP = 1: nothing to balance, no coordinator
-    other = DPAsyncLLM(dataclasses.replace(one.topology, api_server_count=2), client_index=1,
+    other = MPAsyncLLM.connect(dataclasses.replace(one.topology, api_server_count=2), client_index=1,
                        log_stats_interval=None)
     try:
         out = run(final(one, PROMPTS[0], GREEDY))

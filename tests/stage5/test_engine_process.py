@@ -21,10 +21,11 @@ from shared.metrics import RequestTimeline, SchedulerStats
 from shared.output_processor import OutputProcessor
 from shared.request import Request
 from stage5_server.cli.serve import serving_process_count
-from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
-from stage5_server.engine.core_proc import ZmqCoreLoop
-from stage5_server.engine.messages import (
+from stage5_server.core.core_proc import ZmqCoreLoop
+from stage5_server.core.messages import (
     AddRequest,
+    ClientHello,
+    ClientWelcome,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -33,6 +34,7 @@ from stage5_server.engine.messages import (
     input_decoder,
     output_decoder,
 )
+from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
 from stage5_server.server import create_app
 from stage5_server.server.metrics import request_phases
 from stage5_server.server.serving import TIMELINE_HEADER
@@ -128,25 +130,34 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
 
     llm = make_llm(tiny_llama)
     context = zmq.Context()
-    sockets = {}
-    for name, kind, peer in (("to_core", zmq.PUSH, zmq.PULL), ("from_core", zmq.PULL, zmq.PUSH)):
-        sockets[name] = context.socket(kind)
-        sockets[name].bind(f"inproc://{name}")
-        sockets[name + "_peer"] = context.socket(peer)
-        sockets[name + "_peer"].connect(f"inproc://{name}")
-    core = ZmqCoreLoop(llm.engine, sockets["to_core_peer"], sockets["from_core_peer"], os.getppid())
+    sockets = {name: context.socket(kind) for name, kind in (
+        ("to_core", zmq.PUSH), ("core_in", zmq.PULL), ("core_out", zmq.ROUTER), ("from_core", zmq.DEALER))}
+    sockets["core_out"].setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sockets["from_core"].setsockopt(zmq.ROUTING_ID, b"api0")
+    sockets["to_core"].bind("inproc://to_core")
+    sockets["core_in"].connect("inproc://to_core")
+    sockets["core_out"].bind("inproc://from_core")
+    sockets["from_core"].connect("inproc://from_core")
+    core = ZmqCoreLoop(llm.engine, None, 0, sockets["core_in"], sockets["core_out"], None, os.getppid())
 
     def add(request_id: str) -> None:
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], arrival_time=time.monotonic(),
                                     sampling_params=SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-        sockets["to_core"].send(encoder.encode(AddRequest(request)))
+        sockets["to_core"].send(encoder.encode(AddRequest(request, "api0")))
         core.handle(core.receive(1.0))
 
     def received():
-        assert sockets["from_core"].poll(5000)
-        return output_decoder.decode(sockets["from_core"].recv())
+        """The next message about requests (a stats-only broadcast between steps is skipped)."""
+        while True:
+            assert sockets["from_core"].poll(5000)
+            message = output_decoder.decode(sockets["from_core"].recv())
+            if not isinstance(message, EngineCoreOutputs) or message.outputs or message.failed:
+                return message
 
     try:
+        sockets["from_core"].send(encoder.encode(ClientHello("api0")))
+        core.handle(core.receive(1.0))
+        assert isinstance(received(), ClientWelcome) and core.clients == {"api0"}
         add("a")
         core.step()
         core.step()

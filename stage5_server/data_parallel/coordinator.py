@@ -22,8 +22,8 @@ import weakref
 
 import zmq
 
-from stage5_server.engine.messages import EngineStats, EngineStatsUpdate, encoder, open_socket, stats_decoder
-from stage5_server.engine.processes import stop_process
+from stage5_server.core.messages import EngineStats, EngineStatsUpdate, drain, encoder, open_socket, stats_decoder
+from stage5_server.processes import stop_process
 
 logger = logging.getLogger("stagedserve")
 
@@ -59,7 +59,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
-    from stage5_server.engine.processes import set_process_name
+    from stage5_server.processes import set_process_name
 
     set_process_name("ss-coordinator")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -77,11 +77,7 @@ def run_coordinator(num_engines: int, stats_address: str, publish_address: str, 
             now = time.monotonic()
             due = last_publish + (PUBLISH_INTERVAL_S if changed else REPUBLISH_INTERVAL_S)
             if stats_in.poll(int(1000 * max(0.0, min(due - now, PARENT_CHECK_S)))):
-                while True:
-                    try:
-                        report = stats_decoder.decode(stats_in.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
+                for report in drain(stats_in, stats_decoder):
                     held = latest[report.engine_index]
                     if held is None or report.stats_seq > held.stats_seq:
                         latest[report.engine_index] = report

@@ -171,3 +171,16 @@ def open_socket(context: Any, kind: int, *, bind: str | None = None, connect: st
     if connect is not None:
         sock.connect(connect)
     return sock
+
+
+def drain(sock: Any, decoder: Any) -> list[Any]:
+    """Every message already queued on ``sock``, decoded, without waiting for more: every reader of a
+    socket here (engine core, API server, coordinator) takes what is there at once."""
+    import zmq
+
+    messages = []
+    while True:
+        try:
+            messages.append(decoder.decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return messages

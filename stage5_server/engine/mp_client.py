@@ -1,16 +1,18 @@
-"""``DPAsyncLLM``: one API server's front end over N engine cores (data parallelism).
+"""``MPAsyncLLM``: the front end in this process, over one or more engine-core processes.
 
-The same ``AsyncEngine`` as ``MPAsyncLLM``; only the transport and the routing differ:
+    add_request -> a live engine core (routing.py, when there are several) -> its input socket (PUSH)
+    every core's output socket (DEALER, this API server's identity) -> output thread: _on_outputs
+    coordinator (SUB, data parallelism only) -> every core's newest stats: routing, /metrics per rank
 
-    add_request -> Router picks a live rank (routing.py) -> that rank's input socket (PUSH)
-    every rank's output socket (DEALER, this API server's identity) -> _on_outputs, merged
-    coordinator (SUB) -> every rank's newest stats: routing, and /metrics per rank
+The cores step while this process parses HTTP and detokenizes: no turns under one GIL. By
+default it starts one core as its child (``data_parallel_size`` N starts N, with a coordinator);
+``connect`` joins cores another process started (``--api-server-count`` > 1). A core whose
+connection drops, or whose tensor-parallel group broke, fails only its requests in flight
+(HTTP 500) and gets no more; ``/health`` is 503 once no core is left. ``shutdown`` (or a
+finalizer at exit) stops the cores this front end started.
 
-A rank whose connection drops, or whose tensor-parallel group broke, fails only its requests in
-flight (HTTP 500) and gets no more; ``/health`` is 503 only when no rank is left. ``launch``
-starts the cores as children; built from a topology (``--api-server-count`` > 1) it only connects.
-
-vLLM: ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` in ``vllm/v1/engine/core_client.py``.
+vLLM: ``AsyncMPClient``, ``DPAsyncMPClient`` and ``DPLBAsyncMPClient`` in
+``vllm/v1/engine/core_client.py``.
 """
 
 from __future__ import annotations
@@ -29,23 +31,23 @@ from zmq.utils.monitor import recv_monitor_message
 from shared.metrics import SchedulerStats
 from shared.named_models import default_model, resolve_model
 from shared.tokenizer import Tokenizer
-from stage5_server.engine.errors import EngineDeadError, EngineError
-from stage5_server.engine.frontend import AsyncEngine, StatLogger
-from stage5_server.engine.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
-from stage5_server.engine.messages import (
+from stage5_server.core.errors import EngineDeadError, EngineError
+from stage5_server.core.messages import (
     AbortRequests,
     AddRequest,
     ClientHello,
     ClientWelcome,
     EngineCoreInput,
     EngineCoreOutputs,
-    EngineStatsUpdate,
+    drain,
     encoder,
     open_socket,
     output_decoder,
     stats_update_decoder,
 )
-from stage5_server.engine.routing import Router, rank_load
+from stage5_server.data_parallel.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
+from stage5_server.data_parallel.routing import LEAST_LOADED, Router, rank_load
+from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 
 logger = logging.getLogger("stagedserve")
 
@@ -85,14 +87,37 @@ def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
     return total
 
 
-class DPAsyncLLM(AsyncEngine):
-    """An ``AsyncEngine`` over the engine cores of ``topology`` (rank order), as API server ``client_index``."""
+class MPAsyncLLM(AsyncEngine):
+    """An ``AsyncEngine`` over engine-core processes. Start-up raises ``ValueError`` for a bad engine
+    argument, ``RuntimeError`` when a core fails, ``TimeoutError`` after ``startup_timeout_s``."""
 
     engine_process = True
 
-    def __init__(self, topology: EngineTopology, *, client_index: int = 0, log_stats_interval: float | None = 10.0,
-                 stat_loggers: list[StatLogger] | None = None, owner: CoreEngineProcManager | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+    def __init__(self, model: str | None = None, *, data_parallel_size: int = 1, routing: str = LEAST_LOADED,
+                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLoggerBase] | None = None,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_args: Any):
+        # Resolved (a name or .gguf to its directory) once here, so every process agrees.
+        checkpoint = resolve_model(model) if model else default_model()
+        manager = CoreEngineProcManager(checkpoint, engine_args, data_parallel_size, routing=routing,
+                                        startup_timeout_s=startup_timeout_s)
+        try:
+            self._attach(manager.topology, 0, log_stats_interval, stat_loggers, manager, HANDSHAKE_TIMEOUT_S)
+        except BaseException:
+            manager.shutdown()
+            raise
+
+    @classmethod
+    def connect(cls, topology: EngineTopology, *, client_index: int = 0, log_stats_interval: float | None = 10.0,
+                stat_loggers: list[StatLoggerBase] | None = None,
+                handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> MPAsyncLLM:
+        """A front end, as API server ``client_index``, over the running cores of ``topology``."""
+        engine = cls.__new__(cls)
+        engine._attach(topology, client_index, log_stats_interval, stat_loggers, None, handshake_timeout_s)
+        return engine
+
+    def _attach(self, topology: EngineTopology, client_index: int, log_stats_interval: float | None,
+                stat_loggers: list[StatLoggerBase] | None, owner: CoreEngineProcManager | None,
+                handshake_timeout_s: float) -> None:
         ready = topology.ready[0]
         super().__init__(tokenizer=Tokenizer(ready.tokenizer), model_path=ready.model_path, stage=ready.stage,
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
@@ -117,24 +142,15 @@ class DPAsyncLLM(AsyncEngine):
         except BaseException:
             self._close()
             raise
-        self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-dp-output", daemon=True)
+        self._thread = threading.Thread(target=self._run_output_loop, name="stagedserve-output", daemon=True)
         self._thread.start()
-        logger.info("API server %s: %d engine core(s), routing %s", self.client_id, len(self._ranks), topology.routing)
+        logger.info("API server %s: %d engine core(s) (pids %s), routing %s", self.client_id, len(self._ranks),
+                    ", ".join(map(str, self.engine_pids)), topology.routing)
 
-    @classmethod
-    def launch(cls, model: str | None = None, *, data_parallel_size: int = 2, routing: str = "least-loaded",
-               log_stats_interval: float | None = 10.0, stat_loggers: list[StatLogger] | None = None,
-               startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_args: Any) -> DPAsyncLLM:
-        """Start ``data_parallel_size`` engine cores (children of this process) and connect to them."""
-        checkpoint = resolve_model(model) if model else default_model()
-        manager = CoreEngineProcManager(checkpoint, engine_args, data_parallel_size, routing=routing,
-                                        startup_timeout_s=startup_timeout_s)
-        try:
-            return cls(manager.topology, log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
-                       owner=manager)
-        except BaseException:
-            manager.shutdown()
-            raise
+    @property
+    def engine_pid(self) -> int:
+        """The process of the first engine core (the only one without data parallelism)."""
+        return self.engine_pids[0]
 
     @property
     def manager(self) -> CoreEngineProcManager | None:
@@ -278,11 +294,7 @@ class DPAsyncLLM(AsyncEngine):
             self._engine_died(f"the output thread crashed: {exc!r}")
 
     def _drain(self, rank: _Rank) -> None:
-        while True:
-            try:
-                message = output_decoder.decode(rank.dealer.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
+        for message in drain(rank.dealer, output_decoder):
             if isinstance(message, EngineCoreOutputs):
                 self._on_rank_outputs(rank, message)
 
@@ -303,13 +315,8 @@ class DPAsyncLLM(AsyncEngine):
             self._dead = EngineDeadError("every engine core has died")
 
     def _take_stats_update(self) -> None:
-        update: EngineStatsUpdate | None = None
-        while True:  # only the newest matters
-            try:
-                update = stats_update_decoder.decode(self._stats_sub.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-        for report in update.engines if update is not None else ():
+        updates = drain(self._stats_sub, stats_update_decoder)
+        for report in updates[-1].engines if updates else ():  # only the newest matters
             self._ranks[report.engine_index].take_stats(report.scheduler_stats, report.stats_seq)
 
     def _rank_died(self, rank: _Rank, why: str) -> None:

@@ -1,19 +1,18 @@
-"""The engine core in a process of its own: the core loop between two ZeroMQ sockets.
+"""The engine core in a process of its own: the core loop between ZeroMQ sockets.
 
-The API server (``process_client.MPAsyncLLM``) owns HTTP, tokenization and streaming; this
-process owns the scheduler, the KV cache and the model, and never sees text. They speak the
-Structs of ``messages.py`` as msgpack:
+The API servers (``engine/mp_client.MPAsyncLLM``) own HTTP, tokenization and streaming; this
+process owns the scheduler, the KV cache and the model, and never sees text. It binds its sockets,
+reports to the launcher (``data_parallel/launcher.py``) once built, and serves every API server
+that connects, each request's outputs to the API server that sent it, in the Structs of
+``messages.py`` as msgpack:
 
-    input  (PULL) <- AddRequest | AbortRequests | Shutdown
-    output (PUSH) -> EngineCoreReady or EngineCoreStartupError first, then EngineCoreOutputs per step
-
-It exits on ``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent
-decides). A data-parallel rank (``run_dp_engine_core``) binds its sockets instead and serves
-every API server that connects, each request's outputs to the API server that sent it:
-
+    handshake (PUSH)       -> EngineCoreReady | EngineCoreStartupError, once, to the launcher
     input  (PULL, bound)   <- AddRequest (naming its API server) | AbortRequests | ClientGone | Shutdown
     output (ROUTER, bound) <- ClientHello;  -> ClientWelcome, then each API server's own EngineCoreOutputs
     stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
+
+One engine core behind one API server is the same process with one client. It exits on
+``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent decides).
 
 vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (which also moves socket I/O onto two
 threads to overlap a GPU step).
@@ -27,15 +26,14 @@ import signal
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from shared.llm_base import EngineCore
 from shared.structured_output import StructuredOutputManager
-from stage5_server.engine.core_loop import EngineCoreLoop
-from stage5_server.engine.messages import (
+from stage5_server.core.busy_loop import EngineCoreLoop
+from stage5_server.core.messages import (
     AddRequest,
     ClientGone,
     ClientHello,
@@ -47,6 +45,7 @@ from stage5_server.engine.messages import (
     EngineCoreStartupError,
     EngineStats,
     FailedRequests,
+    drain,
     encoder,
     hello_decoder,
     input_decoder,
@@ -62,45 +61,12 @@ SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: th
 STATS_BROADCAST_INTERVAL_S = 0.1
 
 
-def drain_inputs(socket: zmq.Socket) -> list[EngineCoreInput]:
-    """Every input message already queued on ``socket``, without waiting for more."""
-    messages = []
-    while True:
-        try:
-            messages.append(input_decoder.decode(socket.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return messages
-
-
 class ZmqCoreLoop(EngineCoreLoop):
-    """The core loop over two connected sockets, watching that its parent is still there."""
+    """The core loop of one engine-core process, serving every API server that said hello (module docstring)."""
 
-    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int,
-                 grammars: StructuredOutputManager | None = None):
-        super().__init__(core, grammars=grammars)
-        self.input = input_socket
-        self.output = output_socket
-        self.parent_pid = parent_pid
-
-    def receive(self, timeout_s: float) -> list[EngineCoreInput]:
-        return drain_inputs(self.input) if self.input.poll(int(timeout_s * 1000)) else []
-
-    def publish(self, outputs: EngineCoreOutputs) -> None:
-        try:
-            self.output.send(encoder.encode(outputs))
-        except zmq.Again:  # nobody at the other end any more
-            logger.error("the API server stopped reading outputs; exiting")
-            self.stopping = True
-
-    def keep_running(self) -> bool:
-        return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
-
-
-class MultiClientCoreLoop(EngineCoreLoop):
-    """The core loop of one rank, serving every API server that said hello (see the module docstring)."""
-
-    def __init__(self, core: EngineCore, engine_index: int, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 stats_socket: zmq.Socket | None, parent_pid: int, grammars: StructuredOutputManager | None = None):
+    def __init__(self, core: EngineCore, grammars: StructuredOutputManager | None, engine_index: int,
+                 input_socket: zmq.Socket, output_socket: zmq.Socket, stats_socket: zmq.Socket | None,
+                 parent_pid: int):
         super().__init__(core, grammars=grammars)
         self.engine_index = engine_index
         self.input = input_socket
@@ -130,7 +96,7 @@ class MultiClientCoreLoop(EngineCoreLoop):
                     break
                 self.welcome(identity.decode(), hello_decoder.decode(payload))
         if self.input in events:
-            messages.extend(drain_inputs(self.input))
+            messages.extend(drain(self.input, input_decoder))
         return messages
 
     def welcome(self, client_id: str, hello: ClientHello) -> None:
@@ -232,7 +198,7 @@ def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int)
         from shared.tokenizer import Tokenizer
         from stage5_server.config import EngineConfig
         from stage5_server.core import build_engine_core
-        from stage5_server.engine.plugins import load_engine_plugins
+        from stage5_server.core.plugins import load_engine_plugins
         from stage5_server.llm import LLM, grammar_manager
 
         core = build_engine_core(EngineConfig.create(model_path, **engine_args))
@@ -249,55 +215,16 @@ def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int)
         engine_index=engine_index)
 
 
-def _serve(context: zmq.Context, sockets: list[zmq.Socket], report: zmq.Socket, name: str, unreported: str,
-           model_path: str, engine_args: dict[str, Any], engine_index: int,
-           make_loop: Callable[..., EngineCoreLoop]) -> None:
-    """Build the engine, send its ``EngineCoreReady`` (or start-up error) on ``report``, run its loop;
-    close ``sockets`` at the end. A dead core exits with status 1."""
-    try:
-        built, ready = _build_core(model_path, engine_args, engine_index)
-        report.send(encoder.encode(ready))
-        if built is None:
-            return
-        loop = make_loop(*built)
-        loop.run()
-        logger.info("%s exiting", name)
-        if loop.dead:
-            raise SystemExit(1)
-    except zmq.Again:
-        logger.error("%s; exiting", unreported)
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
-
-
-def run_engine_core(model_path: str, engine_args: dict[str, Any], input_address: str, output_address: str,
-                    parent_pid: int, log_level: int = logging.INFO) -> None:
-    """The child's entry point (spawn): build the engine from ``engine_args`` untouched, shake hands, loop."""
-    from stage5_server.engine.processes import set_process_name
-
-    set_process_name("ss-engine-0")
-    _configure_process("engine-core", log_level)
-    context = zmq.Context()
-    # SNDHWM=0: never drop or block on a slow reader, only on a missing one
-    output_socket = open_socket(context, zmq.PUSH, connect=output_address, LINGER=2000, SNDHWM=0,
-                                SNDTIMEO=SEND_TIMEOUT_MS)
-    input_socket = open_socket(context, zmq.PULL, connect=input_address, LINGER=0)
-    _serve(context, [input_socket, output_socket], output_socket, "engine core process", "no API server to report to",
-           model_path, engine_args, 0, lambda core, grammars: ZmqCoreLoop(core, input_socket, output_socket, parent_pid,
-                                                                          grammars))
-
-
-def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
-                       output_address: str, handshake_address: str, stats_address: str | None, parent_pid: int,
-                       num_threads: int | None = None, log_level: int = logging.INFO) -> None:
-    """One rank's entry point (``launcher.CoreEngineProcManager``): bind, build the engine, report to the
-    launcher, then serve every API server that connects. ``num_threads``: this rank's share of the CPU."""
-    from stage5_server.engine.processes import set_process_name
+def run_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
+                    output_address: str, handshake_address: str, stats_address: str | None, parent_pid: int,
+                    num_threads: int | None = None, log_level: int = logging.INFO) -> None:
+    """The entry point of engine core ``engine_index`` (spawned by ``data_parallel/launcher.py``): bind,
+    build the engine, report ``EngineCoreReady`` (or the start-up error) to the launcher, then serve
+    every API server that connects. ``num_threads``: this rank's share of the CPU. A dead core exits 1."""
+    from stage5_server.processes import set_process_name
 
     set_process_name(f"ss-engine-{engine_index}")
-    _configure_process(f"engine-core rank {engine_index}", log_level)
+    _configure_process(f"engine-core {engine_index}", log_level)
     if num_threads is not None:
         import torch
 
@@ -309,8 +236,20 @@ def run_dp_engine_core(engine_index: int, model_path: str, engine_args: dict[str
     handshake = open_socket(context, zmq.PUSH, connect=handshake_address, LINGER=2000, SNDTIMEO=SEND_TIMEOUT_MS)
     stats_socket = None if stats_address is None else open_socket(context, zmq.PUSH, connect=stats_address,
                                                                   LINGER=0, SNDHWM=1000)
-    sockets = [s for s in (input_socket, output_socket, handshake, stats_socket) if s is not None]
-    _serve(context, sockets, handshake, f"engine core rank {engine_index}",
-           "the launcher did not take the start-up report", model_path, engine_args, engine_index,
-           lambda core, grammars: MultiClientCoreLoop(core, engine_index, input_socket, output_socket,
-                                                      stats_socket, parent_pid, grammars))
+    try:
+        built, ready = _build_core(model_path, engine_args, engine_index)
+        handshake.send(encoder.encode(ready))
+        if built is None:
+            return
+        loop = ZmqCoreLoop(*built, engine_index, input_socket, output_socket, stats_socket, parent_pid)
+        loop.run()
+        logger.info("engine core %d exiting", engine_index)
+        if loop.dead:
+            raise SystemExit(1)
+    except zmq.Again:
+        logger.error("the launcher did not take the start-up report; exiting")
+    finally:
+        for sock in (input_socket, output_socket, handshake, stats_socket):
+            if sock is not None:
+                sock.close()
+        context.term()

@@ -20,8 +20,8 @@ from shared.llm_base import EngineCore
 from shared.metrics import SchedulerStats
 from shared.request import Request, RequestStatus
 from shared.structured_output import StructuredOutputManager
-from stage5_server.engine.errors import EngineDeadError
-from stage5_server.engine.messages import (
+from stage5_server.core.errors import EngineDeadError
+from stage5_server.core.messages import (
     AbortRequests,
     AddRequest,
     EngineCoreInput,

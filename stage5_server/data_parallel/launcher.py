@@ -1,10 +1,11 @@
-"""Start the engine cores of a data-parallel deployment (and its coordinator), and watch them.
+"""Start the engine-core processes (and, for more than one, their coordinator), and watch them.
 
-``--data-parallel-size N`` runs N engine-core processes, each a whole ``LLM`` on its own slice of
-the machine: on CUDA rank d sees GPUs ``d*TP .. d*TP+TP-1`` (``CUDA_VISIBLE_DEVICES``), on a CPU
-it runs ``cores // N`` threads. Each rank binds its sockets (``core_proc.run_dp_engine_core``)
-and reports ``EngineCoreReady`` or its start-up error; ``EngineTopology`` (it pickles) is what
-an API server needs to connect. A finalizer stops the processes; each also exits with its parent.
+One engine process is data parallelism of size 1. ``--data-parallel-size N`` runs N, each a
+whole engine on its own slice of the machine: on CUDA rank d sees GPUs ``d*TP .. d*TP+TP-1``
+(``CUDA_VISIBLE_DEVICES``), on a CPU it runs ``cores // N`` threads. Each binds its sockets
+(``core/core_proc.run_engine_core``) and reports ``EngineCoreReady`` or its start-up error: the one
+start-up handshake. ``EngineTopology`` (it pickles) is what an API server needs to connect. A
+finalizer stops the processes; each also exits with its parent.
 
 vLLM: ``CoreEngineProcManager`` and ``launch_core_engines`` in ``vllm/v1/engine/utils.py``
 (with ``set_device_control_env_var`` for the per-rank devices).
@@ -26,9 +27,8 @@ from typing import Any
 
 import zmq
 
-from stage5_server.engine.coordinator import DPCoordinator
-from stage5_server.engine.core_proc import run_dp_engine_core
-from stage5_server.engine.messages import (
+from stage5_server.core.core_proc import run_engine_core
+from stage5_server.core.messages import (
     ClientGone,
     EngineCoreInput,
     EngineCoreReady,
@@ -38,9 +38,11 @@ from stage5_server.engine.messages import (
     open_socket,
     output_decoder,
 )
-from stage5_server.engine.process_client import DEFAULT_STARTUP_TIMEOUT_S  # the same wait for every core
+from stage5_server.data_parallel.coordinator import DPCoordinator
 
 logger = logging.getLogger("stagedserve")
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")
 
@@ -74,6 +76,8 @@ def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[d
     """Each rank's environment: its GPUs on CUDA (``ValueError`` if too few), its share of the cores on CPU."""
     import torch
 
+    if data_parallel_size == 1:
+        return [{}]  # the whole machine as given (on a CPU a thread per physical core: core/cpu_threads.py)
     tp = engine_args.get("tensor_parallel_size") or 1
     device = str(engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.startswith("cuda"):
@@ -131,7 +135,7 @@ class CoreEngineProcManager:
         for d in range(data_parallel_size):
             threads = envs[d].get("OMP_NUM_THREADS") if (engine_args.get("tensor_parallel_size") or 1) == 1 else None
             process = context.Process(
-                target=run_dp_engine_core, name=f"stagedserve-engine-core-{d}",
+                target=run_engine_core, name=f"stagedserve-engine-core-{d}",
                 args=(d, model_path, dict(engine_args), inputs[d], outputs[d], f"{ipc}/handshake",
                       self.coordinator.stats_address if self.coordinator else None, os.getpid(),
                       int(threads) if threads else None, log_level))
