@@ -42,7 +42,6 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], dra
     ``target_probs [k + 1, vocab]``: the target's distribution at each draft position and after the
     last; ``draft_probs [k, vocab]`` the distributions the drafts were drawn from, or None (point masses).
     """
-    # exercise: the rejection rule
     tokens: list[int] = []
     for i, draft in enumerate(draft_token_ids):
         p = target_probs[i]
