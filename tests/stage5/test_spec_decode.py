@@ -200,3 +200,19 @@ def test_ngram_proposer_prefers_a_longer_match_and_respects_its_bounds():
     assert NgramProposer(2, 1, 1).propose(tokens) == [20, 21]
     assert NgramProposer(2, 4, 5).propose(tokens) == []  # no 4-gram repeats
     assert NgramProposer(2, 1, 3).propose(tokens, k=1) == [10]
+
+
+@pytest.mark.slow
+def test_default_model_with_ngram_gives_the_plain_greedy_tokens_and_accepts_copies():
+    text = ("The scheduler spends one token budget per step: decodes first, then chunks of the waiting "
+            "prompts, and it preempts the newest request when the KV cache runs out of blocks.")
+    messages = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                [{"role": "user", "content": "Name three colours."}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    engine = dict(device="cpu", dtype="float32", max_model_len=512, max_num_batched_tokens=64, block_size=16)
+    plain = [o.outputs[0].token_ids for o in LLM(**engine).chat(messages, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(**engine, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)] == plain
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens  # the copy is drafted
