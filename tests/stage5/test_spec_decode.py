@@ -64,7 +64,7 @@ def test_replayed_drafts_give_the_plain_tokens_through_chunked_prefill_preemptio
     plain = LLM(str(tiny_llama), **ENGINE)
     expected = generate(plain, PROMPTS * 2, GREEDY)
     runs = [p + e for p, e in zip(PROMPTS, expected)]
-    tight = replaying(tiny_llama, runs, num_kv_blocks=40, enable_prefix_caching=True)
+    tight = replaying(tiny_llama, runs, num_kv_blocks=20, max_model_len=64, enable_prefix_caching=True)
     assert generate(tight, PROMPTS * 2, GREEDY) == expected
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
