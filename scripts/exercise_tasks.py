@@ -610,6 +610,38 @@ streamed or not.
                 "tests/stage5/test_server_openai.py::test_stop_string_ends_the_text_before_it_streaming_or_not",
             ),
         ),
+        Task(
+            name="rejection_sample",
+            file="stage5_server/spec_decode/rejection_sampler.py",
+            function="rejection_sample",
+            spec="""
+The rejection rule of speculative decoding for one request: which drafts to keep, and the one
+token after them.
+
+``target_probs`` has ``k + 1`` rows: the target's distribution at each draft position and after
+the last draft; ``draft_probs`` has ``k`` rows, the distributions the drafts were drawn from, or
+is None (a draft with no probabilities is a point mass: ``q(d) = 1``). Position by position, draw
+``u`` uniform in [0, 1) from ``generator`` and accept draft ``d`` when ``u * q(d) < p(d)``
+(probability ``min(1, p(d) / q(d))``). On the first rejection, draw one token from the residual
+``max(0, p - q)`` (for a point mass: ``p`` with ``d`` set to 0), normalized, append it and stop;
+if the residual has no mass left, draw from ``p``. If every draft is accepted, append a bonus
+token drawn from the last row. Return the accepted drafts and that one token. The tests run a
+chi-square test with a deliberately bad draft distribution (the kept tokens must be distributed
+as the target's), check that a point-mass draft is kept with probability ``p(d)``, and that under
+greedy target rows (one-hot) the drafts are kept exactly while they are the argmax.
+""",
+            hints=(
+                "`torch.rand((), generator=generator)` is one uniform draw; `torch.multinomial(weights, 1, "
+                "generator=generator)` draws from unnormalized weights.",
+                "`(p - q).clamp(min=0)` is the residual; the loop returns as soon as a draft is rejected.",
+            ),
+            tests=(
+                "tests/stage5/test_rejection_sampler.py::test_output_distribution_is_the_targets_even_with_a_bad_draft",
+                "tests/stage5/test_rejection_sampler.py::test_a_draft_without_probabilities_is_a_point_mass",
+                "tests/stage5/test_rejection_sampler.py::"
+                "test_greedy_keeps_drafts_while_they_are_the_argmax_then_the_argmax",
+            ),
+        ),
     ],
 }
 

@@ -23,7 +23,7 @@ parallel-sampling request (``n > 1``) is merged into its parent's output (``shar
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.metrics import RequestTimeline
@@ -68,6 +68,18 @@ class OutputDelta:
                    request.prompt_logprobs if first else None, request.status.finish_reason, request.stop_reason,
                    request.num_cached_tokens, request.num_preemptions, timeline.queued, timeline.first_scheduled,
                    timeline.finished)
+
+
+def one_token_deltas(delta: OutputDelta) -> list[OutputDelta]:
+    """``delta`` as one delta per new token; only the last carries how the request finished."""
+    last = len(delta.new_token_ids) - 1
+    return [replace(delta, new_token_ids=[token], new_token_times=delta.new_token_times[i:i + 1],
+                    new_logprobs=None if delta.new_logprobs is None else delta.new_logprobs[i:i + 1],
+                    prompt_logprobs=delta.prompt_logprobs if i == 0 else None,
+                    finish_reason=delta.finish_reason if i == last else None,
+                    stop_reason=delta.stop_reason if i == last else None,
+                    finished=delta.finished if i == last else None)
+            for i, token in enumerate(delta.new_token_ids)]
 
 
 class OutputText:
@@ -147,7 +159,16 @@ class RequestState:
     sent_tokens: int = 0
 
     def update(self, delta: OutputDelta) -> bool:
-        """Take in one step's delta; return True when a stop string just ended the request."""
+        """Take in one step's delta; return True when a stop string just ended the request.
+
+        A step can add several tokens (speculative decoding): with stop strings they are taken one at a
+        time, so that a stop string ends the output at the token that completed it, as in plain decoding."""
+        params = self.text.params
+        if len(delta.new_token_ids) > 1 and params.stop and params.detokenize:
+            return any(self._update(part) for part in one_token_deltas(delta))  # any(): the rest are dropped
+        return self._update(delta)
+
+    def _update(self, delta: OutputDelta) -> bool:
         self.token_ids += delta.new_token_ids
         t = self.timeline
         t.token_times += delta.new_token_times

@@ -135,6 +135,30 @@ def token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
 # ---- step 4: the sampled rows --------------------------------------------------------------------
 def sample_random(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p, then one draw per row."""
+    probs = sampling_probs(logits, requests)
+    q = torch.empty_like(probs)
+    seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None]
+    if len(seeded) < len(requests):
+        q.exponential_(generator=generator)
+    for row, request_generator in seeded:
+        q[row].exponential_(generator=request_generator)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The distribution ``sample`` draws each row's token from: step 2's processors, then a greedy row's
+    argmax as a point mass, a sampled row's ``sampling_probs``. A speculative verifier compares drafts
+    against it (``stage5_server/spec_decode/rejection_sampler.py``)."""
+    logits = apply_logits_processors(logits.to("cpu", torch.float32), requests)
+    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+    if random_rows:
+        probs[random_rows] = sampling_probs(logits[random_rows], [requests[i] for i in random_rows])
+    return probs
+
+
+def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p applied to sampled rows' logits, as probabilities."""
     params = [r.sampling_params for r in requests]
     vocab = logits.shape[1]
     logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -144,14 +168,7 @@ def sample_random(logits: torch.Tensor, requests: list[Request], generator: torc
     top_p = [p.top_p for p in params]
     logits = apply_top_k_top_p(logits, torch.tensor(top_k) if min(top_k) < vocab else None,
                                torch.tensor(top_p) if min(top_p) < 1 else None)
-    probs = logits.softmax(dim=-1)
-    q = torch.empty_like(probs)
-    seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None]
-    if len(seeded) < len(requests):
-        q.exponential_(generator=generator)
-    for row, request_generator in seeded:
-        q[row].exponential_(generator=request_generator)
-    return probs.div_(q).argmax(dim=-1)
+    return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
 accept (stage 4's, plus stage 5's own below), refuses an unknown one or a bad value with a
 ``ValueError`` naming it, resolves what "auto" means (device, dtype, attention backend, the
 network interface of tensor-parallel traffic) and groups the rest as vLLM does (cache, scheduler,
-parallel). Everything downstream (``core/builder.py``, the workers, the engine process, data
+parallel, speculative decoding). Everything downstream (``core/builder.py``, the workers, the engine process, data
 parallel ranks) reads this object and checks nothing again. The one value that can still change
 is ``max_model_len``: the builder lowers it when the user set no length and the automatically
 sized KV cache holds less.
@@ -29,12 +29,14 @@ from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
+from stage5_server.spec_decode.config import SpeculativeConfig
 
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
                       "tensor_parallel_size": 1,
                       "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
                       "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
-                      "cpu_threads": None}  # torch threads on a CPU; None: one per physical core
+                      "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
+                      "speculative_config": None}  # a dict (or its JSON): spec_decode/config.py; None: off
 ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
 # bfloat16 pays on a CPU with native bf16 (AMX, AVX512-BF16) once the GEMMs are wide enough:
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
@@ -77,6 +79,7 @@ class EngineConfig:
     enforce_eager: bool | None
     cpu_threads: int | None
     log_stats_interval: float | None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -121,6 +124,7 @@ class EngineConfig:
                               enable_prefix_caching=args["enable_prefix_caching"],
                               prefix_caching_hash_algo=args["prefix_caching_hash_algo"],
                               block_shuffle_seed=args["block_shuffle_seed"])
+        speculative = SpeculativeConfig.create(args["speculative_config"])
         interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
@@ -128,7 +132,7 @@ class EngineConfig:
                    parallel=ParallelConfig(tensor_parallel_size, interface),
                    attention_backend=resolve_attention_backend(args["attention_backend"], device),
                    enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
-                   log_stats_interval=args["log_stats_interval"], args=args)
+                   log_stats_interval=args["log_stats_interval"], speculative=speculative, args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)

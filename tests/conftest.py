@@ -37,6 +37,7 @@ class StageSpec:
     package: str
     # Engine arguments the invariant tests use for this stage (small pools, small blocks).
     engine_kwargs: dict = field(default_factory=dict)
+    name: str | None = None  # the test id, when one package is under test in two configurations
 
     @property
     def module(self):
@@ -47,7 +48,7 @@ class StageSpec:
         return self.module.LLM(model=str(model), **kwargs)
 
     def __str__(self) -> str:
-        return self.package
+        return self.name or self.package
 
 
 STAGES = [
@@ -59,6 +60,12 @@ STAGES = [
     # dtype the invariants are stated in ("auto" may be bfloat16 on a CPU with bf16 units).
     StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
                                    "dtype": "float32"}),
+    # stage5 with n-gram speculative decoding: every promise holds with drafts verified and rolled back
+    # (prompt lookup from one token on, so that drafts are proposed often, and mostly rejected).
+    StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
+                                   "dtype": "float32", "speculative_config": {
+                                       "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                       "prompt_lookup_max": 3}}, name="stage5_server-ngram"),
 ]
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import cpu_gemm, kv_fragmentation, offline_throughput, prefix_cache, step_overhead
+from benchmarks import cpu_gemm, kv_fragmentation, offline_throughput, prefix_cache, spec_decode, step_overhead
 
 
 def _outputs(tmp_path, name):
@@ -101,3 +101,16 @@ def test_cpu_gemm_smoke(tmp_path):
     assert all(r["linear_gflops"] > 0 and r["packed_gflops"] > 0 and r["packed_bytes_per_weight_byte"] > 1
                for r in rows)
     assert "python -m benchmarks.cpu_gemm" in (tmp_path / "cpu_gemm.md").read_text()
+
+
+def test_spec_decode_smoke(tmp_path, tiny_llama):
+    spec_decode.main(["--model", str(tiny_llama), "--batch-sizes", "1", "2", "--output-len", "6", "--k", "2",
+                      "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "spec_decode.md")])
+    data = json.loads((tmp_path / "spec_decode.json").read_text())
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    assert "python -m benchmarks.spec_decode" in (tmp_path / "spec_decode.md").read_text()
+    rows = data["rows"]
+    assert {(r["speculation"], r["workload"], r["batch_size"]) for r in rows} == {
+        (s, w, b) for s in ("off", "ngram") for w in ("copy", "chat") for b in (1, 2)}
+    assert all(r["same_tokens_as_off"] and r["tpot_s"] > 0 and r["mean_acceptance_length"] >= 1 for r in rows)
+    assert all(r["drafts"] == 0 for r in rows if r["speculation"] == "off")

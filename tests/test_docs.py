@@ -100,6 +100,7 @@ SNIPPETS = [
     ("docs/snippets/budget6_trace.py", ["--apc"], "docs/snippets/budget6_trace_apc.txt"),
     ("docs/snippets/prefix_cache_demo.py", [], "docs/snippets/prefix_cache_demo.txt"),
     ("docs/snippets/parallel_sampling_cache.py", [], "docs/snippets/parallel_sampling_cache.txt"),
+    ("docs/snippets/spec_decode_trace.py", [], "docs/snippets/spec_decode_trace.txt"),
 ]
 
 

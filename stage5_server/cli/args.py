@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable
@@ -55,4 +56,15 @@ def port(text: str) -> int:
     value = int(text) if text.isdigit() else -1
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A JSON object, e.g. ``--speculative-config '{"method": "ngram", ...}'`` (its keys are checked later)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value

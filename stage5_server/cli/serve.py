@@ -20,7 +20,7 @@ import signal
 import sys
 from typing import Any
 
-from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
+from stage5_server.cli.args import fraction, json_object, non_negative_float, parse_size, port, positive_int
 from stage5_server.cli.options import API_KEY_ENV, chat_options_from, log_api_keys
 
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # data_parallel/routing.py
@@ -39,7 +39,7 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
                "attention_backend", "seed", "tensor_parallel_size", "distributed_interface", "enforce_eager",
-               "cpu_threads")
+               "cpu_threads", "speculative_config")
 
 
 def add_serve_subcommand(subparsers) -> None:
@@ -92,6 +92,9 @@ def add_serve_subcommand(subparsers) -> None:
                      help="run the model eagerly (the default); --no-enforce-eager compiles it with torch.compile")
     eng.add_argument("--cpu-threads", type=positive_int, default=None,
                      help="torch threads of the engine on a CPU (default: one per physical core)")
+    eng.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                     help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)')
     eng.add_argument("--seed", type=int, default=None)
     eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",

@@ -21,12 +21,14 @@ import logging
 from shared.llm_base import automatic_kv_cache_tokens, fit_max_model_len
 from stage2_paged.llm import pool_too_small
 from stage3_continuous.llm import check_budget_takes_a_whole_prompt
-from stage4_prefix_cache.scheduler import CacheConfig, LoggingStatLogger
+from stage4_prefix_cache.scheduler import CacheConfig
 from stage5_server.config import EngineConfig
 from stage5_server.core.cpu_threads import configure_engine_threads
 from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor, make_executor
+from stage5_server.spec_decode import make_proposer
+from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 logger = logging.getLogger("stagedserve")
 
@@ -60,7 +62,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     logger.info("engine core ready: model=%s device=%s dtype=%s max_model_len=%d", config.model_path, config.device,
                 config.dtype, max_model_len)
     interval = config.log_stats_interval
-    return EngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None)
+    return EngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None,
+                      make_proposer(config.speculative))
 
 
 def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:

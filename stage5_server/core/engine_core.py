@@ -4,7 +4,8 @@
 (``SchedulerOutput``), the executor runs it on every worker (``ModelRunnerInput`` in,
 ``ModelRunnerOutput`` out: a list of tokens per request), the logprobs the runner computed are
 put on their requests, and the scheduler appends the tokens, rolls back rejected drafts and
-finishes what must stop. Where the workers live (this process, or one process per rank) is the
+finishes what must stop. With speculative decoding on, the proposer then drafts the next tokens of
+each request that goes on (``spec_decode/``). Where the workers live (this process, or one process per rank) is the
 executor's business; the core is the same.
 
 A step whose execution raises fails the requests in it (the scheduler frees their KV) and the
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 from shared.request import Request
 from stage3_continuous.engine import SchedulerFacade
-from stage4_prefix_cache.scheduler import LoggingStatLogger
 from stage5_server.config import EngineConfig
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor
+from stage5_server.spec_decode import NgramProposer
+from stage5_server.spec_decode.metrics import LoggingStatLogger
 from stage5_server.worker import ModelRunnerOutput
 
 
 class EngineCore(SchedulerFacade):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, model_executor: Executor,
-                 stats_logger: LoggingStatLogger | None = None):
+                 stats_logger: LoggingStatLogger | None = None, proposer: NgramProposer | None = None):
         self.config = config
+        self.proposer = proposer  # drafts for the next step, from each request's tokens (spec_decode/)
         self.scheduler = scheduler
         self.model_executor = model_executor
         self.max_model_len = scheduler.max_model_len
@@ -63,9 +66,20 @@ class EngineCore(SchedulerFacade):
         for request_id in result.logprobs:  # a stop inside a list of tokens drops the tokens after it
             request = requests[request_id]
             del request.logprobs[request.num_output_tokens:]
+        if self.proposer is not None:
+            self.propose_drafts(updated)
         if self.stats_logger:
             self.stats_logger.maybe_log(self.stats())
         return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
+
+    def propose_drafts(self, requests: list[Request]) -> None:
+        """Drafts for each request that gained tokens this step and runs on; the scheduler verifies them
+        in the request's next decode, inside the token budget (``core/scheduler.py``)."""
+        for request in requests:
+            if not request.is_finished and request.structured_output_request is None:
+                drafts = self.proposer.propose(request.all_token_ids)
+                if drafts:
+                    self.scheduler.add_draft_tokens(request, drafts)
 
 
 def add_logprobs(requests: dict[str, Request], result: ModelRunnerOutput) -> None:

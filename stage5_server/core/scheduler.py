@@ -77,9 +77,10 @@ class Scheduler(_PrefixCachingScheduler):
 
     def add_draft_tokens(self, request: Request, draft_token_ids: list[int]) -> None:
         """Propose ``draft_token_ids`` to follow ``request``'s last token; verified in its next decode.
-        Cut to what ``max_model_len`` leaves; a request under a grammar takes none (its mask is
-        computed for one position a step)."""
-        room = self.max_model_len - request.num_tokens
+        Cut to what ``max_model_len`` and ``max_tokens`` leave (a step gains at most one token more than
+        it has drafts); a request under a grammar takes none (its mask is computed for one position a step)."""
+        room = min(self.max_model_len - request.num_tokens,
+                   request.max_output_tokens(self.max_model_len) - request.num_output_tokens - 1)
         usable = request.structured_output_request is None and not request.is_finished
         request.spec_token_ids = list(draft_token_ids[:max(0, room)]) if usable else []
 
@@ -102,9 +103,12 @@ class Scheduler(_PrefixCachingScheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        rejected = {rid: len(drafts) + 1 - len(sampled_token_ids[rid])
-                    for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
-                    if sampled_token_ids.get(rid)}
+        rejected = {}
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            tokens = sampled_token_ids.get(rid)
+            if tokens:  # none: aborted while its step ran
+                rejected[rid] = len(drafts) + 1 - len(tokens)
+                self.counters.observe_draft(len(drafts), len(tokens) - 1)
         updated = super().update_from_output(scheduler_output, sampled_token_ids)
         for rid, num_rejected in rejected.items():
             request = self.requests.get(rid)  # gone if it finished

@@ -28,11 +28,11 @@ from shared.output_processor import OutputProcessor, RequestOutputKind
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage4_prefix_cache import LoggingStatLogger
 from stage5_server.core.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.stream import RequestStream
+from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 logger = logging.getLogger("stagedserve")
 

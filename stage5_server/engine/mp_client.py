@@ -74,13 +74,16 @@ class _Rank:
 
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
-    """Counts summed over the ranks (the step histogram bucket by bucket); KV usage as the mean."""
+    """Counts summed over the ranks (the step histogram bucket by bucket, the accepted tokens position by
+    position); KV usage as the mean."""
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):
-            if f.name == "iteration_tokens_counts":
-                total.iteration_tokens_counts = tuple(map(sum, zip(total.iteration_tokens_counts,
-                                                                   stats.iteration_tokens_counts)))
+            if isinstance(getattr(stats, f.name), tuple):  # entry by entry (ranks may have seen different lengths)
+                mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+                width = max(len(mine), len(theirs))
+                setattr(total, f.name, tuple(a + b for a, b in zip(mine + (0,) * (width - len(mine)),
+                                                                   theirs + (0,) * (width - len(theirs)))))
             elif f.name != "kv_cache_usage":
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
     total.kv_cache_usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0

@@ -1,10 +1,11 @@
-"""What the server reports: Prometheus metrics under vLLM's names (the periodic stats line is stage4's).
+"""What the server reports: Prometheus metrics under vLLM's names (the stats line: spec_decode/metrics.py).
 
 Engine state and counters (running, waiting, KV usage, prefix-cache queries and hits,
-preemptions, tokens, tokens per step) come from a ``SchedulerStats`` snapshot, read at scrape
-time. Per-request latencies (TTFT, ITL, TPOT, queue, end-to-end) and sizes are observed into
-histograms once, when a request finishes, from its ``RequestTimeline``; ``request_phases``
-splits its time at the process boundary, so a slow first token can be placed in the right process.
+preemptions, tokens, tokens per step, speculative drafts and accepted tokens) come from a
+``SchedulerStats`` snapshot, read at scrape time. Per-request latencies (TTFT, ITL, TPOT, queue,
+end-to-end) and sizes are observed into histograms once, when a request finishes, from its
+``RequestTimeline``; ``request_phases`` splits its time at the process boundary, so a slow first
+token can be placed in the right process.
 
 Every metric carries ``model_name``; each app has its own ``CollectorRegistry``. Buckets are
 vLLM's with a few smaller latency bounds in front. With data parallelism the engine numbers
@@ -85,6 +86,9 @@ COUNTERS = [
     ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens_computed"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
 ]
 
 # vLLM's splits of numbers above, by a label: (name, doc, label, {label value: field, or None for 0}).
@@ -125,6 +129,13 @@ class _SchedulerStatsCollector(Collector):
                 for value, field in fields.items():
                     family.add_metric([self.model_name, str(rank), value], getattr(stats, field) if field else 0)
             yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft's token position.",
+                                      labels=["model_name", "engine", "position"])
+        for rank, stats in sorted(by_engine.items()):
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(rank), str(position)], count)
+        yield per_pos
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                       labels=["model_name", "engine"])
         for rank, stats in sorted(by_engine.items()):

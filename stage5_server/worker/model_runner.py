@@ -85,8 +85,10 @@ class ModelRunner:
         drafts = [step.spec_token_ids.get(state.request_id, []) for state in states]
         num_outputs = [state.num_output_tokens for state in states]
         for position in range(1, max(num_draft) + 1):
+            # Still verifying: every draft before this one was accepted (its list has one token per position so
+            # far), and the token sampled at the last position is the next draft.
             active = [i for i, tokens in enumerate(sampled)
-                      if num_draft[i] >= position and tokens[-1] == drafts[i][position - 1]]
+                      if num_draft[i] >= position and len(tokens) == position and tokens[-1] == drafts[i][position - 1]]
             if not active:
                 break
             for i in active:  # the sampler sees the drafts accepted so far as outputs

@@ -34,13 +34,15 @@ def test_serve_passes_exactly_the_engine_flags_given():
                  "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "100",
                  "--dtype", "bfloat16", "--device", "cuda:1", "--attention-backend", "triton", "--seed", "7",
                  "--tensor-parallel-size", "2", "--distributed-interface", "lo", "--no-enforce-eager",
-                 "--cpu-threads", "3", "--served-model-name", "m", "--log-stats-interval", "5", "--metrics-public")
+                 "--cpu-threads", "3", "--served-model-name", "m", "--log-stats-interval", "5", "--metrics-public",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
     assert args.model == "/models/m"
     assert build_engine_kwargs(args) == {
         "max_model_len": 2048, "max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 32,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.8, "kv_cache_memory": 1 << 30,
         "num_kv_blocks": 100, "dtype": "bfloat16", "device": "cuda:1", "attention_backend": "triton", "seed": 7,
-        "tensor_parallel_size": 2, "distributed_interface": "lo", "enforce_eager": False, "cpu_threads": 3}
+        "tensor_parallel_size": 2, "distributed_interface": "lo", "enforce_eager": False, "cpu_threads": 3,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
     assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
 
@@ -48,7 +50,8 @@ def test_serve_passes_exactly_the_engine_flags_given():
 @pytest.mark.parametrize("argv", [["serve", "--max-model-len", "abc"], ["serve", "--max-num-seqs", "0"],
                                   ["serve", "--gpu-memory-utilization", "1.5"], ["serve", "--port", "70000"],
                                   ["serve", "--dtype", "int3"], ["serve", "--kv-cache-memory", "lots"],
-                                  ["serve", "--unknown-flag"], []])
+                                  ["serve", "--unknown-flag"], ["serve", "--speculative-config", "{ngram"],
+                                  ["serve", "--speculative-config", "[1]"], []])
 def test_bad_arguments_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -1,0 +1,139 @@
+"""Speculative decoding on the default model: time per output token and acceptance, off against n-gram.
+
+Two workloads, each at batch 1 and at batch B: a copy-heavy one (the model is asked to repeat a
+given text with one fix, so long spans of its answer are copies of its prompt: prompt lookup
+should pay) and free-form chat (little to copy: speculation should cost little). Every engine is
+stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts; each configuration
+runs in this one process, so the ratios are side by side. Time per output token is a request's
+decode time over its tokens after the first (``RequestTimeline.tpot``), averaged over the batch;
+the mean acceptance length is the tokens a verifying step gains per request (``1 + accepted /
+drafts``). Greedy speculative outputs must equal the plain ones: the run checks it.
+
+    python -m benchmarks.spec_decode [--batch-sizes 1 16 --output-len 96 --k 4 --threads 2]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import benchmark_parser, provenance, run_info, write_results
+from shared import SamplingParams
+
+TEXT = ("The paged KV cache splits every request's keys and values into blocks of sixteen tokens. "
+        "A block table maps each request's logical blocks to physical ones, so memory is taken as a "
+        "sequence grows instead of reserved for the longest possible answer. When the pool runs out, "
+        "the scheduler preempts the newest request, frees its blocks, and later recomputes its prompt "
+        "and the tokens it had generated. Prefix caching goes one step further: full blocks are hashed, "
+        "and a new request whose prompt begins with the same tokens reuses those blocks.")
+COPY_TASKS = [f"Repeat the following text exactly, but replace the word '{word}' with '{new}'.\n\n{TEXT}"
+              for word, new in (("blocks", "pages"), ("request", "query"), ("memory", "storage"),
+                                ("scheduler", "planner"))]
+CHAT_TASKS = ["Tell me about the history of the bicycle, in a few sentences.",
+              "Give me three tips for staying focused while studying.",
+              "What makes a good cup of coffee?", "Write a short poem about autumn leaves."]
+WORKLOADS = {"copy": COPY_TASKS, "chat": CHAT_TASKS}
+
+
+def speculative_configs(k: int) -> dict[str, dict | None]:
+    return {"off": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                      "prompt_lookup_max": 4}}
+
+
+def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len)
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = llm.engine.stats()
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    tpots = [o.timeline.tpot for o in outs if o.timeline.tpot is not None]
+    return {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "tpot_s": sum(tpots) / len(tpots), "steps": after.num_steps - before.num_steps,
+            "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, threads: int) -> list[dict]:
+    from stage5_server import LLM
+
+    rows = []
+    for name, spec in speculative_configs(k).items():
+        llm = LLM(model=model, device="cpu", max_model_len=1024, max_num_seqs=max(batch_sizes),
+                  max_num_batched_tokens=2048, cpu_threads=threads, speculative_config=spec)
+        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
+        for workload, tasks in WORKLOADS.items():
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
+            for batch in batch_sizes:
+                batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+                rows.append({"speculation": name, "workload": workload, "batch_size": batch,
+                             "dtype": str(llm.dtype).removeprefix("torch."),
+                             **measure(llm, batch_prompts, output_len)})
+        llm.shutdown()
+    return rows
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Each speculative row against the plain row of the same workload and batch: speedup, same tokens."""
+    plain = {(r["workload"], r["batch_size"]): r for r in rows if r["speculation"] == "off"}
+    for r in rows:
+        base = plain[(r["workload"], r["batch_size"])]
+        r["tpot_vs_off"] = base["tpot_s"] / r["tpot_s"]  # > 1: faster per output token
+        r["same_tokens_as_off"] = r["token_ids"] == base["token_ids"]
+    return rows
+
+
+def to_markdown(result: dict) -> str:
+    cfg = result["config"]
+    source = provenance(result, f"{cfg['threads']} torch thread(s), {result['rows'][0]['dtype']}, load average "
+                                f"{result['load_before']:.2f} before and {result['load_after']:.2f} after; "
+                                f"runtime {result['runtime_s']:.0f} s")
+    lines = ["### Speculative decoding: time per output token", "", f"{source}.", "",
+             f"Model `{cfg['model']}`, greedy, {cfg['output_len']} tokens at most per request; n-gram: "
+             f"`{cfg['ngram']}`.", "",
+             "| workload | batch | speculation | TPOT ms | vs off | mean acceptance length | acceptance rate "
+             "| steps | same tokens as off |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    order = lambda r: (r["workload"] != "copy", r["batch_size"], r["speculation"] != "off")  # noqa: E731
+    for r in sorted(result["rows"], key=order):
+        lines.append(f"| {r['workload']} | {r['batch_size']} | {r['speculation']} | {r['tpot_s'] * 1e3:.1f} | "
+                     f"{r['tpot_vs_off']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+                     f"{100 * r['acceptance_rate']:.0f}% | {r['steps']} | {r['same_tokens_as_off']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = benchmark_parser(__doc__, "spec_decode")
+    ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file or name; default: the default "
+                                                  "model")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    rows = compare(run(args.model, args.batch_sizes, args.output_len, args.k, args.threads))
+    for r in rows:
+        r.pop("token_ids")
+    result = {**run_info("benchmarks.spec_decode", argv), "load_before": load_before, "load_after": os.getloadavg()[0],
+              "runtime_s": time.perf_counter() - start,
+              "config": {"model": Path(args.model).name if args.model else "default", "threads": args.threads,
+                         "output_len": args.output_len, "batch_sizes": args.batch_sizes,
+                         "ngram": speculative_configs(args.k)["ngram"]},
+              "rows": rows}
+    write_results("spec_decode", result, to_markdown(result), args.out_dir, args.markdown)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Speculative decoding: a cheap proposer guesses the next ``k`` tokens, one forward pass of the
+model checks them all, and a request gains up to ``k + 1`` tokens per step instead of one.
+
+The pieces, in the order a step meets them:
+
+- ``config.py``: ``speculative_config`` (vLLM's keys), checked once in ``EngineConfig``;
+- ``ngram_proposer.py``: prompt lookup, run by the engine core after each step
+  (``EngineCore.propose_drafts``) on the tokens the request has;
+- the scheduler (``core/scheduler.py``) gives a request with drafts ``1 + k`` positions inside the
+  one token budget and the KV allocation, and rolls back the positions of rejected drafts;
+- the runner scores every position in one forward pass and keeps the drafts the target model
+  agrees with: ``rejection_sampler.py`` states the rule (and why the output keeps the target's
+  distribution);
+- ``metrics.py``: acceptance counts under vLLM's names, and the rate in the stats line.
+
+vLLM: ``vllm/v1/spec_decode/`` (``ngram_proposer.py``, ``eagle.py``, ``metrics.py``) and
+``vllm/v1/sample/rejection_sampler.py``.
+"""
+
+from __future__ import annotations
+
+from stage5_server.spec_decode.config import SPECULATIVE_METHODS, SpeculativeConfig
+from stage5_server.spec_decode.ngram_proposer import NgramProposer
+from stage5_server.spec_decode.rejection_sampler import rejection_sample
+
+
+def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
+    """The engine core's proposer for ``config``; None when speculation is off."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"speculative_config.method: {config.method!r} is not available in this engine yet")
+
+
+__all__ = ["SPECULATIVE_METHODS", "NgramProposer", "SpeculativeConfig", "make_proposer", "rejection_sample"]
