@@ -1,11 +1,11 @@
 """``stagedserve serve [MODEL]``: build the engine, wrap it in the app, run uvicorn.
 
-    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
+    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
 Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
-``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``KEY:GROUP`` puts
-a key in a trust group. The engine core runs in a process of its own unless
-``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
+``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'``
+puts a key in a trust group (the key is always the whole first word, as vLLM takes it). The engine
+core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
 ``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
@@ -52,8 +52,9 @@ def add_serve_subcommand(subparsers) -> None:
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
-    net.add_argument("--api-key", action="append", metavar="KEY[:GROUP]",
-                     help=f"accept this API key (repeatable); GROUP is its trust group. Default: ${API_KEY_ENV}")
+    net.add_argument("--api-key", action="append", metavar="'KEY [group=NAME]'",
+                     help="accept this API key, the whole string (repeatable); 'KEY group=NAME' puts it in trust "
+                          f"group NAME. Default: ${API_KEY_ENV} (comma-separated)")
     net.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
@@ -117,23 +118,34 @@ def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
 
 
+GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
+
+
 def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
-    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``."""
+    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``.
+
+    An entry is ``KEY`` or ``KEY group=NAME``. The key is the whole first word, colons and all (as vLLM
+    takes it): nothing inside a key is ever read as a group, so no spelling of a key weakens it, and
+    an error never repeats one."""
     entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
     if not entries:
         return None
     keys: dict[str, str | None] = {}
-    for entry in entries:
-        entry = entry.strip()
-        key, sep, group = entry.rpartition(":")
-        if not sep:
-            key, group = entry, None
-        if not key:
-            raise ValueError("api_key: empty key (expected KEY or KEY:GROUP)")
-        if sep and not group:
-            raise ValueError("api_key: empty group after ':' (expected KEY or KEY:GROUP)")
+    for i, entry in enumerate(entries, start=1):
+        words = entry.split()
+        if not words:
+            raise ValueError(f"api_key: entry #{i} is empty (expected KEY or 'KEY group=NAME')")
+        key, group = words[0], None
+        if len(words) > 1:
+            if len(words) != 2 or not words[1].startswith(GROUP_PREFIX) or words[1] == GROUP_PREFIX:
+                raise ValueError(f"api_key: entry #{i} must be KEY or 'KEY group=NAME' (a key holds no "
+                                 "whitespace)")
+            group = words[1][len(GROUP_PREFIX):]
         if key in keys:
-            raise ValueError("api_key: the same key is given twice")
+            raise ValueError(f"api_key: entry #{i} repeats a key given before it")
+        if group is None and ":" in key:
+            logger.warning("API key #%d contains ':'; the whole string is the key (a trust group is given as "
+                           "'KEY group=NAME', not KEY:GROUP)", i)
         keys[key] = group
     return keys
 

@@ -51,9 +51,9 @@ def prompt_tokens_sum(url: str) -> float:
 @pytest.mark.slow
 def test_chat_streams_replies_keeps_the_history_and_exits_on_slash_exit(server):
     before = prompt_tokens_sum(server.url)
-    # The key as stagedserve serve reads it (KEY:GROUP), the model from the server's list.
+    # The key as stagedserve serve reads it ('KEY group=NAME'), the model from the server's list.
     child = spawn("chat", "--url", f"{server.url}/v1", "--temperature", "0", "--max-tokens", "8",
-                  env={"STAGEDSERVE_API_KEY": f"{KEY}:cli"})
+                  env={"STAGEDSERVE_API_KEY": f"{KEY} group=cli"})
     child.expect_exact(f"chat with '{MODEL}'")
     child.expect_exact("> ")
     child.sendline("Add 4 and 5.")
