@@ -5,8 +5,9 @@
 Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
 ``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'``
 puts a key in a trust group (the key is always the whole first word, as vLLM takes it). The engine
-core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``engine/launcher.py``) and
-``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
+core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs
+N cores (``engine/launcher.py``) and ``--api-server-count A`` A API servers on one port
+(``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
