@@ -1,7 +1,8 @@
 """``create_app``: the FastAPI app, its middleware, and which routes it has.
 
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
-         -> BodySizeLimitMiddleware (413; limits.py) -> route: parse strictly (protocol.py, 400)
+         -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
+            parse strictly (protocol.py, 400)
          -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
@@ -33,6 +34,7 @@ from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMid
 from stage5_server.server.metrics import PrometheusStatLogger
 from stage5_server.server.openapi import openapi_with_openai_errors
 from stage5_server.server.serving import OpenAIServing
+from stage5_server.server.unicode import CheckedRoute
 
 logger = logging.getLogger("stagedserve")
 
@@ -75,6 +77,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
 
     app = FastAPI(title="stagedserve", version=version(), lifespan=lifespan,
                   description="An OpenAI-compatible server over the stagedserve engine.")
+    app.router.route_class = CheckedRoute  # every JSON body: well-formed Unicode, or a 400 (unicode.py)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
