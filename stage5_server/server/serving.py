@@ -62,6 +62,16 @@ def finish_reason(output: RequestOutput) -> str | None:
     return reason if reason in ("stop", "length") else None
 
 
+def engine_refused(output: RequestOutput) -> bool:
+    """The engine core ended this choice itself ("abort"): its structured-output grammar failed (a resource
+    limit of the grammar engine, while compiling or generating). A client's abort never reaches a body."""
+    return output.outputs[0].finish_reason == "abort"
+
+
+GRAMMAR_FAILED = ("The structured-output constraint failed while generating: it exceeded the grammar engine's "
+                  "limits (a recursive schema, a pathological regex, a very long choice list). Simplify it.")
+
+
 def choices_of(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """One output per choice (prompt i's sample j is choice ``i * n + j``, vLLM's order), each with its one
     completion and finished when that is."""
@@ -217,9 +227,13 @@ class OpenAIServing:
         try:
             if not streaming:
                 outputs = choices_of(await unless_disconnected(request, asyncio.gather(*map(final_output, streams))))
+                if any(map(engine_refused, outputs)):
+                    raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
                 self.record_parents([len(o.outputs[0].token_ids) for o in outputs], params.n)
                 return JSONResponse(responder.response(outputs))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
+            if any(map(engine_refused, choices_of(list(firsts)))):
+                raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
             return SSEResponse(self.events(list(firsts), streams, params, responder))
         except BaseException as exc:
             self.engine.abort(ids)
@@ -240,6 +254,10 @@ class OpenAIServing:
             ready = list(enumerate(firsts))
             while True:
                 for i, output in ready:
+                    if any(map(engine_refused, choices_of([output]))):
+                        for frame in responder.error_frames(APIError(400, GRAMMAR_FAILED, code="grammar_failed")):
+                            yield frame
+                        return  # ``finally`` aborts the other choices
                     for choice in choices_of([output]):
                         index = i * params.n + choice.outputs[0].index
                         latest[index] = choice
