@@ -22,7 +22,13 @@ import sys
 from typing import Any
 
 from stage5_server.cli.args import fraction, non_negative_float, parse_size, port, positive_int
-from stage5_server.cli.options import API_KEY_ENV, chat_options_from, log_api_keys
+from stage5_server.cli.options import (
+    API_KEY_ENV,
+    add_limit_flags,
+    chat_options_from,
+    log_api_keys,
+    request_limits_from,
+)
 
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # engine/routing.py
 
@@ -63,6 +69,7 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
+    add_limit_flags(p.add_argument_group("what one request may ask for (docs/reliability.md)"))
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=("critical", "error", "warning", "info", "debug", "trace"))
     net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
@@ -212,6 +219,7 @@ def serve(args: argparse.Namespace) -> int:
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
         app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
+                         limits=request_limits_from(args),
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:

@@ -34,6 +34,7 @@ from stage5_server.engine.stream import RequestStream
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
+from stage5_server.server.limits import RequestLimits, longest_token_chars
 from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
     SSE_DONE,
@@ -162,7 +163,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
                  trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None,
-                 chat_options: ChatOptions | None = None):
+                 chat_options: ChatOptions | None = None, limits: RequestLimits | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
@@ -170,6 +171,13 @@ class OpenAIServing:
         self.system_fingerprint = system_fingerprint(engine, version)
         self.metrics = metrics  # told of each prompt whose n samples all finished
         self.chat_options = chat_options or ChatOptions()
+        self.limits = limits or RequestLimits()
+        self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
+
+    def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
+        self.limits.check(prompts, params.n, params.logprobs, params.prompt_logprobs, params.structured_outputs,
+                          self.context, prompt_param)
 
     def record_parents(self, num_tokens: list[int], n: int) -> None:
         """``num_tokens``: each choice's output tokens; prompt i's samples are ``[i * n : (i + 1) * n]``."""
@@ -204,6 +212,7 @@ class OpenAIServing:
                        responder: Responder, stream: bool, prompt_param: str = "prompt") -> Response:
         """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
         stream. ``prompt_param``: the field a prompt too long for the context is blamed on."""
+        self.check_limits(prompts, params, prompt_param)
         responder.system_fingerprint = self.system_fingerprint
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
