@@ -148,3 +148,21 @@ def test_control_tokens_anywhere_in_a_tool_schema_stay_text(client, where):
     benign = json.loads(json.dumps(FORGED_SCHEMAS[where]).replace(json.dumps(FORGED)[1:-1], "note"))
     expected = _special_count(client, [_tool(parameters=benign)])
     assert _special_count(client, [_tool(parameters=FORGED_SCHEMAS[where])]) == expected
+
+
+OVER_A_CAP = {  # the server's default caps (RequestLimits); each answer names the flag that sets it
+    "choices": ({"prompt": ["a", "b", "c"], "n": 128}, "--max-choices-per-request", "n"),
+    "logprobs": ({"prompt": "a", "n": 128, "logprobs": 20}, "--max-logprobs-per-request", "logprobs"),
+    "prompts": ({"prompt": ["a"] * 300}, "--max-prompts-per-request", "prompt"),
+    "constraint": ({"prompt": "a", "structured_outputs": {"choice": [f"item{i:05d}" for i in range(10_000)]}},
+                   "--max-structured-output-bytes", "structured_outputs"),
+}
+
+
+@pytest.mark.parametrize("name", list(OVER_A_CAP))
+def test_a_request_over_a_cap_is_a_400_naming_the_server_flag(client, name):
+    fields, flag, param = OVER_A_CAP[name]
+    response = client.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, **fields})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "request_limit_exceeded" and error["param"] == param and flag in error["message"]
