@@ -29,7 +29,7 @@ def add_limit_flags(group) -> None:
              "max_messages_per_request": "messages of one conversation (Responses: input items)",
              "max_choices_per_request": "choices of one request: prompts x n",
              "max_logprobs_per_request": "logprobs one request may ask for per token: prompts x n x logprobs",
-             "max_structured_output_bytes": "bytes of one structured-output constraint (its schema, regex, ... as JSON)"}
+             "max_structured_output_bytes": "bytes of one structured-output constraint (as JSON)"}
     for name, flag in FLAGS.items():
         group.add_argument(flag, type=positive_int, default=getattr(RequestLimits, name),
                            help=f"the most {helps[name]} (default: {getattr(RequestLimits, name)})")

@@ -20,6 +20,7 @@ KEY = "loop-key"
 MODEL = "tiny"
 HEALTH_LIMIT_S = 1.0
 LIMITS = RequestLimits()
+MOST_PROMPTS = min(LIMITS.max_prompts_per_request, LIMITS.max_choices_per_request)
 MAX_BODY = 1 << 20  # a quarter of the default, to keep the test quick: the largest body tokenizes in ~2 s
 BIG_TEXT = "hello world, " * ((MAX_BODY - 1000) // 13)
 
@@ -34,7 +35,7 @@ REQUESTS = {
     "chat, as many messages as allowed": ("/v1/chat/completions", _chat(LIMITS.max_messages_per_request), 400),
     "chat, 8000 messages": ("/v1/chat/completions", _chat(8000), 400),
     "completions, as many prompts as allowed": (
-        "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": ["hi"] * min(LIMITS.max_prompts_per_request, LIMITS.max_choices_per_request)},
+        "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": ["hi"] * MOST_PROMPTS},
         200),
     "completions, 100000 prompts": ("/v1/completions", {"model": MODEL, "max_tokens": 1,
                                                         "prompt": ["hi"] * 100_000}, 400),
