@@ -14,6 +14,7 @@ vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``outpu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -105,13 +106,16 @@ class AsyncEngine:
     # ---- the public API (the event loop, or any thread) -------------------------------------------
     @property
     def stats(self) -> SchedulerStats:
-        """The core's stats as of its latest published step."""
-        return self._stats
+        """The core's stats as of its latest published step; a dead core runs and holds nothing (its
+        counters keep what it did), as ``DPAsyncLLM`` reports a dead rank."""
+        if self._dead is None:
+            return self._stats
+        return dataclasses.replace(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
     @property
     def stats_by_engine(self) -> dict[int, SchedulerStats]:
         """Each engine core's stats, by data-parallel rank (here the one core, rank 0)."""
-        return {0: self._stats}
+        return {0: self.stats}
 
     @property
     def is_running(self) -> bool:
