@@ -7,7 +7,7 @@ Structs of ``messages.py`` as msgpack:
     input  (PULL) <- AddRequest | AbortRequests | Shutdown
     output (PUSH) -> EngineCoreReady or EngineCoreStartupError first, then EngineCoreOutputs per step
 
-It exits on ``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent
+It exits on ``Shutdown``, on SIGTERM or, at once, when its parent is gone, and ignores SIGINT (the parent
 decides). A data-parallel rank (``run_dp_engine_core``) binds its sockets instead and serves
 every API server that connects, each request's outputs to the API server that sent it:
 
@@ -81,6 +81,7 @@ class ZmqCoreLoop(EngineCoreLoop):
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
+        self.orphaned = False  # set once the parent is gone (``keep_running``)
 
     def receive(self, timeout_s: float) -> list[EngineCoreInput]:
         return drain_inputs(self.input) if self.input.poll(int(timeout_s * 1000)) else []
@@ -93,7 +94,8 @@ class ZmqCoreLoop(EngineCoreLoop):
             self.stopping = True
 
     def keep_running(self) -> bool:
-        return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
+        self.orphaned = os.getppid() != self.parent_pid  # the parent was killed
+        return not self.orphaned
 
 
 class MultiClientCoreLoop(EngineCoreLoop):
@@ -107,6 +109,7 @@ class MultiClientCoreLoop(EngineCoreLoop):
         self.output = output_socket
         self.stats_socket = stats_socket  # to the coordinator; None: broadcast to the API servers instead
         self.parent_pid = parent_pid
+        self.orphaned = False  # set once the parent is gone (``keep_running``)
         self.clients: set[str] = set()  # API servers that said hello and are not known to be gone
         self.client_of: dict[str, str] = {}  # request id -> the API server that sent it
         self.stats_seq = 0
@@ -210,7 +213,8 @@ class MultiClientCoreLoop(EngineCoreLoop):
 
     def keep_running(self) -> bool:
         self.broadcast_stats_if_due()
-        return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
+        self.orphaned = os.getppid() != self.parent_pid  # the parent was killed
+        return not self.orphaned
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -261,6 +265,11 @@ def _serve(context: zmq.Context, sockets: list[zmq.Socket], report: zmq.Socket, 
             return
         loop = make_loop(*built)
         loop.run()
+        if getattr(loop, "orphaned", False):  # nobody is left to deliver to or to wait for: go at once
+            logger.info("%s exiting: its parent is gone", name)
+            for sock in sockets:
+                sock.close(linger=0)
+            os._exit(0)  # skips lingering sends, thread-pool joins and exit handlers (seconds, all of them)
         logger.info("%s exiting", name)
         if loop.dead:
             raise SystemExit(1)
