@@ -113,7 +113,8 @@ def test_unreachable_server_and_refused_key_are_one_line_errors(server):
 def test_connection_comes_from_flags_then_environment():
     args = argparse.Namespace(url=None, api_key=None)
     assert resolve_connection(args, {}) == ("http://127.0.0.1:8000/v1", "EMPTY")
-    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "k1:ops,k2"}) == ("http://127.0.0.1:8000/v1", "k1")
+    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "k1 group=ops,k2"}) == ("http://127.0.0.1:8000/v1", "k1")
+    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "sk:whole"}) == ("http://127.0.0.1:8000/v1", "sk:whole")
     env = {"OPENAI_BASE_URL": "http://h:1/v1/", "OPENAI_API_KEY": "ok", "STAGEDSERVE_API_KEY": "k1"}
     assert resolve_connection(args, env) == ("http://h:1/v1", "ok")
     flags = argparse.Namespace(url="http://x:2/v1", api_key="flag")
