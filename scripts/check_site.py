@@ -4,8 +4,11 @@
     python scripts/check_site.py [--site site] [--screenshots build/site-screenshots]
 
 The site is served from ``--site`` on a loopback port and every request to any other host is
-refused, so a page that needs the network (a CDN script, a web font) shows up as it would for a
-reader offline. Each page is screenshotted (full page) and checked for:
+refused and reported, so a page that needs the network (a CDN script, a web font) shows up as it
+would for a reader offline. A page's HTML is also read for what it could fetch from elsewhere
+without doing so on this visit (a script that imports a module from a CDN only when the page has
+a diagram, say): every outside ``src``, stylesheet, ``import`` or CSS ``url(...)`` is a problem.
+Each page is screenshotted (full page) and checked for:
 
 - raw diagram text: a mermaid block that did not become an SVG;
 - a squashed diagram: an SVG drawn at less than ``MIN_DIAGRAM_SCALE`` of its natural width,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import re
 import sys
 import threading
 from pathlib import Path
@@ -106,6 +110,31 @@ PAGE_PROBLEMS_JS = """
 """
 
 
+# What a page could fetch: a tag's src (script, img, iframe, source, ...), a link's href that is loaded
+# (stylesheet, preload, modulepreload, icon, manifest), a JavaScript import, a CSS url(...).
+_FETCHES = [
+    re.compile(r"""<(?:script|img|iframe|source|embed|audio|video|track|input)\b"""
+               r"""[^>]*?\ssrc\s*=\s*["']?(https?:)?//([^"'\s>]+)""", re.I),
+    re.compile(r"""<link\b(?=[^>]*\srel\s*=\s*["']?[^"'>]*(?:stylesheet|preload|modulepreload|icon|manifest))"""
+               r"""[^>]*?\shref\s*=\s*["']?(https?:)?//([^"'\s>]+)""", re.I),
+    re.compile(r"""\bimport\s*\(\s*["'](https?:)?//([^"']+)""", re.I),
+    re.compile(r"""\bimport\b[^;()"']*?\bfrom\s*["'](https?:)?//([^"']+)""", re.I),
+    re.compile(r"""url\(\s*["']?(https?:)?//([^"')\s]+)""", re.I),
+]
+_LOCAL = ("127.0.0.1", "localhost")
+
+
+def outside_references(html: str) -> list[str]:
+    """Every address on another host that ``html`` could fetch, whether or not this visit does."""
+    found = set()
+    for pattern in _FETCHES:
+        for match in pattern.finditer(html):
+            address = match.group(2)
+            if address.split("/")[0].split(":")[0] not in _LOCAL:
+                found.add(f"{match.group(1) or ''}//{address}")
+    return sorted(found)
+
+
 def site_pages(site: Path) -> list[str]:
     """URL paths of every page mkdocs wrote (``index.html`` files), the 404 page excluded."""
     pages = []
@@ -161,6 +190,8 @@ def check_site(site: Path, screenshots: Path | None, pages: list[str] | None = N
                 page.wait_for_timeout(300)  # mermaid renders after the page's own scripts
                 found = page.evaluate(PAGE_PROBLEMS_JS, [MIN_DIAGRAM_SCALE, MAX_IMAGE_SHRINK])
                 found += [f"needs the network: {url}" for url in sorted(set(outside))]
+                html = (site / path.strip("/") / "index.html").read_text(encoding="utf-8", errors="replace")
+                found += [f"could fetch from elsewhere: {url}" for url in outside_references(html)]
                 found += [f"script error: {e}" for e in errors]
                 problems[path] = found
                 if screenshots is not None:

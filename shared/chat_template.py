@@ -35,7 +35,26 @@ from shared.tool_prompt import describe_tools, log_tools_described, template_sho
 logger = logging.getLogger("stagedserve")
 
 # Fields whose strings are not free text: templates compare them ("role" == "user", "type" == "string").
+# Their values stay unmarked only when they are one of these words; any other value is the caller's text.
 _NOT_TEXT = {"role", "type"}
+_KEYWORD_VALUES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "text", "image_url",
+                             "string", "number", "integer", "boolean", "object", "array", "null"})
+# Keys a template may look up by name: message and tool fields, and JSON Schema keywords. Any other key
+# (a property name, a definition's name, an extension "x-...", anything in a tool call's arguments) is
+# the caller's text and is marked like any other, wherever it is.
+_STRUCTURAL_KEYS = frozenset({
+    "role", "content", "name", "tool_calls", "tool_call_id", "id", "type", "function", "arguments",
+    "description", "parameters", "strict", "text", "image_url", "url", "detail", "reasoning_content",
+    "$schema", "$id", "$ref", "$defs", "$anchor", "$comment", "definitions", "properties",
+    "additionalProperties", "patternProperties", "required", "items", "prefixItems", "additionalItems", "enum",
+    "const", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+    "uniqueItems", "contains", "minContains", "maxContains", "minProperties", "maxProperties", "propertyNames",
+    "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "title", "default",
+    "examples", "deprecated", "readOnly", "writeOnly", "nullable", "contentEncoding", "contentMediaType"})
+# Keywords whose keys are names the caller chose.
+_NAMING_KEYWORDS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas",
+                              "dependentRequired"})
 
 
 def apply_chat_template(hf, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -138,9 +157,14 @@ def encode_with_template_control_tokens(hf, text: str, caller_spans: list[tuple[
     ids: list[int] = []
     start = 0
     pending_lstrip = False
+    spans = sorted(caller_spans)  # matches come in order: one pass over both (linear; see below)
+    span = 0
     for match in ([] if pattern is None else pattern.finditer(text)):
-        if any(a < match.end() and match.start() < b for a, b in caller_spans):
+        while span < len(spans) and spans[span][1] <= match.start():
+            span += 1  # ends before this match, so before every later one
+        if span < len(spans) and spans[span][0] < match.end():
             continue  # overlaps the caller's text: it stays text
+        # (no later span can overlap it either: each starts at or after this one, past the match)
         token = special[match.group()]
         piece = text[start:match.start()]
         ids += _encode_piece(hf, piece, strip_left=pending_lstrip, strip_right=token.lstrip)
@@ -178,12 +202,15 @@ def _close(nonce: str, i: int) -> str:
 def _mark(value: Any, nonce: str, originals: list[str], key: str | None = None, in_arguments: bool = False) -> Any:
     """A copy with each non-blank string of the caller's wrapped in numbered markers (appended to
     ``originals``). Whitespace at a string's ends stays outside, so a template's ``trim`` sees it.
-    Dict keys are text in tool-call arguments (at any depth) and in a schema's ``properties``."""
+    Every string is the caller's but a structural key (``_STRUCTURAL_KEYS``) and a role or type that is
+    one of ``_KEYWORD_VALUES``: keys in tool-call arguments, in a schema's ``properties`` or ``$defs``,
+    an extension's key, a ``type`` that is no type name, all are marked."""
     if isinstance(value, dict):
         in_arguments = in_arguments or key == "arguments"
-        keys_are_text = in_arguments or key == "properties"
-        return {(_mark(k, nonce, originals) if keys_are_text else k):
-                (v if k in _NOT_TEXT and not in_arguments else _mark(v, nonce, originals, k, in_arguments))
+        names = in_arguments or key in _NAMING_KEYWORDS
+        return {(_mark(k, nonce, originals) if names or k not in _STRUCTURAL_KEYS else k):
+                (v if k in _NOT_TEXT and not in_arguments and not names and _is_keyword(v)
+                 else _mark(v, nonce, originals, None if names else k, in_arguments))
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_mark(v, nonce, originals, key, in_arguments) for v in value]
@@ -193,6 +220,15 @@ def _mark(value: Any, nonce: str, originals: list[str], key: str | None = None, 
         head, tail = value[: len(value) - len(value.lstrip())], value[len(value.rstrip()):]
         return f"{head}{_open(nonce, i)}{value.strip()}{_close(nonce, i)}{tail}"
     return value
+
+
+def _is_keyword(value: Any) -> bool:
+    """A role or type value a template compares: one of ``_KEYWORD_VALUES`` (or a list of them)."""
+    if isinstance(value, list):
+        return all(isinstance(v, str) and v in _KEYWORD_VALUES for v in value)
+    if isinstance(value, str):
+        return value in _KEYWORD_VALUES
+    return not isinstance(value, dict)  # a number, a boolean, null
 
 
 def _caller_spans(marked: str, nonce: str, plain: str) -> list[tuple[int, int]] | None:

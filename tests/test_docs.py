@@ -27,8 +27,8 @@ EMPHASIS = {"stagedserve", "the page", "the package docstring", "the code that c
 # Abbreviations of general computing that the course does not define.
 GENERAL = {"API", "CPU", "GPU", "HTTP", "JSON", "URL", "TCP", "TLS", "CI", "OS", "SDK", "README", "MB", "GB", "TB",
            "KiB", "GiB", "POST", "GET", "SIGTERM", "SIGINT", "H200", "L2", "UTC", "ID", "IDs", "OK", "AMD", "NVIDIA",
-           "FIFO", "AI", "YAML", "CSS", "HTML", "PNG", "SVG", "CDN", "PDF", "RAM", "SHA", "UC"}
-# Placeholders in prose (KEY:GROUP) and the letters that stand for tokens (A B C D ...).
+           "FIFO", "AI", "YAML", "CSS", "HTML", "PNG", "SVG", "CDN", "PDF", "RAM", "SHA", "UC", "UTF"}
+# Placeholders in prose ('KEY group=NAME') and the letters that stand for tokens (A B C D ...).
 PLACEHOLDERS = {"KEY", "GROUP", "STAGE", "MODEL", "TASK", "DONE", "IFACE", "ABCD", "EFGH", "EFXY", "FIFO"}
 
 

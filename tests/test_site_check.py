@@ -41,3 +41,18 @@ def test_raw_diagram_text_clipped_blocks_and_network_use_fail_and_a_clean_page_p
     assert any("clipped" in p for p in problems["/wide/"])
     assert any("needs the network: https://unpkg.com" in p for p in problems["/cdn/"])
     assert (tmp_path / "shots" / "index.png").is_file() and (tmp_path / "shots" / "wide.png").is_file()
+
+
+def test_a_page_that_could_fetch_from_another_host_fails_even_when_this_visit_does_not(tmp_path):
+    # As a notebook template does: the module is imported from a CDN only if the page has a diagram.
+    guarded = ('<script type="module">if (document.querySelector(".jp-Mermaid")) {'
+               ' const m = (await import("https://cdnjs.cloudflare.com/ajax/libs/mermaid/x/mermaid.esm.min.mjs"));'
+               ' }</script><p>no diagram here</p>')
+    write(tmp_path, "guarded", guarded)
+    write(tmp_path, "style", '<link rel="stylesheet" href="https://fonts.example.org/a.css"><p>hi</p>')
+    write(tmp_path, "link", '<p><a href="https://github.com/vllm-project/vllm">a link is no fetch</a></p>')
+    problems = check_site(tmp_path, screenshots=None)
+    assert not any("needs the network" in p for p in problems["/guarded/"])  # nothing was requested ...
+    assert any("could fetch from elsewhere: https://cdnjs.cloudflare.com" in p for p in problems["/guarded/"])
+    assert any("https://fonts.example.org/a.css" in p for p in problems["/style/"])
+    assert problems["/link/"] == []

@@ -34,10 +34,11 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from stage5_server.cli.options import chat_options_from, log_api_keys
+from stage5_server.cli.options import chat_options_from, log_api_keys, request_limits_from
 from stage5_server.data_parallel.launcher import CoreEngineProcManager, EngineTopology
 from stage5_server.processes import set_process_name
 from stage5_server.server.chat_options import ChatOptions
+from stage5_server.server.limits import RequestLimits
 
 logger = logging.getLogger("stagedserve")
 
@@ -61,6 +62,7 @@ class APIServerConfig:
     log_level: str
     shutdown_timeout: float
     chat_options: ChatOptions = ChatOptions()
+    limits: RequestLimits = RequestLimits()
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -90,7 +92,7 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
                      trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
                      max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret,
-                     chat_options=config.chat_options)
+                     chat_options=config.chat_options, limits=config.limits)
     # log_config=None: uvicorn's own lines go through the format above, so each names its API server.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, log_config=None, lifespan="on",
                                            timeout_graceful_shutdown=config.shutdown_timeout))
@@ -216,7 +218,7 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
                                  args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
                                  args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout,
-                                 chat_options)
+                                 chat_options, request_limits_from(args))
         api_servers = APIServerProcessManager(args.api_server_count, config, sock)
         logger.info("serving on http://%s:%d: %d API server(s) (pids %s) over %d engine core(s)", args.host,
                     args.port, args.api_server_count, ", ".join(map(str, api_servers.pids)),

@@ -55,7 +55,7 @@ def resolve_connection(args: argparse.Namespace, environ=os.environ) -> tuple[st
     key = args.api_key or environ.get("OPENAI_API_KEY")
     if not key and environ.get("STAGEDSERVE_API_KEY"):
         first = environ["STAGEDSERVE_API_KEY"].split(",")[0].strip()
-        key = first.rpartition(":")[0] or first  # KEY:GROUP -> KEY
+        key = first.split()[0] if first else None  # 'KEY group=NAME' -> KEY (a colon is part of the key)
     return url.rstrip("/"), key or "EMPTY"  # the openai client wants a key even for an open server
 
 

@@ -20,6 +20,27 @@ def chat_options_from(args: argparse.Namespace):
                        control_tokens_in_messages=args.allow_control_tokens_in_messages)
 
 
+def add_limit_flags(group) -> None:
+    """The ``RequestLimits`` caps as flags (``server/limits.py``): ``--max-prompts-per-request`` and so on."""
+    from stage5_server.cli.args import positive_int
+    from stage5_server.server.limits import FLAGS, RequestLimits
+
+    helps = {"max_prompts_per_request": "prompts in one completion request",
+             "max_messages_per_request": "messages of one conversation (Responses: input items)",
+             "max_choices_per_request": "choices of one request: prompts x n",
+             "max_logprobs_per_request": "logprobs one request may ask for per token: prompts x n x logprobs",
+             "max_structured_output_bytes": "bytes of one structured-output constraint (as JSON)"}
+    for name, flag in FLAGS.items():
+        group.add_argument(flag, type=positive_int, default=getattr(RequestLimits, name),
+                           help=f"the most {helps[name]} (default: {getattr(RequestLimits, name)})")
+
+
+def request_limits_from(args: argparse.Namespace):
+    from stage5_server.server.limits import FLAGS, RequestLimits
+
+    return RequestLimits(**{name: getattr(args, name) for name in FLAGS})
+
+
 def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:
     if api_keys:
         source = "--api-key" if args.api_key else f"${API_KEY_ENV}"

@@ -1,12 +1,13 @@
 """``stagedserve serve [MODEL]``: build the engine, wrap it in the app, run uvicorn.
 
-    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY[:GROUP]]... [engine flags]
+    stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
 Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
-``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``KEY:GROUP`` puts
-a key in a trust group. The engine core runs in a process of its own unless
-``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``data_parallel/launcher.py``) and
-``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
+``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'``
+puts a key in a trust group (the key is always the whole first word, as vLLM takes it). The engine
+core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs
+N cores (``data_parallel/launcher.py``) and ``--api-server-count A`` A API servers on one port
+(``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -21,7 +22,13 @@ import sys
 from typing import Any
 
 from stage5_server.cli.args import fraction, json_object, non_negative_float, parse_size, port, positive_int
-from stage5_server.cli.options import API_KEY_ENV, chat_options_from, log_api_keys
+from stage5_server.cli.options import (
+    API_KEY_ENV,
+    add_limit_flags,
+    chat_options_from,
+    log_api_keys,
+    request_limits_from,
+)
 
 ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # data_parallel/routing.py
 
@@ -52,8 +59,9 @@ def add_serve_subcommand(subparsers) -> None:
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     net.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
-    net.add_argument("--api-key", action="append", metavar="KEY[:GROUP]",
-                     help=f"accept this API key (repeatable); GROUP is its trust group. Default: ${API_KEY_ENV}")
+    net.add_argument("--api-key", action="append", metavar="'KEY [group=NAME]'",
+                     help="accept this API key, the whole string (repeatable); 'KEY group=NAME' puts it in trust "
+                          f"group NAME. Default: ${API_KEY_ENV} (comma-separated)")
     net.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
@@ -61,6 +69,7 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
+    add_limit_flags(p.add_argument_group("what one request may ask for (docs/reliability.md)"))
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=("critical", "error", "warning", "info", "debug", "trace"))
     net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
@@ -120,23 +129,34 @@ def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
 
 
+GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
+
+
 def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
-    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``."""
+    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``.
+
+    An entry is ``KEY`` or ``KEY group=NAME``. The key is the whole first word, colons and all (as vLLM
+    takes it): nothing inside a key is ever read as a group, so no spelling of a key weakens it, and
+    an error never repeats one."""
     entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
     if not entries:
         return None
     keys: dict[str, str | None] = {}
-    for entry in entries:
-        entry = entry.strip()
-        key, sep, group = entry.rpartition(":")
-        if not sep:
-            key, group = entry, None
-        if not key:
-            raise ValueError("api_key: empty key (expected KEY or KEY:GROUP)")
-        if sep and not group:
-            raise ValueError("api_key: empty group after ':' (expected KEY or KEY:GROUP)")
+    for i, entry in enumerate(entries, start=1):
+        words = entry.split()
+        if not words:
+            raise ValueError(f"api_key: entry #{i} is empty (expected KEY or 'KEY group=NAME')")
+        key, group = words[0], None
+        if len(words) > 1:
+            if len(words) != 2 or not words[1].startswith(GROUP_PREFIX) or words[1] == GROUP_PREFIX:
+                raise ValueError(f"api_key: entry #{i} must be KEY or 'KEY group=NAME' (a key holds no "
+                                 "whitespace)")
+            group = words[1][len(GROUP_PREFIX):]
         if key in keys:
-            raise ValueError("api_key: the same key is given twice")
+            raise ValueError(f"api_key: entry #{i} repeats a key given before it")
+        if group is None and ":" in key:
+            logger.warning("API key #%d contains ':'; the whole string is the key (a trust group is given as "
+                           "'KEY group=NAME', not KEY:GROUP)", i)
         keys[key] = group
     return keys
 
@@ -202,6 +222,7 @@ def serve(args: argparse.Namespace) -> int:
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
         app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
+                         limits=request_limits_from(args),
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:

@@ -12,7 +12,7 @@ that connects, each request's outputs to the API server that sent it, in the Str
     stats  (PUSH)          -> EngineStats to the coordinator, when there is one (DP > 1)
 
 One engine core behind one API server is the same process with one client. It exits on
-``Shutdown``, on SIGTERM or when its parent is gone, and ignores SIGINT (the parent decides).
+``Shutdown``, on SIGTERM or, at once, when its parent is gone, and ignores SIGINT (the parent decides).
 
 vLLM: ``EngineCoreProc`` in ``vllm/v1/engine/core.py`` (which also moves socket I/O onto two
 threads to overlap a GPU step).
@@ -73,6 +73,7 @@ class ZmqCoreLoop(EngineCoreLoop):
         self.output = output_socket
         self.stats_socket = stats_socket  # to the coordinator; None: broadcast to the API servers instead
         self.parent_pid = parent_pid
+        self.orphaned = False  # set once the parent is gone (``keep_running``)
         self.clients: set[str] = set()  # API servers that said hello and are not known to be gone
         self.client_of: dict[str, str] = {}  # request id -> the API server that sent it
         self.stats_seq = 0
@@ -176,7 +177,8 @@ class ZmqCoreLoop(EngineCoreLoop):
 
     def keep_running(self) -> bool:
         self.broadcast_stats_if_due()
-        return os.getppid() == self.parent_pid  # else orphaned: the parent was killed
+        self.orphaned = os.getppid() != self.parent_pid  # the parent was killed
+        return not self.orphaned
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -243,6 +245,12 @@ def run_engine_core(engine_index: int, model_path: str, engine_args: dict[str, A
             return
         loop = ZmqCoreLoop(*built, engine_index, input_socket, output_socket, stats_socket, parent_pid)
         loop.run()
+        if loop.orphaned:  # nobody is left to deliver to or to wait for: go at once
+            logger.info("engine core %d exiting: its parent is gone", engine_index)
+            for sock in (input_socket, output_socket, handshake, stats_socket):
+                if sock is not None:
+                    sock.close(linger=0)
+            os._exit(0)  # skips lingering sends, thread-pool joins and exit handlers (seconds, all of them)
         logger.info("engine core %d exiting", engine_index)
         if loop.dead:
             raise SystemExit(1)

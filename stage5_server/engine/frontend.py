@@ -5,8 +5,8 @@
     core --EngineCoreOutputs--> _on_outputs: OutputProcessor (detokenize, stop strings: those requests
         are aborted in the core) -> each RequestOutput to its request's stream
 
-The tokenizer and the request table are used under one lock: the event loop (tokenizing) and the
-output thread (detokenizing) take turns. A failure on one request's output fails it alone.
+The tokenizer and the request table are used under one lock: a worker thread (rendering and tokenizing,
+off the event loop) and the output thread (detokenizing) take turns. A failure on one request's output fails it alone.
 
 vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``output_handler``).
 """
@@ -14,6 +14,8 @@ vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``abort``, ``outpu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -104,21 +106,28 @@ class AsyncEngine:
     # ---- the public API (the event loop, or any thread) -------------------------------------------
     @property
     def stats(self) -> SchedulerStats:
-        """The core's stats as of its latest published step."""
-        return self._stats
+        """The core's stats as of its latest published step; a dead core runs and holds nothing (its
+        counters keep what it did), as ``MPAsyncLLM`` reports a dead rank."""
+        if self._dead is None:
+            return self._stats
+        return dataclasses.replace(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
     @property
     def stats_by_engine(self) -> dict[int, SchedulerStats]:
         """Each engine core's stats, by data-parallel rank (here the one core, rank 0)."""
-        return {0: self._stats}
+        return {0: self.stats}
 
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping and self._core_alive()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn`` (tokenization) on the caller's thread, never during detokenization."""
+        """Run ``fn`` (tokenization) on a worker thread, never during detokenization: work that grows
+        with a request's size never holds up the event loop (vLLM tokenizes off the loop too)."""
         self._check_running()
+        return await asyncio.to_thread(self._locked, fn, *args, **kwargs)
+
+    def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with self._lock:
             return _guarded(fn, *args, **kwargs)
 
@@ -130,12 +139,26 @@ class AsyncEngine:
         (``time.monotonic``): when the server got it, for its timeline."""
         request_id = request_id or uuid.uuid4().hex
         self._check_running()
+        loop = asyncio.get_running_loop()
+        # Rendering and tokenizing run on a worker thread, so the loop serves everyone else meanwhile.
+        added = loop.run_in_executor(None, functools.partial(
+            self._add_request, loop, prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+            received_time=received_time, output_kind=output_kind))
+        try:
+            return await asyncio.shield(added)
+        except asyncio.CancelledError:  # nobody will read it: abort it once it is in
+            added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result().request_id))
+            raise
+
+    def _add_request(self, loop: asyncio.AbstractEventLoop, prompt: PromptType, params: SamplingParams,
+                     request_id: str, *, priority: int, cache_salt: str | None, received_time: float | None,
+                     output_kind: RequestOutputKind) -> RequestStream:
         with self._lock:
             parent, requests = _guarded(self.input_processor.process_inputs, request_id, prompt, params,
                                         priority=priority, cache_salt=cache_salt)
             if any(map(self.output_processor.has_request, {request_id, *(r.request_id for r in requests)})):
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
-            stream = RequestStream(request_id, asyncio.get_running_loop(), output_kind is RequestOutputKind.DELTA)
+            stream = RequestStream(request_id, loop, output_kind is RequestOutputKind.DELTA)
             for index, r in enumerate(requests):
                 self.output_processor.add_request(r.request_id, prompt if isinstance(prompt, str) else None,
                                                   r.prompt_token_ids, r.sampling_params, r.arrival_time,

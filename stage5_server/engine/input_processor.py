@@ -43,7 +43,8 @@ class InputProcessor:
             render = {k: v for k, v in prompt.items() if k != "messages"}
             prompt = self.tokenizer.apply_chat_template(prompt["messages"], True, **render)
         token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.vocab_size, max_model_len=None)
-        self.check_lengths(len(token_ids), params.max_tokens)  # vLLM's messages, not ``prompt_token_ids``'s
+        self.check_lengths(len(token_ids), params.max_tokens,  # vLLM's messages, not ``prompt_token_ids``'s
+                           params.min_tokens)
         now = time.monotonic()
 
         def make(rid: str, child_params: SamplingParams) -> EngineCoreRequest:
@@ -56,7 +57,7 @@ class InputProcessor:
         parent = ParentRequest(request_id, params)
         return parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
 
-    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int = 0) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise ContextLengthExceeded("prompt", f"This model's maximum context length is {limit} tokens. However, "
@@ -67,3 +68,7 @@ class InputProcessor:
                                         f"maximum context length is {limit} tokens and your request has "
                                         f"{num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
                                         f"{num_prompt_tokens}).")
+        room = limit - num_prompt_tokens  # vLLM's default max_tokens: what the context has left
+        if max_tokens is None and min_tokens > room:
+            raise ValueError(f"min_tokens: must be less than or equal to max_tokens={room} (the context has room "
+                             f"for {room} more tokens after the prompt's {num_prompt_tokens}), got {min_tokens}")

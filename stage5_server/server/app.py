@@ -1,7 +1,8 @@
 """``create_app``: the FastAPI app, its middleware, and which routes it has.
 
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
-         -> BodySizeLimitMiddleware (413; limits.py) -> route: parse strictly (protocol.py, 400)
+         -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
+            parse strictly (protocol.py, 400)
          -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
@@ -29,10 +30,11 @@ from stage5_server.server import chat, completions, models, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
-from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware, RequestLimits
 from stage5_server.server.metrics import PrometheusStatLogger
 from stage5_server.server.openapi import openapi_with_openai_errors
 from stage5_server.server.serving import OpenAIServing
+from stage5_server.server.unicode import CheckedRoute
 
 logger = logging.getLogger("stagedserve")
 
@@ -48,9 +50,10 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                served_model_name: str | None = None, trust_client_cache_salt: bool = False,
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
-               chat_options: ChatOptions | None = None) -> FastAPI:
+               chat_options: ChatOptions | None = None, limits: RequestLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app over an ``AsyncEngine`` or an ``LLM`` (wrapped, and shut down with the app).
-    ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only)."""
+    ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only).
+    ``limits``: what one request may ask for (``limits.py``; the defaults unless given)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
@@ -62,7 +65,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                                    engine.cache_configs)
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
-                            version(), metrics, chat_options)
+                            version(), metrics, chat_options, limits)
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager
@@ -75,6 +78,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
 
     app = FastAPI(title="stagedserve", version=version(), lifespan=lifespan,
                   description="An OpenAI-compatible server over the stagedserve engine.")
+    app.router.route_class = CheckedRoute  # every JSON body: well-formed Unicode, or a 400 (unicode.py)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving

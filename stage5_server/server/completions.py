@@ -131,6 +131,7 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
     generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
     params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
                                   body.requested_structured_outputs())
+    serving.check_limits(list(body.prompts), params)  # before the echoed prompts are tokenized
     echo = []
     for prompt in body.prompts if body.echo else ():  # the prompt's text, and its first token's
         tokenizer = serving.engine.tokenizer

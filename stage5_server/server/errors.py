@@ -146,7 +146,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+        error = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+                         param=getattr(exc, "param", None))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -1,10 +1,22 @@
-"""Request bodies are capped: 413 by Content-Length up front, or counted as the body arrives.
+"""What one request may ask of the server, each capped before any work that grows with it.
 
-vLLM has no such limit of its own (uvicorn reads any body); a server that tokenizes what it
-reads needs one.
+In the order they are checked, cheapest first: the body (413 by Content-Length up front, or
+counted as it arrives), then, once it is parsed and before anything is rendered or tokenized,
+the number of prompts, of messages, of choices (prompts x ``n``), of logprobs (choices x
+``logprobs``), the size of a structured-output constraint, and a text too long for the context
+whatever it tokenizes to (``RequestLimits``). Each is a 400 (413 for the body) that names the
+server flag setting it. The prompt's exact token count against the context comes after, in the
+engine's input processor, off the event loop.
+
+vLLM has none of these of its own (uvicorn reads any body, a prompt list is any length); a server
+that tokenizes and samples for whatever it reads needs them.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,6 +24,90 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stage5_server.server.errors import APIError, send_json
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The caps on one request; each field's flag is ``--`` and its name with dashes (``FLAGS``)."""
+
+    max_prompts_per_request: int = 256  # a completion's prompt list
+    max_messages_per_request: int = 2048  # a chat conversation, a Responses input list
+    max_choices_per_request: int = 256  # prompts x n
+    max_logprobs_per_request: int = 1280  # prompts x n x logprobs (+ prompts x prompt logprobs)
+    max_structured_output_bytes: int = 64 << 10  # the JSON of a schema, regex, choice list or grammar
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+    def check(self, prompts: list[Any], n: int, logprobs: int | None, prompt_logprobs: int | None,
+              structured: Any | None, context: tuple[int, int] | None = None, prompt_param: str = "prompt") -> None:
+        """Refuse a request over a cap, cheapest check first. ``context``: ``(max_model_len, the most
+        characters one token stands for)``; a text longer than their product cannot fit, whatever it
+        tokenizes to, and is refused before it is tokenized."""
+        if len(prompts) > self.max_prompts_per_request:
+            raise self._over("max_prompts_per_request", prompt_param, f"{len(prompts)} prompts")
+        messages = sum(len(p["messages"]) for p in prompts if isinstance(p, dict) and "messages" in p)
+        if messages > self.max_messages_per_request:
+            raise self._over("max_messages_per_request", prompt_param, f"{messages} messages")
+        if len(prompts) * n > self.max_choices_per_request:
+            raise self._over("max_choices_per_request", "n", f"{len(prompts)} prompt(s) x n={n} choices")
+        asked = len(prompts) * (n * (logprobs or 0) + (prompt_logprobs or 0))
+        if asked > self.max_logprobs_per_request:
+            raise self._over("max_logprobs_per_request", "logprobs", f"{asked} logprobs per token position "
+                             f"({len(prompts)} prompt(s) x n={n} x logprobs={logprobs or 0})")
+        if structured is not None:
+            size = len(json.dumps(structured.key()[1], ensure_ascii=False, default=str).encode())
+            if size > self.max_structured_output_bytes:
+                raise self._over("max_structured_output_bytes", "structured_outputs",
+                                 f"a {structured.kind} constraint of {size} bytes")
+        if context is not None:
+            max_model_len, token_chars = context
+            for i, prompt in enumerate(prompts):
+                chars = text_chars(prompt)
+                if chars > max_model_len * token_chars:
+                    raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                   f"your request has {chars} characters of text, at least {chars // token_chars} "
+                                   f"tokens (no token of this model stands for more than {token_chars} "
+                                   "characters). Please reduce the length of the input.",
+                                   param=prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]",
+                                   code="context_length_exceeded")
+
+    def _over(self, name: str, param: str, what: str) -> APIError:
+        return APIError(400, f"{param}: this request asks for {what}; this server allows at most "
+                        f"{getattr(self, name)} (its {FLAGS[name]} flag sets that cap, by default "
+                        f"{getattr(RequestLimits, name)}).", param=param, code="request_limit_exceeded")
+
+
+FLAGS = {name: "--" + name.replace("_", "-") for name in RequestLimits.__dataclass_fields__}
+
+
+def text_chars(prompt: Any) -> int:
+    """Characters of text in a prompt: a string, ``{"prompt": text}``, or the strings of a conversation's
+    ``messages`` and ``tools``, all of which the chat template writes into the prompt."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict):
+        if isinstance(prompt.get("prompt"), str):
+            return len(prompt["prompt"])
+        stack, total = [prompt.get("messages"), prompt.get("tools")], 0
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                total += len(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        return total
+    return 0
+
+
+def longest_token_chars(hf_tokenizer) -> int:
+    """The most characters one token of this vocabulary stands for (its longest entry, which spells each
+    byte as one character or more): a text of C characters has at least C / this many tokens."""
+    return max((len(token) for token in hf_tokenizer.get_vocab()), default=1)
 
 
 class BodySizeLimitMiddleware:

@@ -46,8 +46,9 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if body.messages is not None:
             conversation = [m.as_template_message() for m in body.messages]
             control = serving.chat_options.control_tokens_in_messages  # as the real prompt would be
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await serving.on_engine(lambda: tokenizer.apply_chat_template(
-                conversation, body.add_generation_prompt, control_tokens_in_messages=control))
+                conversation, body.add_generation_prompt, tools=tools, control_tokens_in_messages=control))
         elif body.add_special_tokens:
             ids = await serving.on_engine(tokenizer.encode, body.prompt)
         else:

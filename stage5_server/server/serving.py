@@ -34,6 +34,7 @@ from stage5_server.engine.stream import RequestStream
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
+from stage5_server.server.limits import RequestLimits, longest_token_chars
 from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
     SSE_DONE,
@@ -60,6 +61,16 @@ def usage_of(outputs: list[RequestOutput], n: int = 1, num_tokens: list[int] | N
 def finish_reason(output: RequestOutput) -> str | None:
     reason = output.outputs[0].finish_reason
     return reason if reason in ("stop", "length") else None
+
+
+def engine_refused(output: RequestOutput) -> bool:
+    """The engine core ended this choice itself ("abort"): its structured-output grammar failed (a resource
+    limit of the grammar engine, while compiling or generating). A client's abort never reaches a body."""
+    return output.outputs[0].finish_reason == "abort"
+
+
+GRAMMAR_FAILED = ("The structured-output constraint failed while generating: it exceeded the grammar engine's "
+                  "limits (a recursive schema, a pathological regex, a very long choice list). Simplify it.")
 
 
 def choices_of(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -152,7 +163,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
                  trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None,
-                 chat_options: ChatOptions | None = None):
+                 chat_options: ChatOptions | None = None, limits: RequestLimits | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
@@ -160,6 +171,13 @@ class OpenAIServing:
         self.system_fingerprint = system_fingerprint(engine, version)
         self.metrics = metrics  # told of each prompt whose n samples all finished
         self.chat_options = chat_options or ChatOptions()
+        self.limits = limits or RequestLimits()
+        self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
+
+    def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
+        self.limits.check(prompts, params.n, params.logprobs, params.prompt_logprobs, params.structured_outputs,
+                          self.context, prompt_param)
 
     def record_parents(self, num_tokens: list[int], n: int) -> None:
         """``num_tokens``: each choice's output tokens; prompt i's samples are ``[i * n : (i + 1) * n]``."""
@@ -194,6 +212,7 @@ class OpenAIServing:
                        responder: Responder, stream: bool, prompt_param: str = "prompt") -> Response:
         """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
         stream. ``prompt_param``: the field a prompt too long for the context is blamed on."""
+        self.check_limits(prompts, params, prompt_param)
         responder.system_fingerprint = self.system_fingerprint
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
@@ -217,9 +236,13 @@ class OpenAIServing:
         try:
             if not streaming:
                 outputs = choices_of(await unless_disconnected(request, asyncio.gather(*map(final_output, streams))))
+                if any(map(engine_refused, outputs)):
+                    raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
                 self.record_parents([len(o.outputs[0].token_ids) for o in outputs], params.n)
                 return JSONResponse(responder.response(outputs))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
+            if any(map(engine_refused, choices_of(list(firsts)))):
+                raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
             return SSEResponse(self.events(list(firsts), streams, params, responder))
         except BaseException as exc:
             self.engine.abort(ids)
@@ -240,6 +263,10 @@ class OpenAIServing:
             ready = list(enumerate(firsts))
             while True:
                 for i, output in ready:
+                    if any(map(engine_refused, choices_of([output]))):
+                        for frame in responder.error_frames(APIError(400, GRAMMAR_FAILED, code="grammar_failed")):
+                            yield frame
+                        return  # ``finally`` aborts the other choices
                     for choice in choices_of([output]):
                         index = i * params.n + choice.outputs[0].index
                         latest[index] = choice

@@ -155,11 +155,26 @@ TOOL_PARSERS = {"hermes": HermesToolParser}
 # ---- calls forced by structured output ------------------------------------------------------------
 
 def required_calls_schema(tools: list[dict]) -> dict:
-    """``tool_choice: "required"``: a JSON array of calls, each naming a tool, arguments following its schema."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": parameters_schema(t)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    """``tool_choice: "required"``: a JSON array of calls, each naming a tool, arguments following its schema.
+    A tool's ``$defs`` (``definitions``) move to the root, where its ``#/$defs/...`` pointers now lead
+    (vLLM's ``get_tool_schema_defs``); two tools may share a name only for the same definition."""
+    definitions: dict[str, dict] = {"$defs": {}, "definitions": {}}
+    calls = []
+    for t in tools:
+        arguments = dict(parameters_schema(t))
+        for keyword, found in definitions.items():
+            defined = arguments.pop(keyword, None) or {}
+            if not isinstance(defined, dict):
+                raise ValueError(f"tools: {keyword} of {t['function']['name']!r} must be an object")
+            for name, schema in defined.items():
+                if found.setdefault(name, schema) != schema:
+                    raise ValueError(f"tools: the definition {keyword}/{name} differs between tools; give "
+                                     "each its own name")
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    return {**schema, **{keyword: found for keyword, found in definitions.items() if found}}
 
 
 def parameters_schema(tool: dict) -> dict:

@@ -51,9 +51,9 @@ def prompt_tokens_sum(url: str) -> float:
 @pytest.mark.slow
 def test_chat_streams_replies_keeps_the_history_and_exits_on_slash_exit(server):
     before = prompt_tokens_sum(server.url)
-    # The key as stagedserve serve reads it (KEY:GROUP), the model from the server's list.
+    # The key as stagedserve serve reads it ('KEY group=NAME'), the model from the server's list.
     child = spawn("chat", "--url", f"{server.url}/v1", "--temperature", "0", "--max-tokens", "8",
-                  env={"STAGEDSERVE_API_KEY": f"{KEY}:cli"})
+                  env={"STAGEDSERVE_API_KEY": f"{KEY} group=cli"})
     child.expect_exact(f"chat with '{MODEL}'")
     child.expect_exact("> ")
     child.sendline("Add 4 and 5.")
@@ -113,7 +113,8 @@ def test_unreachable_server_and_refused_key_are_one_line_errors(server):
 def test_connection_comes_from_flags_then_environment():
     args = argparse.Namespace(url=None, api_key=None)
     assert resolve_connection(args, {}) == ("http://127.0.0.1:8000/v1", "EMPTY")
-    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "k1:ops,k2"}) == ("http://127.0.0.1:8000/v1", "k1")
+    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "k1 group=ops,k2"}) == ("http://127.0.0.1:8000/v1", "k1")
+    assert resolve_connection(args, {"STAGEDSERVE_API_KEY": "sk:whole"}) == ("http://127.0.0.1:8000/v1", "sk:whole")
     env = {"OPENAI_BASE_URL": "http://h:1/v1/", "OPENAI_API_KEY": "ok", "STAGEDSERVE_API_KEY": "k1"}
     assert resolve_connection(args, env) == ("http://h:1/v1", "ok")
     flags = argparse.Namespace(url="http://x:2/v1", api_key="flag")

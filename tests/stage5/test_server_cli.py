@@ -68,10 +68,10 @@ def test_parse_size_understands_units():
 
 def test_api_keys_come_from_flags_or_else_the_environment():
     assert resolve_api_keys(None, None) is None
-    assert resolve_api_keys(["a", "b:team"], "ignored") == {"a": None, "b": "team"}
-    assert resolve_api_keys(None, "x:g1, y:g1 ,z") == {"x": "g1", "y": "g1", "z": None}
-    assert resolve_api_keys(["k:with:colons:grp"], None) == {"k:with:colons": "grp"}
-    for bad in (["a", "a"], [":g"], ["k:"]):
+    assert resolve_api_keys(["a", "b group=team"], "ignored") == {"a": None, "b": "team"}
+    assert resolve_api_keys(None, "x group=g1, y group=g1 ,z") == {"x": "g1", "y": "g1", "z": None}
+    assert resolve_api_keys(["k:with:colons:grp"], None) == {"k:with:colons:grp": None}  # the whole key
+    for bad in (["a", "a"], [" "], ["k group="], ["k g"]):
         with pytest.raises(ValueError, match="api_key"):
             resolve_api_keys(bad, None)
 
@@ -97,7 +97,7 @@ def test_serve_builds_the_app_logs_its_configuration_and_runs_uvicorn(tiny_llama
     monkeypatch.setenv("STAGEDSERVE_API_KEY", "ignored-because-flags-win")
     with caplog.at_level("INFO", logger="stagedserve"):
         code = main(["serve", str(tiny_llama), "--port", "0", "--max-model-len", "128", "--num-kv-blocks", "16",
-                     "--api-key", "k1:ops", "--api-key", "k2", "--metrics-public", "--log-stats-interval", "0",
+                     "--api-key", "k1 group=ops", "--api-key", "k2", "--metrics-public", "--log-stats-interval", "0",
                      "--no-engine-process"])
     assert code == 0
     [(app, kwargs)] = fake_uvicorn_run
@@ -145,7 +145,7 @@ def test_stagedserve_serve_runs_a_secured_server_and_stops_cleanly_on_sigint(tin
     log = (tmp_path / "serve.log").open("w+")
     process, url = spawn_serve(tiny_llama, log, "--max-model-len", "128", "--num-kv-blocks", "16",
                                "--served-model-name", "tiny", "--uvicorn-log-level", "warning",
-                               env={"STAGEDSERVE_API_KEY": "env-key:ops"})
+                               env={"STAGEDSERVE_API_KEY": "env-key group=ops"})
     healthy = serving_or_exited(process, url)
 
     try:
