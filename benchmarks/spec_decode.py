@@ -3,8 +3,11 @@
 Two workloads, each at batch 1 and at batch B: a copy-heavy one (the model is asked to repeat a
 given text with one fix, so long spans of its answer are copies of its prompt: prompt lookup
 should pay) and free-form chat (little to copy: speculation should cost little). Every engine is
-stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts; each configuration
-runs in this one process, so the ratios are side by side. Time per output token is a request's
+stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts. Three engines:
+speculation off, n-gram with its draft-length policy (``spec_decode/policy.py``, the default), and
+n-gram drafting ``k`` whenever it matches (``ngram-fixed``, the policy taken out). All three are
+loaded in this one process and each workload and batch runs on them back to back, so a ratio
+compares runs seconds apart, not minutes. Time per output token is a request's
 decode time over its tokens after the first (``RequestTimeline.tpot``), averaged over the batch;
 the mean acceptance length is the tokens a verifying step gains per request (``1 + accepted /
 drafts``). Greedy speculative outputs must equal the plain ones: the run checks it.
@@ -39,9 +42,8 @@ WORKLOADS = {"copy": COPY_TASKS, "chat": CHAT_TASKS}
 
 
 def speculative_configs(k: int) -> dict[str, dict | None]:
-    return {"off": None,
-            "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                      "prompt_lookup_max": 4}}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"off": None, "ngram-fixed": ngram, "ngram": ngram}
 
 
 def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -66,18 +68,24 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
 def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, threads: int) -> list[dict]:
     from stage5_server import LLM
 
-    rows = []
+    engines = {}
     for name, spec in speculative_configs(k).items():
         llm = LLM(model=model, device="cpu", max_model_len=1024, max_num_seqs=max(batch_sizes),
                   max_num_batched_tokens=2048, cpu_threads=threads, speculative_config=spec)
+        if name == "ngram-fixed":
+            llm.engine.draft_policy = None  # every match drafts k
         llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-        for workload, tasks in WORKLOADS.items():
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
-            for batch in batch_sizes:
+        engines[name] = llm
+    rows = []
+    for workload, tasks in WORKLOADS.items():
+        for batch in batch_sizes:
+            for name, llm in engines.items():
+                prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
                 batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                 rows.append({"speculation": name, "workload": workload, "batch_size": batch,
                              "dtype": str(llm.dtype).removeprefix("torch."),
                              **measure(llm, batch_prompts, output_len)})
+    for llm in engines.values():
         llm.shutdown()
     return rows
 
@@ -99,11 +107,13 @@ def to_markdown(result: dict) -> str:
                                 f"runtime {result['runtime_s']:.0f} s")
     lines = ["### Speculative decoding: time per output token", "", f"{source}.", "",
              f"Model `{cfg['model']}`, greedy, {cfg['output_len']} tokens at most per request; n-gram: "
-             f"`{cfg['ngram']}`.", "",
+             f"`{cfg['ngram']}`; `ngram` drafts as many tokens as its policy says pay, `ngram-fixed` "
+             "drafts k whenever the n-gram matches.", "",
              "| workload | batch | speculation | TPOT ms | vs off | mean acceptance length | acceptance rate "
              "| steps | same tokens as off |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    order = lambda r: (r["workload"] != "copy", r["batch_size"], r["speculation"] != "off")  # noqa: E731
+    rank = {"off": 0, "ngram-fixed": 1, "ngram": 2}
+    order = lambda r: (r["workload"] != "copy", r["batch_size"], rank.get(r["speculation"], 3))  # noqa: E731
     for r in sorted(result["rows"], key=order):
         lines.append(f"| {r['workload']} | {r['batch_size']} | {r['speculation']} | {r['tpot_s'] * 1e3:.1f} | "
                      f"{r['tpot_vs_off']:.2f}x | {r['mean_acceptance_length']:.2f} | "

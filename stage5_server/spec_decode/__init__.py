@@ -11,6 +11,8 @@ The pieces, in the order a step meets them:
 - the runner scores every position in one forward pass and keeps the drafts the target model
   agrees with: ``rejection_sampler.py`` states the rule (and why the output keeps the target's
   distribution);
+- ``policy.py``: how many drafts each request proposes, from its recent acceptance and the
+  batch size (a draft that will likely be rejected costs a position and gains nothing);
 - ``metrics.py``: acceptance counts under vLLM's names, and the rate in the stats line.
 
 vLLM: ``vllm/v1/spec_decode/`` (``ngram_proposer.py``, ``eagle.py``, ``metrics.py``) and
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from stage5_server.spec_decode.config import SPECULATIVE_METHODS, SpeculativeConfig
 from stage5_server.spec_decode.ngram_proposer import NgramProposer
+from stage5_server.spec_decode.policy import DraftPolicy
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
 
 
@@ -33,4 +36,11 @@ def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
     raise ValueError(f"speculative_config.method: {config.method!r} is not available in this engine yet")
 
 
-__all__ = ["SPECULATIVE_METHODS", "NgramProposer", "SpeculativeConfig", "make_proposer", "rejection_sample"]
+def make_draft_policy(config) -> DraftPolicy | None:
+    """The draft-length policy for an ``EngineConfig`` with speculation on, for its device; None: off."""
+    spec = config.speculative
+    return None if spec is None else DraftPolicy.for_device(spec.num_speculative_tokens, config.device.type)
+
+
+__all__ = ["SPECULATIVE_METHODS", "DraftPolicy", "NgramProposer", "SpeculativeConfig", "make_draft_policy",
+           "make_proposer", "rejection_sample"]
