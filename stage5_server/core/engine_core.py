@@ -70,16 +70,17 @@ class EngineCore(SchedulerFacade):
         for request_id in result.logprobs:  # a stop inside a list of tokens drops the tokens after it
             request = requests[request_id]
             del request.logprobs[request.num_output_tokens:]
-        if self.proposer is not None:
+        if self.proposer is not None or self.config.speculative is not None:
             self.observe_acceptance(output.scheduled_spec_decode_tokens, result.by_request())
-            self.propose_drafts(updated)
+            self.propose_drafts(updated, result.draft_token_ids)
         if self.stats_logger:
             self.stats_logger.maybe_log(self.stats())
         return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
 
-    def propose_drafts(self, requests: list[Request]) -> None:
-        """Drafts for each request that gained tokens this step and runs on; the scheduler verifies them
-        in the request's next decode, inside the token budget (``core/scheduler.py``)."""
+    def propose_drafts(self, requests: list[Request], from_workers: dict[str, list[int]]) -> None:
+        """Drafts for each request that gained tokens this step and runs on (the proposer's here, or a draft
+        model's ``from_workers``); the scheduler verifies them in the request's next decode, inside the
+        token budget (``core/scheduler.py``)."""
         policy, batch_size = self.draft_policy, len(self.scheduler.running)
         for request in requests:
             if request.is_finished:
@@ -87,8 +88,11 @@ class EngineCore(SchedulerFacade):
                     policy.forget(request.request_id)
             elif request.structured_output_request is None:
                 k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
-                drafts = self.proposer.propose(request.all_token_ids) if k is None else \
-                    self.proposer.propose(request.all_token_ids, k) if k else []
+                if self.proposer is None:
+                    drafts = from_workers.get(request.request_id, [])[:k]
+                else:
+                    drafts = self.proposer.propose(request.all_token_ids) if k is None else \
+                        self.proposer.propose(request.all_token_ids, k) if k else []
                 if drafts:
                     self.scheduler.add_draft_tokens(request, drafts)
 

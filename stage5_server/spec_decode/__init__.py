@@ -6,6 +6,8 @@ The pieces, in the order a step meets them:
 - ``config.py``: ``speculative_config`` (vLLM's keys), checked once in ``EngineConfig``;
 - ``ngram_proposer.py``: prompt lookup, run by the engine core after each step
   (``EngineCore.propose_drafts``) on the tokens the request has;
+- ``draft_model.py``: a smaller model with the target's vocabulary and a paged KV cache of its
+  own, run on the worker after the target's step; its drafts come back with the step's output;
 - the scheduler (``core/scheduler.py``) gives a request with drafts ``1 + k`` positions inside the
   one token budget and the KV allocation, and rolls back the positions of rejected drafts;
 - the runner scores every position in one forward pass and keeps the drafts the target model
@@ -28,12 +30,12 @@ from stage5_server.spec_decode.rejection_sampler import rejection_sample
 
 
 def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """The engine core's proposer for ``config``; None when speculation is off."""
+    """The engine core's proposer for ``config``; None when speculation is off or the workers propose."""
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method: {config.method!r} is not available in this engine yet")
+    return None  # draft_model: the workers propose, after each step (draft_model.py)
 
 
 def make_draft_policy(config) -> DraftPolicy | None:

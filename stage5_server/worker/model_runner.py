@@ -28,13 +28,16 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import sample
 from shared.structured_output import unpack_bitmask
+from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
 from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True):
+    def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True,
+                 drafter: DraftModelProposer | None = None):
         self.model = model
+        self.drafter = drafter  # a draft model, run after the target (spec_decode/draft_model.py)
         self.input_batch = input_batch
         self.is_driver = is_driver
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests
@@ -43,6 +46,8 @@ class ModelRunner:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
         hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs.input_ids, inputs.positions, prepared.attn_metadata)
         scored_before = [len(state.prompt_logprobs) for state in prepared.states]
         score_prompt_tokens(self.model, list(zip(prepared.states, prepared.num_scheduled)), inputs, hidden)
         logits = None
@@ -52,6 +57,8 @@ class ModelRunner:
         if not self.is_driver:
             return None
         output = self.sample_tokens(step, prepared, logits) if logits is not None else ModelRunnerOutput([], [])
+        if self.drafter is not None and output.req_ids:
+            self._propose_drafts(output)
         for state, before in zip(prepared.states, scored_before):
             scored = len(state.prompt_logprobs)
             if scored > before:  # sent to the core, which keeps them; here only their count matters
@@ -99,6 +106,22 @@ class ModelRunner:
                 sampled[i].append(token)
         for state, before in zip(states, num_outputs):  # the core sends the real outputs next step
             del state.output_token_ids[before:]
+
+
+    def _propose_drafts(self, output: ModelRunnerOutput) -> None:
+        """The draft model's next drafts for each request that sampled and has room for them."""
+        batch, k = self.input_batch, self.drafter.k
+        ids, rows, positions, tokens = [], [], [], []
+        for request_id, sampled in zip(output.req_ids, output.sampled_token_ids):
+            position = batch.states[request_id].num_tokens + len(sampled) - 1  # where the last token sampled goes
+            if position + k <= batch.max_model_len:
+                ids.append(request_id)
+                rows.append(batch.row_of[request_id])
+                positions.append(position)
+                tokens.append(sampled[-1])
+        if ids:
+            drafts = self.drafter.propose(batch.block_table, batch.num_blocks, rows, positions, tokens)
+            output.draft_token_ids = dict(zip(ids, drafts))
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState],

@@ -16,7 +16,8 @@ of plain data that every rank receives alike, one process or many:
   core, where the grammars live.
 
 The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill,
-one for a decode, several when draft tokens were accepted) and the logprobs it was asked for.
+one for a decode, several when draft tokens were accepted), the logprobs it was asked for, and
+with a draft model the drafts it proposes for each request's next step.
 
 vLLM: ``NewRequestData``, ``CachedRequestData`` and ``SchedulerOutput`` in
 ``vllm/v1/core/sched/output.py`` (there the scheduler ships these itself); ``ModelRunnerOutput``
@@ -75,6 +76,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # per request: the tokens it gained (accepted drafts, then one more)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one entry per token gained
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # newly scored positions
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a draft model's next drafts
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids))
