@@ -58,6 +58,10 @@ class EngineCore(SchedulerFacade):
         if output.total_num_scheduled_tokens == 0:
             return output.aborted_reqs
         runner_input = self.scheduler.runner_input(output)
+        if self.proposer is None and self.draft_policy is not None:  # a draft model drafts on the workers
+            batch_size = len(self.scheduler.running)
+            runner_input.num_drafts_to_propose = {r.request_id: self.draft_policy.num_drafts(r.request_id, batch_size)
+                                                  for r in output.scheduled_reqs}
         try:
             result = self.model_executor.execute_model(runner_input)
         except Exception:
@@ -87,10 +91,10 @@ class EngineCore(SchedulerFacade):
                 if policy is not None:
                     policy.forget(request.request_id)
             elif request.structured_output_request is None:
-                k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
-                if self.proposer is None:
-                    drafts = from_workers.get(request.request_id, [])[:k]
+                if self.proposer is None:  # the workers drafted as many as the policy said before the step
+                    drafts = from_workers.get(request.request_id, [])
                 else:
+                    k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
                     drafts = self.proposer.propose(request.all_token_ids) if k is None else \
                         self.proposer.propose(request.all_token_ids, k) if k else []
                 if drafts:

@@ -52,10 +52,10 @@ class DraftModelProposer:
         self.model(input_ids, positions, meta)
 
     def propose(self, block_table: np.ndarray, num_blocks: list[int], rows: list[int], last_positions: list[int],
-                last_tokens: list[int]) -> list[list[int]]:
-        """``k`` greedy drafts for each request, given its input-batch row, the position of the token it
-        sampled last and that token."""
-        n, bs = len(rows), self.block_size
+                last_tokens: list[int], num_drafts: int | None = None) -> list[list[int]]:
+        """``num_drafts`` (at most ``k``) greedy drafts for each request, given its input-batch row, the
+        position of the token it sampled last and that token."""
+        n, bs, k = len(rows), self.block_size, self.k if num_drafts is None else min(num_drafts, self.k)
         positions = np.array(last_positions, dtype=np.int64)
         width = int((positions.max() + self.k - 1) // bs + 1)
         table = np.zeros((n, width), dtype=np.int64)
@@ -70,7 +70,7 @@ class DraftModelProposer:
         drafts = []
         query_start_loc = torch.arange(n + 1, dtype=torch.int32)
         tables = torch.from_numpy(table.astype(np.int32))
-        for j in range(self.k):
+        for j in range(k):
             pos = positions + j
             slots = table[np.arange(n), pos // bs] * bs + pos % bs
             meta = PagedAttentionMetadata(

@@ -58,7 +58,7 @@ class ModelRunner:
             return None
         output = self.sample_tokens(step, prepared, logits) if logits is not None else ModelRunnerOutput([], [])
         if self.drafter is not None and output.req_ids:
-            self._propose_drafts(output)
+            self._propose_drafts(output, step.num_drafts_to_propose)
         for state, before in zip(prepared.states, scored_before):
             scored = len(state.prompt_logprobs)
             if scored > before:  # sent to the core, which keeps them; here only their count matters
@@ -108,20 +108,22 @@ class ModelRunner:
             del state.output_token_ids[before:]
 
 
-    def _propose_drafts(self, output: ModelRunnerOutput) -> None:
-        """The draft model's next drafts for each request that sampled and has room for them."""
+    def _propose_drafts(self, output: ModelRunnerOutput, num_drafts: dict[str, int] | None) -> None:
+        """The draft model's next drafts for each request that sampled, wants some and has room for them."""
         batch, k = self.input_batch, self.drafter.k
-        ids, rows, positions, tokens = [], [], [], []
+        ids, rows, positions, tokens, wanted = [], [], [], [], []
         for request_id, sampled in zip(output.req_ids, output.sampled_token_ids):
             position = batch.states[request_id].num_tokens + len(sampled) - 1  # where the last token sampled goes
-            if position + k <= batch.max_model_len:
+            want = k if num_drafts is None else min(k, num_drafts.get(request_id, k))
+            if want > 0 and position + k <= batch.max_model_len:
                 ids.append(request_id)
+                wanted.append(want)
                 rows.append(batch.row_of[request_id])
                 positions.append(position)
                 tokens.append(sampled[-1])
         if ids:
-            drafts = self.drafter.propose(batch.block_table, batch.num_blocks, rows, positions, tokens)
-            output.draft_token_ids = dict(zip(ids, drafts))
+            drafts = self.drafter.propose(batch.block_table, batch.num_blocks, rows, positions, tokens, max(wanted))
+            output.draft_token_ids = {i: d[:n] for i, d, n in zip(ids, drafts, wanted)}
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState],

@@ -10,6 +10,8 @@ of plain data that every rank receives alike, one process or many:
   (the tokens it sampled, the blocks it was given) and how far its KV now reaches;
 - ``spec_token_ids``: draft tokens scheduled for verification (their positions are part of the
   request's ``num_scheduled_tokens``);
+- ``num_drafts_to_propose``: with a draft model on the workers, how many drafts each request
+  should get for its next step (the draft-length policy's answer; absent: ``k``);
 - ``finished_req_ids``: requests the workers can forget; ``preempted_req_ids``: requests whose rows
   they can free (each comes back later as a new request);
 - ``grammar_bitmask``: the structured-output mask of each request that samples, computed in the
@@ -68,6 +70,7 @@ class ModelRunnerInput:
     preempted_req_ids: set[str] = field(default_factory=set)  # their rows go; their state stays
     grammar_bitmask: torch.Tensor | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
     grammar_req_ids: list[str] = field(default_factory=list)
+    num_drafts_to_propose: dict[str, int] | None = None  # a draft model's: per request, None: k for all
 
 
 @dataclass

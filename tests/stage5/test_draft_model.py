@@ -97,3 +97,38 @@ def test_a_draft_with_another_vocabulary_is_refused_before_loading(tiny_llama, t
     other = make_tiny_model(tmp_path / "other", vocab_size=384)
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 384"):
         drafting(tiny_llama, other)
+
+
+def test_the_policy_asks_the_workers_for_fewer_drafts_from_a_poor_draft(tiny_llama, one_layer_draft):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = generate(LLM(str(tiny_llama), **ENGINE), PROMPTS, params)
+    drafted = []
+    for policy in (False, True):
+        llm = drafting(tiny_llama, one_layer_draft, k=4)
+        if not policy:
+            llm.engine.draft_policy = None
+        assert generate(llm, PROMPTS, params) == expected
+        drafted.append(llm.engine.stats().spec_decode_num_draft_tokens)
+    assert drafted[1] < drafted[0]
+
+
+@pytest.mark.slow
+def test_default_model_drafted_by_itself_and_by_its_first_layers_gives_the_plain_greedy_tokens(tmp_path):
+    """Self-speculation on the default model: all 30 layers accept every draft; its first 6 layers with
+    its head (no early-exit training) rarely agree with it, and the output is the plain one either way."""
+    from shared.named_models import default_model
+
+    messages = [[{"role": "user", "content": "Repeat exactly: the scheduler spends one token budget per step."}],
+                [{"role": "user", "content": "Name three colours."}]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    engine = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=16)
+    plain = [o.outputs[0].token_ids for o in LLM(**engine).chat(messages, params, use_tqdm=False)]
+    for layers in (30, 6):
+        draft = write_layer_prefix_checkpoint(default_model(), tmp_path / f"draft{layers}", layers)
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        llm = LLM(**engine, speculative_config=spec)
+        llm.engine.draft_policy = None
+        assert [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)] == plain
+        stats = llm.engine.stats()
+        if layers == 30:
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
