@@ -1,10 +1,12 @@
 """How many drafts a request proposes next step: only the ones expected to pay for their positions.
 
 A draft is not free. Verifying it adds a position to the step, and a position costs compute:
-little on a GPU running a small batch (the step is bound by reading the weights), a lot on a
-CPU, where even a 16-token step of the default model is compute-bound. Measured with 1 torch
-thread (bf16, SmolLM2-135M's matrix shapes), a step of ``T`` positions costs about
-``55 + 8 T`` ms: a fixed part ``a`` (reading the weights) and ``b`` per position.
+next to nothing on a GPU running a small batch (the step is bound by reading the weights),
+more on a CPU. Model a step of ``T`` positions as costing ``a + b T``: a fixed part ``a``
+(reading the weights, launching the layers) and ``b`` per position. On the two-CPU machine
+of ``benchmarks/results/cpu_roofline.json`` (``python -m benchmarks.cpu_roofline``), the default
+model's bf16 matrix multiplies take about 1.1 times as long for 16 tokens as for 1, and 1.8
+times for 64: ``r = b / a`` is about 0.015 there.
 
 So the policy compares, per request and per step:
 
@@ -13,10 +15,11 @@ So the policy compares, per request and per step:
 - its cost: one position, ``b``, against the cost of a token without speculation at batch
   ``B``, ``(a + b B) / B``. Their ratio is ``theta(B) = r B / (1 + r B)`` with ``r = b / a``.
 
-A request proposes the largest ``j <= k`` with ``alpha ** j >= theta(B)``. At batch 1 on a CPU
-(``theta`` about 0.13) a request whose drafts are mostly accepted keeps all ``k``, one accepted a
-third of the time keeps one; at batch 16 (``theta`` about 0.7) only near-certain copies are
-drafted. On a GPU ``theta`` stays near 0 and every request drafts ``k``, as in vLLM.
+A request proposes the largest ``j <= k`` with ``alpha ** j >= theta(B)``. On that CPU
+``theta`` is 0.015 at batch 1, where a request whose drafts are kept a third of the time still
+drafts three, and 0.19 at batch 16, where it drafts one and a request that copies drafts ``k``;
+at batch 64 (``theta`` 0.49) only near-certain drafts are worth a position. On a GPU ``theta``
+stays near 0 and every request drafts ``k`` unless its acceptance collapses, as in vLLM.
 
 ``alpha`` is the request's own recent acceptance: accepted drafts over drafts examined (the
 accepted ones and the first rejected one; later drafts were never checked), with older steps
@@ -38,8 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # b / a: the cost of one more position over the fixed cost of a step (module docstring).
-POSITION_COST_RATIO = {"cpu": 0.15, "cuda": 0.004}
-DEFAULT_POSITION_COST_RATIO = 0.004
+POSITION_COST_RATIO = {"cpu": 0.015, "cuda": 0.002}
+DEFAULT_POSITION_COST_RATIO = 0.002
 PRIOR_ACCEPTED, PRIOR_EXAMINED = 1.6, 2.0  # a new request starts at alpha = 0.8
 DECAY = 0.8  # weight of a verification relative to the next one
 PROBE_EVERY = 8
