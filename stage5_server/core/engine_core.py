@@ -59,9 +59,10 @@ class EngineCore(SchedulerFacade):
             return output.aborted_reqs
         runner_input = self.scheduler.runner_input(output)
         if self.proposer is None and self.draft_policy is not None:  # a draft model drafts on the workers
-            batch_size = len(self.scheduler.running)
-            runner_input.num_drafts_to_propose = {r.request_id: self.draft_policy.num_drafts(r.request_id, batch_size)
-                                                  for r in output.scheduled_reqs}
+            policy, batch_size = self.draft_policy, len(self.scheduler.running)
+            runner_input.num_drafts_to_propose = {  # a request under a grammar takes no drafts
+                r.request_id: 0 if r.structured_output_request else policy.num_drafts(r.request_id, batch_size)
+                for r in output.scheduled_reqs}
         try:
             result = self.model_executor.execute_model(runner_input)
         except Exception:

@@ -15,6 +15,10 @@ draw from the target model's own distribution given the tokens before it, so the
 plain decoding gives (token for token under greedy); the rejected positions' KV is simply
 overwritten later, since the scheduler rolls ``num_computed_tokens`` back past them.
 
+With a draft model (``spec_decode/draft_model.py``), the runner then runs the draft over the
+step's positions and lets it propose each sampling request's next drafts, which go back to the
+core with the sampled tokens.
+
 vLLM: ``GPUModelRunner.execute_model`` and ``sample_tokens`` in ``vllm/v1/worker/gpu_model_runner.py``;
 the accept-while-equal rule is ``vllm/v1/sample/rejection_sampler.py`` for a draft that gives no
 probabilities (as n-gram drafts do).
@@ -106,7 +110,6 @@ class ModelRunner:
                 sampled[i].append(token)
         for state, before in zip(states, num_outputs):  # the core sends the real outputs next step
             del state.output_token_ids[before:]
-
 
     def _propose_drafts(self, output: ModelRunnerOutput, num_drafts: dict[str, int] | None) -> None:
         """The draft model's next drafts for each request that sampled, wants some and has room for them."""
