@@ -3,18 +3,25 @@
 Two workloads, each at batch 1 and at batch B: a copy-heavy one (the model is asked to repeat a
 given text with one fix, so long spans of its answer are copies of its prompt: prompt lookup
 should pay) and free-form chat (little to copy: speculation should cost little). Every engine is
-stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts; each configuration
-runs in this one process, so the ratios are side by side. Time per output token is a request's
+stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts. Four engines:
+speculation off, n-gram with its draft-length policy (``spec_decode/policy.py``, the default),
+n-gram drafting ``k`` whenever it matches (``ngram-fixed``, the policy taken out), and a draft
+model cut from the target (its first ``--draft-layers`` layers with its norm and head,
+``shared/draft_checkpoint.py``: self-speculation without any training). All four are
+loaded in this one process and each workload and batch runs on them back to back, so a ratio
+compares runs seconds apart, not minutes. Time per output token is a request's
 decode time over its tokens after the first (``RequestTimeline.tpot``), averaged over the batch;
 the mean acceptance length is the tokens a verifying step gains per request (``1 + accepted /
 drafts``). Greedy speculative outputs must equal the plain ones: the run checks it.
 
-    python -m benchmarks.spec_decode [--batch-sizes 1 16 --output-len 96 --k 4 --threads 2]
+    python -m benchmarks.spec_decode [--batch-sizes 1 16 --output-len 96 --k 4 --draft-layers 6]
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,10 +45,23 @@ CHAT_TASKS = ["Tell me about the history of the bicycle, in a few sentences.",
 WORKLOADS = {"copy": COPY_TASKS, "chat": CHAT_TASKS}
 
 
-def speculative_configs(k: int) -> dict[str, dict | None]:
-    return {"off": None,
-            "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                      "prompt_lookup_max": 4}}
+def speculative_configs(k: int, draft: str | None = None) -> dict[str, dict | None]:
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    configs = {"off": None, "ngram-fixed": ngram, "ngram": ngram}
+    if draft is not None:
+        configs["draft"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return configs
+
+
+def write_draft(model: str | None, num_layers: int, directory: str) -> tuple[str, int]:
+    """The target's first ``num_layers`` layers (fewer if it has no more) as a draft checkpoint."""
+    from shared.draft_checkpoint import write_layer_prefix_checkpoint
+    from shared.named_models import default_model, resolve_model
+
+    source = Path(resolve_model(model) if model else default_model())
+    total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    num_layers = max(1, min(num_layers, total - 1))
+    return str(write_layer_prefix_checkpoint(source, Path(directory) / "draft", num_layers)), num_layers
 
 
 def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -63,21 +83,28 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
             "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, threads: int) -> list[dict]:
+def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, threads: int,
+        draft: str | None = None) -> list[dict]:
     from stage5_server import LLM
 
-    rows = []
-    for name, spec in speculative_configs(k).items():
+    engines = {}
+    for name, spec in speculative_configs(k, draft).items():
         llm = LLM(model=model, device="cpu", max_model_len=1024, max_num_seqs=max(batch_sizes),
                   max_num_batched_tokens=2048, cpu_threads=threads, speculative_config=spec)
+        if name == "ngram-fixed":
+            llm.engine.draft_policy = None  # every match drafts k
         llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-        for workload, tasks in WORKLOADS.items():
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
-            for batch in batch_sizes:
+        engines[name] = llm
+    rows = []
+    for workload, tasks in WORKLOADS.items():
+        for batch in batch_sizes:
+            for name, llm in engines.items():
+                prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
                 batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                 rows.append({"speculation": name, "workload": workload, "batch_size": batch,
                              "dtype": str(llm.dtype).removeprefix("torch."),
                              **measure(llm, batch_prompts, output_len)})
+    for llm in engines.values():
         llm.shutdown()
     return rows
 
@@ -99,11 +126,14 @@ def to_markdown(result: dict) -> str:
                                 f"runtime {result['runtime_s']:.0f} s")
     lines = ["### Speculative decoding: time per output token", "", f"{source}.", "",
              f"Model `{cfg['model']}`, greedy, {cfg['output_len']} tokens at most per request; n-gram: "
-             f"`{cfg['ngram']}`.", "",
+             f"`{cfg['ngram']}`; `ngram` drafts as many tokens as its policy says pay, `ngram-fixed` "
+             f"drafts k whenever the n-gram matches; `draft` is the target's first {cfg['draft_layers']} "
+             "layers with its head, drafting greedily under the same policy.", "",
              "| workload | batch | speculation | TPOT ms | vs off | mean acceptance length | acceptance rate "
              "| steps | same tokens as off |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    order = lambda r: (r["workload"] != "copy", r["batch_size"], r["speculation"] != "off")  # noqa: E731
+    rank = {"off": 0, "ngram-fixed": 1, "ngram": 2, "draft": 3}
+    order = lambda r: (r["workload"] != "copy", r["batch_size"], rank.get(r["speculation"], 3))  # noqa: E731
     for r in sorted(result["rows"], key=order):
         lines.append(f"| {r['workload']} | {r['batch_size']} | {r['speculation']} | {r['tpot_s'] * 1e3:.1f} | "
                      f"{r['tpot_vs_off']:.2f}x | {r['mean_acceptance_length']:.2f} | "
@@ -119,17 +149,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--draft-layers", type=int, default=6, help="layers of the target kept in the draft model")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before, start = os.getloadavg()[0], time.perf_counter()
-    rows = compare(run(args.model, args.batch_sizes, args.output_len, args.k, args.threads))
+    with tempfile.TemporaryDirectory() as directory:
+        draft, draft_layers = write_draft(args.model, args.draft_layers, directory)
+        rows = compare(run(args.model, args.batch_sizes, args.output_len, args.k, args.threads, draft))
     for r in rows:
         r.pop("token_ids")
     result = {**run_info("benchmarks.spec_decode", argv), "load_before": load_before, "load_after": os.getloadavg()[0],
               "runtime_s": time.perf_counter() - start,
               "config": {"model": Path(args.model).name if args.model else "default", "threads": args.threads,
                          "output_len": args.output_len, "batch_sizes": args.batch_sizes,
-                         "ngram": speculative_configs(args.k)["ngram"]},
+                         "ngram": speculative_configs(args.k)["ngram"], "draft_layers": draft_layers},
               "rows": rows}
     write_results("spec_decode", result, to_markdown(result), args.out_dir, args.markdown)
     return result

@@ -29,7 +29,7 @@ from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
-from stage5_server.spec_decode.config import SpeculativeConfig
+from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
                       "tensor_parallel_size": 1,
@@ -125,6 +125,7 @@ class EngineConfig:
                               prefix_caching_hash_algo=args["prefix_caching_hash_algo"],
                               block_shuffle_seed=args["block_shuffle_seed"])
         speculative = SpeculativeConfig.create(args["speculative_config"])
+        check_draft_model(speculative, model_config, tensor_parallel_size)
         interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],

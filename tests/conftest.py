@@ -45,11 +45,16 @@ class StageSpec:
 
     def make_llm(self, model, **overrides):
         kwargs = {"max_model_len": 256, "max_num_seqs": 8, **self.engine_kwargs, **overrides}
+        spec = kwargs.get("speculative_config")
+        if spec and spec.get("model") == SELF_DRAFT:  # the model under test drafts for itself
+            kwargs["speculative_config"] = {**spec, "model": str(model)}
         return self.module.LLM(model=str(model), **kwargs)
 
     def __str__(self) -> str:
         return self.name or self.package
 
+
+SELF_DRAFT = "self"  # in a stage's speculative_config: the checkpoint under test
 
 STAGES = [
     StageSpec(1, "stage1_naive"),
@@ -66,6 +71,12 @@ STAGES = [
                                    "dtype": "float32", "speculative_config": {
                                        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                        "prompt_lookup_max": 3}}, name="stage5_server-ngram"),
+    # stage5 with the model under test as its own draft model: every promise holds with a second model
+    # and its KV cache run after each step, through preemption, prefix hits and chunked prefill.
+    StageSpec(5, "stage5_server", {"block_size": 4, "max_num_batched_tokens": 16, "device": "cpu",
+                                   "dtype": "float32", "speculative_config": {
+                                       "method": "draft_model", "model": "self", "num_speculative_tokens": 3}},
+              name="stage5_server-draft"),
 ]
 
 

@@ -111,6 +111,6 @@ def test_spec_decode_smoke(tmp_path, tiny_llama):
     assert "python -m benchmarks.spec_decode" in (tmp_path / "spec_decode.md").read_text()
     rows = data["rows"]
     assert {(r["speculation"], r["workload"], r["batch_size"]) for r in rows} == {
-        (s, w, b) for s in ("off", "ngram") for w in ("copy", "chat") for b in (1, 2)}
+        (s, w, b) for s in ("off", "ngram-fixed", "ngram", "draft") for w in ("copy", "chat") for b in (1, 2)}
     assert all(r["same_tokens_as_off"] and r["tpot_s"] > 0 and r["mean_acceptance_length"] >= 1 for r in rows)
     assert all(r["drafts"] == 0 for r in rows if r["speculation"] == "off")

@@ -907,6 +907,36 @@ this over rates and token budgets ([Performance](../performance.md)).
 server.stop()  # the app's lifespan shuts the engine down with it
 print("server stopped")
 """),
+        md("""
+## Speculative decoding: acceptance per draft position
+
+The same model with prompt lookup on ([Speculative decoding](../spec-decode.md)): one request
+asked to repeat a text (its answer copies its prompt) and one free-form. The scheduler counts,
+for each draft position, how many verifying steps kept the draft there; a draft is kept only
+if every draft before it was, so the counts fall from position 1 to position `k`.
+"""),
+        code("""
+spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+spec_llm = LLM(model=MODEL, device="cpu", max_model_len=512, speculative_config=spec)
+text = ("The paged KV cache splits every request's keys and values into blocks of sixteen tokens, "
+        "and a block table maps each request's logical blocks to physical ones.")
+chats = [[{"role": "user", "content": f"Repeat this text exactly:\\n\\n{text}"}],
+         [{"role": "user", "content": "Name three colours."}]]
+spec_llm.chat(chats, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+stats = spec_llm.engine.stats()
+per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+rates = [accepted / stats.spec_decode_num_drafts for accepted in per_pos]
+print(f"verifying steps: {stats.spec_decode_num_drafts}, draft tokens: {stats.spec_decode_num_draft_tokens}, "
+      f"accepted: {stats.spec_decode_num_accepted_tokens}")
+for position, rate in enumerate(rates, 1):
+    print(f"position {position}: kept in {100 * rate:.0f}% of the verifying steps")
+fig, ax = plt.subplots(figsize=(5, 2.4))
+ax.bar(range(1, len(rates) + 1), rates)
+ax.set_xlabel("draft position"); ax.set_ylabel("kept / verifying steps"); ax.set_ylim(0, 1)
+ax.set_title("acceptance per draft position (prompt lookup, k = 4)", fontsize=10)
+plt.tight_layout(); plt.show()
+spec_llm.shutdown()
+"""),
     ]
 
 NOTEBOOKS = {

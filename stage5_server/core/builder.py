@@ -27,7 +27,7 @@ from stage5_server.core.cpu_threads import configure_engine_threads
 from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor, make_executor
-from stage5_server.spec_decode import make_proposer
+from stage5_server.spec_decode import make_draft_policy, make_proposer
 from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 logger = logging.getLogger("stagedserve")
@@ -63,7 +63,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                 config.dtype, max_model_len)
     interval = config.log_stats_interval
     return EngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None,
-                      make_proposer(config.speculative))
+                      make_proposer(config.speculative), make_draft_policy(config))
 
 
 def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:

@@ -5,7 +5,8 @@
 ``ModelRunnerOutput`` out: a list of tokens per request), the logprobs the runner computed are
 put on their requests, and the scheduler appends the tokens, rolls back rejected drafts and
 finishes what must stop. With speculative decoding on, the proposer then drafts the next tokens of
-each request that goes on (``spec_decode/``). Where the workers live (this process, or one process per rank) is the
+each request that goes on, as many as its recent acceptance says pay at this batch size
+(``spec_decode/policy.py``). Where the workers live (this process, or one process per rank) is the
 executor's business; the core is the same.
 
 A step whose execution raises fails the requests in it (the scheduler frees their KV) and the
@@ -23,14 +24,17 @@ from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor
 from stage5_server.spec_decode import NgramProposer
 from stage5_server.spec_decode.metrics import LoggingStatLogger
+from stage5_server.spec_decode.policy import DraftPolicy
 from stage5_server.worker import ModelRunnerOutput
 
 
 class EngineCore(SchedulerFacade):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, model_executor: Executor,
-                 stats_logger: LoggingStatLogger | None = None, proposer: NgramProposer | None = None):
+                 stats_logger: LoggingStatLogger | None = None, proposer: NgramProposer | None = None,
+                 draft_policy: DraftPolicy | None = None):
         self.config = config
         self.proposer = proposer  # drafts for the next step, from each request's tokens (spec_decode/)
+        self.draft_policy = draft_policy  # how many of them; None: always the proposer's k
         self.scheduler = scheduler
         self.model_executor = model_executor
         self.max_model_len = scheduler.max_model_len
@@ -54,6 +58,11 @@ class EngineCore(SchedulerFacade):
         if output.total_num_scheduled_tokens == 0:
             return output.aborted_reqs
         runner_input = self.scheduler.runner_input(output)
+        if self.proposer is None and self.draft_policy is not None:  # a draft model drafts on the workers
+            policy, batch_size = self.draft_policy, len(self.scheduler.running)
+            runner_input.num_drafts_to_propose = {  # a request under a grammar takes no drafts
+                r.request_id: 0 if r.structured_output_request else policy.num_drafts(r.request_id, batch_size)
+                for r in output.scheduled_reqs}
         try:
             result = self.model_executor.execute_model(runner_input)
         except Exception:
@@ -66,20 +75,43 @@ class EngineCore(SchedulerFacade):
         for request_id in result.logprobs:  # a stop inside a list of tokens drops the tokens after it
             request = requests[request_id]
             del request.logprobs[request.num_output_tokens:]
-        if self.proposer is not None:
-            self.propose_drafts(updated)
+        if self.proposer is not None or self.config.speculative is not None:
+            self.observe_acceptance(output.scheduled_spec_decode_tokens, result.by_request())
+            self.propose_drafts(updated, result.draft_token_ids)
         if self.stats_logger:
             self.stats_logger.maybe_log(self.stats())
         return output.aborted_reqs + updated  # aborted: refused at admission (their grammar failed)
 
-    def propose_drafts(self, requests: list[Request]) -> None:
-        """Drafts for each request that gained tokens this step and runs on; the scheduler verifies them
-        in the request's next decode, inside the token budget (``core/scheduler.py``)."""
+    def propose_drafts(self, requests: list[Request], from_workers: dict[str, list[int]]) -> None:
+        """Drafts for each request that gained tokens this step and runs on (the proposer's here, or a draft
+        model's ``from_workers``); the scheduler verifies them in the request's next decode, inside the
+        token budget (``core/scheduler.py``)."""
+        policy, batch_size = self.draft_policy, len(self.scheduler.running)
         for request in requests:
-            if not request.is_finished and request.structured_output_request is None:
-                drafts = self.proposer.propose(request.all_token_ids)
+            if request.is_finished:
+                if policy is not None:
+                    policy.forget(request.request_id)
+            elif request.structured_output_request is None:
+                if self.proposer is None:  # the workers drafted as many as the policy said before the step
+                    drafts = from_workers.get(request.request_id, [])
+                else:
+                    k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
+                    drafts = self.proposer.propose(request.all_token_ids) if k is None else \
+                        self.proposer.propose(request.all_token_ids, k) if k else []
                 if drafts:
                     self.scheduler.add_draft_tokens(request, drafts)
+
+    def observe_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        """Tell the draft policy how many of each request's drafts were kept this step."""
+        policy = self.draft_policy
+        if policy is None:
+            return
+        for request_id, tokens in drafts.items():
+            if sampled.get(request_id):  # none: aborted while its step ran
+                policy.observe(request_id, len(tokens), len(sampled[request_id]) - 1)
+        if len(policy.requests) > 2 * len(self.scheduler.requests) + 64:  # aborted requests' entries
+            for request_id in [r for r in policy.requests if r not in self.scheduler.requests]:
+                policy.forget(request_id)
 
 
 def add_logprobs(requests: dict[str, Request], result: ModelRunnerOutput) -> None:

@@ -6,11 +6,15 @@ The pieces, in the order a step meets them:
 - ``config.py``: ``speculative_config`` (vLLM's keys), checked once in ``EngineConfig``;
 - ``ngram_proposer.py``: prompt lookup, run by the engine core after each step
   (``EngineCore.propose_drafts``) on the tokens the request has;
+- ``draft_model.py``: a smaller model with the target's vocabulary and a paged KV cache of its
+  own, run on the worker after the target's step; its drafts come back with the step's output;
 - the scheduler (``core/scheduler.py``) gives a request with drafts ``1 + k`` positions inside the
   one token budget and the KV allocation, and rolls back the positions of rejected drafts;
 - the runner scores every position in one forward pass and keeps the drafts the target model
   agrees with: ``rejection_sampler.py`` states the rule (and why the output keeps the target's
   distribution);
+- ``policy.py``: how many drafts each request proposes, from its recent acceptance and the
+  batch size (a draft that will likely be rejected costs a position and gains nothing);
 - ``metrics.py``: acceptance counts under vLLM's names, and the rate in the stats line.
 
 vLLM: ``vllm/v1/spec_decode/`` (``ngram_proposer.py``, ``eagle.py``, ``metrics.py``) and
@@ -21,16 +25,24 @@ from __future__ import annotations
 
 from stage5_server.spec_decode.config import SPECULATIVE_METHODS, SpeculativeConfig
 from stage5_server.spec_decode.ngram_proposer import NgramProposer
+from stage5_server.spec_decode.policy import DraftPolicy
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
 
 
 def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """The engine core's proposer for ``config``; None when speculation is off."""
+    """The engine core's proposer for ``config``; None when speculation is off or the workers propose."""
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method: {config.method!r} is not available in this engine yet")
+    return None  # draft_model: the workers propose, after each step (draft_model.py)
 
 
-__all__ = ["SPECULATIVE_METHODS", "NgramProposer", "SpeculativeConfig", "make_proposer", "rejection_sample"]
+def make_draft_policy(config) -> DraftPolicy | None:
+    """The draft-length policy for an ``EngineConfig`` with speculation on, for its device; None: off."""
+    spec = config.speculative
+    return None if spec is None else DraftPolicy.for_device(spec.num_speculative_tokens, config.device.type)
+
+
+__all__ = ["SPECULATIVE_METHODS", "DraftPolicy", "NgramProposer", "SpeculativeConfig", "make_draft_policy",
+           "make_proposer", "rejection_sample"]

@@ -10,7 +10,9 @@ vLLM's keys:
   first; one given sets the other, neither gives vLLM's 5 and 5;
 - ``model`` (draft_model): the draft checkpoint (a directory, a ``.gguf`` file or a name).
 
-A bad value is a ``ValueError`` naming the key, before anything loads.
+A bad value is a ``ValueError`` naming the key, before anything loads; so is a draft model whose
+vocabulary is not the target's, or a draft model with a split target (its drafts would need the
+target's ranks to agree on them).
 
 vLLM: ``SpeculativeConfig`` in ``vllm/config/speculative.py``.
 """
@@ -20,6 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from shared.config import ModelConfig
+from shared.named_models import resolve_model
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -72,6 +77,19 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min: {low} is more than prompt_lookup_max {high}")
         return cls(method, k, low, high, model)
+
+
+def check_draft_model(spec: SpeculativeConfig | None, target: ModelConfig, tensor_parallel_size: int) -> None:
+    """A draft model must share the target's vocabulary, and the target must run on one rank."""
+    if spec is None or spec.method != "draft_model":
+        return
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative_config.model: a draft model needs tensor_parallel_size 1 "
+                         f"(got {tensor_parallel_size})")
+    draft = ModelConfig.from_pretrained(resolve_model(spec.model))
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, "
+                         f"the target's {target.vocab_size}; they must be the same")
 
 
 def _is_int(value: Any) -> bool:

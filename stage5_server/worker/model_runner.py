@@ -15,6 +15,10 @@ draw from the target model's own distribution given the tokens before it, so the
 plain decoding gives (token for token under greedy); the rejected positions' KV is simply
 overwritten later, since the scheduler rolls ``num_computed_tokens`` back past them.
 
+With a draft model (``spec_decode/draft_model.py``), the runner then runs the draft over the
+step's positions and lets it propose each sampling request's next drafts, which go back to the
+core with the sampled tokens.
+
 vLLM: ``GPUModelRunner.execute_model`` and ``sample_tokens`` in ``vllm/v1/worker/gpu_model_runner.py``;
 the accept-while-equal rule is ``vllm/v1/sample/rejection_sampler.py`` for a draft that gives no
 probabilities (as n-gram drafts do).
@@ -28,13 +32,16 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import sample
 from shared.structured_output import unpack_bitmask
+from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
 from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True):
+    def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True,
+                 drafter: DraftModelProposer | None = None):
         self.model = model
+        self.drafter = drafter  # a draft model, run after the target (spec_decode/draft_model.py)
         self.input_batch = input_batch
         self.is_driver = is_driver
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests
@@ -43,6 +50,8 @@ class ModelRunner:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
         hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs.input_ids, inputs.positions, prepared.attn_metadata)
         scored_before = [len(state.prompt_logprobs) for state in prepared.states]
         score_prompt_tokens(self.model, list(zip(prepared.states, prepared.num_scheduled)), inputs, hidden)
         logits = None
@@ -52,6 +61,8 @@ class ModelRunner:
         if not self.is_driver:
             return None
         output = self.sample_tokens(step, prepared, logits) if logits is not None else ModelRunnerOutput([], [])
+        if self.drafter is not None and output.req_ids:
+            self._propose_drafts(output, step.num_drafts_to_propose)
         for state, before in zip(prepared.states, scored_before):
             scored = len(state.prompt_logprobs)
             if scored > before:  # sent to the core, which keeps them; here only their count matters
@@ -99,6 +110,23 @@ class ModelRunner:
                 sampled[i].append(token)
         for state, before in zip(states, num_outputs):  # the core sends the real outputs next step
             del state.output_token_ids[before:]
+
+    def _propose_drafts(self, output: ModelRunnerOutput, num_drafts: dict[str, int] | None) -> None:
+        """The draft model's next drafts for each request that sampled, wants some and has room for them."""
+        batch, k = self.input_batch, self.drafter.k
+        ids, rows, positions, tokens, wanted = [], [], [], [], []
+        for request_id, sampled in zip(output.req_ids, output.sampled_token_ids):
+            position = batch.states[request_id].num_tokens + len(sampled) - 1  # where the last token sampled goes
+            want = k if num_drafts is None else min(k, num_drafts.get(request_id, k))
+            if want > 0 and position + k <= batch.max_model_len:
+                ids.append(request_id)
+                wanted.append(want)
+                rows.append(batch.row_of[request_id])
+                positions.append(position)
+                tokens.append(sampled[-1])
+        if ids:
+            drafts = self.drafter.propose(batch.block_table, batch.num_blocks, rows, positions, tokens, max(wanted))
+            output.draft_token_ids = {i: d[:n] for i, d, n in zip(ids, drafts, wanted)}
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState],

@@ -10,13 +10,16 @@ of plain data that every rank receives alike, one process or many:
   (the tokens it sampled, the blocks it was given) and how far its KV now reaches;
 - ``spec_token_ids``: draft tokens scheduled for verification (their positions are part of the
   request's ``num_scheduled_tokens``);
+- ``num_drafts_to_propose``: with a draft model on the workers, how many drafts each request
+  should get for its next step (the draft-length policy's answer; absent: ``k``);
 - ``finished_req_ids``: requests the workers can forget; ``preempted_req_ids``: requests whose rows
   they can free (each comes back later as a new request);
 - ``grammar_bitmask``: the structured-output mask of each request that samples, computed in the
   core, where the grammars live.
 
 The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill,
-one for a decode, several when draft tokens were accepted) and the logprobs it was asked for.
+one for a decode, several when draft tokens were accepted), the logprobs it was asked for, and
+with a draft model the drafts it proposes for each request's next step.
 
 vLLM: ``NewRequestData``, ``CachedRequestData`` and ``SchedulerOutput`` in
 ``vllm/v1/core/sched/output.py`` (there the scheduler ships these itself); ``ModelRunnerOutput``
@@ -67,6 +70,7 @@ class ModelRunnerInput:
     preempted_req_ids: set[str] = field(default_factory=set)  # their rows go; their state stays
     grammar_bitmask: torch.Tensor | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
     grammar_req_ids: list[str] = field(default_factory=list)
+    num_drafts_to_propose: dict[str, int] | None = None  # a draft model's: per request, None: k for all
 
 
 @dataclass
@@ -75,6 +79,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # per request: the tokens it gained (accepted drafts, then one more)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one entry per token gained
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # newly scored positions
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a draft model's next drafts
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids))

@@ -1,5 +1,6 @@
 """One worker per rank: its device, its model (whole, or its tensor-parallel shard), its KV cache,
-the attention backend over that cache, and the model runner. The same class on one device and on
+the attention backend over that cache, and the model runner; with a draft model
+(``speculative_config``'s ``draft_model``), that model and its own KV cache too. The same class on one device and on
 every rank of a split model; the executor decides only where each worker lives.
 
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
@@ -17,6 +18,7 @@ import os
 import torch
 
 from shared.llm_base import kv_bytes_per_token
+from shared.named_models import resolve_model
 from shared.weights import load_model
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
@@ -24,6 +26,7 @@ from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.parallel.sharded_model import load_sharded_model
+from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.worker.input_batch import InputBatch
 from stage5_server.worker.model_runner import ModelRunner
 from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
@@ -42,6 +45,10 @@ class Worker:
         # q/k/v (gate/up) fused into one GEMM each; a compiled forward fuses RoPE into its own loops.
         self.compiled = config.enforce_eager is False and world_size == 1
         self.model = fuse_projections(model, step_rope=not self.compiled)
+        spec = config.speculative
+        self.draft_model = None
+        if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
+            self.draft_model = fuse_projections(load_model(resolve_model(spec.model), config.dtype, self.device)[0])
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
 
@@ -51,8 +58,10 @@ class Worker:
                 "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads}
 
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers, on this rank (its own KV heads only)."""
-        return kv_bytes_per_token(self.model.config, self.config.dtype)
+        """K and V of one token across all layers, on this rank (its own KV heads only), the draft model's
+        included: its cache has a slot for every slot of the target's."""
+        draft = 0 if self.draft_model is None else kv_bytes_per_token(self.draft_model.config, self.config.dtype)
+        return kv_bytes_per_token(self.model.config, self.config.dtype) + draft
 
     def determine_available_memory(self, num_tokens: int) -> int:
         """Bytes of GPU memory the KV cache can have on this rank (``attention/memory.py``)."""
@@ -69,7 +78,13 @@ class Worker:
         else:
             self.model.set_attention_backend(backend)
         input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, block_size, self.device)
-        self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.rank == 0)
+        drafter = None
+        if self.draft_model is not None:
+            drafter = DraftModelProposer(self.draft_model, config.speculative.num_speculative_tokens, num_blocks,
+                                         block_size, config.scheduler.max_num_seqs, config.dtype, self.device,
+                                         ATTENTION_BACKENDS[config.attention_backend])
+        self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.rank == 0,
+                                        drafter=drafter)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(step)

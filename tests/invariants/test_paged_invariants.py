@@ -54,4 +54,5 @@ def test_every_written_slot_belongs_to_a_block_the_engine_gave_out(stage, tiny_l
 
     monkeypatch.setattr(cache, "write", checking_write)
     llm.generate(list(PROMPTS), PARAMS, use_tqdm=False)
-    assert len(written_steps) >= PARAMS.max_tokens
+    # Every position but the last output's is written (a step that verifies drafts writes several).
+    assert sum(written_steps) >= len(PROMPTS) * (PARAMS.max_tokens - 1)
