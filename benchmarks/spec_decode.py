@@ -9,12 +9,18 @@ n-gram drafting ``k`` whenever it matches (``ngram-fixed``, the policy taken out
 model cut from the target (its first ``--draft-layers`` layers with its norm and head,
 ``shared/draft_checkpoint.py``: self-speculation without any training). All four are
 loaded in this one process and each workload and batch runs on them back to back, so a ratio
-compares runs seconds apart, not minutes. Time per output token is a request's
-decode time over its tokens after the first (``RequestTimeline.tpot``), averaged over the batch;
+compares runs seconds apart, not minutes; ``--repeats`` rounds over the four, each round starting
+with the next engine, and each row is an engine's median round (a two-CPU machine's time per
+token moves by 10-15% from one run to the next, more than some of the differences measured).
+Time per output token is a request's decode time over its tokens after the first
+(``RequestTimeline.tpot``), averaged over the batch;
 the mean acceptance length is the tokens a verifying step gains per request (``1 + accepted /
-drafts``). Greedy speculative outputs must equal the plain ones: the run checks it.
+drafts``). The last column says whether a row's greedy tokens equal the plain engine's. In
+float32 they always do (the tests hold it); in bfloat16 a step that verifies drafts multiplies
+several positions at once, which rounds differently from one position, so a near-tie between two
+tokens can flip and the texts part (held to closeness, as every bfloat16 path is).
 
-    python -m benchmarks.spec_decode [--batch-sizes 1 16 --output-len 96 --k 4 --draft-layers 6]
+    python -m benchmarks.spec_decode [--batch-sizes 1 16 --output-len 96 --k 4 --draft-layers 6 --repeats 3]
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, threads: int,
-        draft: str | None = None) -> list[dict]:
+        draft: str | None = None, repeats: int = 3) -> list[dict]:
     from stage5_server import LLM
 
     engines = {}
@@ -95,15 +101,20 @@ def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, thre
             llm.engine.draft_policy = None  # every match drafts k
         llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
         engines[name] = llm
-    rows = []
+    rows, names = [], list(engines)
     for workload, tasks in WORKLOADS.items():
         for batch in batch_sizes:
-            for name, llm in engines.items():
-                prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
-                batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            for repeat in range(repeats):  # the engines in turn, each round starting with the next one
+                for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                    llm = engines[name]
+                    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]
+                    runs[name].append(measure(llm, [prompts[i % len(prompts)] for i in range(batch)], output_len))
+            for name in names:
+                median = sorted(runs[name], key=lambda m: m["tpot_s"])[len(runs[name]) // 2]
                 rows.append({"speculation": name, "workload": workload, "batch_size": batch,
-                             "dtype": str(llm.dtype).removeprefix("torch."),
-                             **measure(llm, batch_prompts, output_len)})
+                             "dtype": str(engines[name].dtype).removeprefix("torch."), **median,
+                             "tpot_s_runs": [m["tpot_s"] for m in runs[name]]})
     for llm in engines.values():
         llm.shutdown()
     return rows
@@ -125,7 +136,8 @@ def to_markdown(result: dict) -> str:
                                 f"{result['load_before']:.2f} before and {result['load_after']:.2f} after; "
                                 f"runtime {result['runtime_s']:.0f} s")
     lines = ["### Speculative decoding: time per output token", "", f"{source}.", "",
-             f"Model `{cfg['model']}`, greedy, {cfg['output_len']} tokens at most per request; n-gram: "
+             f"Model `{cfg['model']}`, greedy, {cfg['output_len']} tokens at most per request, each row the "
+             f"median of {cfg.get('repeats', 1)} rounds over the engines; n-gram: "
              f"`{cfg['ngram']}`; `ngram` drafts as many tokens as its policy says pay, `ngram-fixed` "
              f"drafts k whenever the n-gram matches; `draft` is the target's first {cfg['draft_layers']} "
              "layers with its head, drafting greedily under the same policy.", "",
@@ -150,18 +162,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--draft-layers", type=int, default=6, help="layers of the target kept in the draft model")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over the engines; each row is the median round")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before, start = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         draft, draft_layers = write_draft(args.model, args.draft_layers, directory)
-        rows = compare(run(args.model, args.batch_sizes, args.output_len, args.k, args.threads, draft))
+        rows = compare(run(args.model, args.batch_sizes, args.output_len, args.k, args.threads, draft, args.repeats))
     for r in rows:
         r.pop("token_ids")
     result = {**run_info("benchmarks.spec_decode", argv), "load_before": load_before, "load_after": os.getloadavg()[0],
               "runtime_s": time.perf_counter() - start,
               "config": {"model": Path(args.model).name if args.model else "default", "threads": args.threads,
-                         "output_len": args.output_len, "batch_sizes": args.batch_sizes,
+                         "output_len": args.output_len, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
                          "ngram": speculative_configs(args.k)["ngram"], "draft_layers": draft_layers},
               "rows": rows}
     write_results("spec_decode", result, to_markdown(result), args.out_dir, args.markdown)

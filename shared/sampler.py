@@ -135,14 +135,19 @@ def token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
 # ---- step 4: the sampled rows --------------------------------------------------------------------
 def sample_random(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p, then one draw per row."""
-    probs = sampling_probs(logits, requests)
+    return draw(sampling_probs(logits, requests), requests, generator)
+
+
+def draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs``: ``argmax(probs / q)``, ``q ~ Exp(1)`` from the request's own generator
+    if it is seeded, else from ``generator``. ``probs`` is left as it is."""
     q = torch.empty_like(probs)
     seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         q.exponential_(generator=generator)
     for row, request_generator in seeded:
         q[row].exponential_(generator=request_generator)
-    return probs.div_(q).argmax(dim=-1)
+    return probs.div(q).argmax(dim=-1)
 
 
 def target_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -247,15 +247,34 @@ class StructuredOutputRequest:
         return (self._matcher is not None and bool(output_token_ids) and self._matcher.is_stopped()
                 and output_token_ids[-1] in self.stop_token_ids)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int]) -> None:
+    def num_valid_drafts(self, output_token_ids: list[int], draft_token_ids: list[int]) -> int:
+        """How many of ``draft_token_ids``, in a row, the grammar allows after the outputs: a draft it
+        forbids can never be accepted, so neither it nor any after it is worth a position."""
+        matcher = self.sync(output_token_ids)
+        return 0 if matcher.is_error() or matcher.is_stopped() else matcher.validate_tokens(draft_token_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int],
+                     draft_token_ids: list[int] = ()) -> None:
+        """Row ``row``: the tokens allowed after the outputs. With drafts, row ``row + i``: the tokens
+        allowed after the outputs and the first ``i`` drafts, one mask per position that samples (the
+        rows past a draft the grammar forbids stay open: sampling never gets there)."""
         matcher = self.sync(output_token_ids)
         if matcher.is_error():  # allow only EOS, so the request ends (as aborted) at once
             bitmask[row] = 0
             for token in self.stop_token_ids:
                 bitmask[row, token // 32] |= 1 << (token % 32)
             return
-        row_view = bitmask[row]
-        matcher.unsafe_compute_mask_ptr(row_view.data_ptr(), row_view.numel() * row_view.element_size())
+        valid = matcher.validate_tokens(list(draft_token_ids)) if draft_token_ids else 0
+        consumed = 0
+        for i in range(valid + 1):
+            row_view = bitmask[row + i]
+            matcher.unsafe_compute_mask_ptr(row_view.data_ptr(), row_view.numel() * row_view.element_size())
+            if i == valid or matcher.is_stopped():
+                break
+            matcher.consume_token(draft_token_ids[i])  # allowed: validate_tokens said so
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)  # back to the outputs: the drafts are not outputs yet
 
 
 class StructuredOutputManager:

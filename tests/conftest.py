@@ -48,7 +48,12 @@ class StageSpec:
         spec = kwargs.get("speculative_config")
         if spec and spec.get("model") == SELF_DRAFT:  # the model under test drafts for itself
             kwargs["speculative_config"] = {**spec, "model": str(model)}
-        return self.module.LLM(model=str(model), **kwargs)
+        llm = self.module.LLM(model=str(model), **kwargs)
+        if spec and spec.get("model") == SELF_DRAFT:
+            # A draft as costly as the target never pays, so the draft-length policy would stop it
+            # drafting; the suite wants every step drafted, so it runs without the policy.
+            llm.engine.draft_policy = None
+        return llm
 
     def __str__(self) -> str:
         return self.name or self.package

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 import traceback
 from collections import defaultdict
@@ -181,32 +180,22 @@ class ZmqCoreLoop(EngineCoreLoop):
         return not self.orphaned
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)  # unwinds the loop: the sockets close, the parent sees the process end
-
-
-def _configure_process(log_prefix: str, log_level: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(format=f"%(levelname)s %(asctime)s [{log_prefix} pid %(process)d] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
-    logger.setLevel(log_level)
-
-
 def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int):
     """``((EngineCore, its grammar manager), EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
         from shared.llm_base import cache_config_info
+        from shared.structured_output import StructuredOutputManager
         from shared.tokenizer import Tokenizer
         from stage5_server.config import EngineConfig
         from stage5_server.core import build_engine_core
         from stage5_server.core.plugins import load_engine_plugins
-        from stage5_server.llm import LLM, grammar_manager
+        from stage5_server.llm import LLM
 
         core = build_engine_core(EngineConfig.create(model_path, **engine_args))
         load_engine_plugins(core)
         config = core.config
-        grammars = grammar_manager(config, Tokenizer(config.tokenizer_path))
+        mc = config.model_config  # grammars are built off the engine loop
+        grammars = StructuredOutputManager(Tokenizer(config.tokenizer_path).hf, mc.vocab_size, mc.eos_token_ids)
     except BaseException as exc:
         return None, EngineCoreStartupError(type(exc).__name__, str(exc), traceback.format_exc(), engine_index)
     return (core, grammars), EngineCoreReady(
@@ -223,10 +212,9 @@ def run_engine_core(engine_index: int, model_path: str, engine_args: dict[str, A
     """The entry point of engine core ``engine_index`` (spawned by ``data_parallel/launcher.py``): bind,
     build the engine, report ``EngineCoreReady`` (or the start-up error) to the launcher, then serve
     every API server that connects. ``num_threads``: this rank's share of the CPU. A dead core exits 1."""
-    from stage5_server.processes import set_process_name
+    from stage5_server.processes import configure_child
 
-    set_process_name(f"ss-engine-{engine_index}")
-    _configure_process(f"engine-core {engine_index}", log_level)
+    configure_child(f"ss-engine-{engine_index}", f"engine-core {engine_index}", log_level)
     if num_threads is not None:
         import torch
 

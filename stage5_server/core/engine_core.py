@@ -60,9 +60,8 @@ class EngineCore(SchedulerFacade):
         runner_input = self.scheduler.runner_input(output)
         if self.proposer is None and self.draft_policy is not None:  # a draft model drafts on the workers
             policy, batch_size = self.draft_policy, len(self.scheduler.running)
-            runner_input.num_drafts_to_propose = {  # a request under a grammar takes no drafts
-                r.request_id: 0 if r.structured_output_request else policy.num_drafts(r.request_id, batch_size)
-                for r in output.scheduled_reqs}
+            runner_input.num_drafts_to_propose = {r.request_id: policy.num_drafts(r.request_id, batch_size)
+                                                   for r in output.scheduled_reqs}
         try:
             result = self.model_executor.execute_model(runner_input)
         except Exception:
@@ -91,15 +90,14 @@ class EngineCore(SchedulerFacade):
             if request.is_finished:
                 if policy is not None:
                     policy.forget(request.request_id)
-            elif request.structured_output_request is None:
-                if self.proposer is None:  # the workers drafted as many as the policy said before the step
-                    drafts = from_workers.get(request.request_id, [])
-                else:
-                    k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
-                    drafts = self.proposer.propose(request.all_token_ids) if k is None else \
-                        self.proposer.propose(request.all_token_ids, k) if k else []
-                if drafts:
-                    self.scheduler.add_draft_tokens(request, drafts)
+                continue
+            if self.proposer is None:  # the workers drafted as many as the policy said before the step
+                drafts = from_workers.get(request.request_id, [])
+            else:  # k None: the proposer's own k
+                k = None if policy is None else policy.num_drafts(request.request_id, batch_size)
+                drafts = self.proposer.propose(request.all_token_ids, k)
+            if drafts:
+                self.scheduler.add_draft_tokens(request, drafts)
 
     def observe_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
         """Tell the draft policy how many of each request's drafts were kept this step."""

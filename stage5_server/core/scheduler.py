@@ -78,11 +78,16 @@ class Scheduler(_PrefixCachingScheduler):
     def add_draft_tokens(self, request: Request, draft_token_ids: list[int]) -> None:
         """Propose ``draft_token_ids`` to follow ``request``'s last token; verified in its next decode.
         Cut to what ``max_model_len`` and ``max_tokens`` leave (a step gains at most one token more than
-        it has drafts); a request under a grammar takes none (its mask is computed for one position a step)."""
+        it has drafts) and, under a grammar, to the drafts it allows (vLLM's ``validate_tokens``). Only a
+        request whose next step is a decode takes drafts."""
         room = min(self.max_model_len - request.num_tokens,
                    request.max_output_tokens(self.max_model_len) - request.num_output_tokens - 1)
-        usable = request.structured_output_request is None and not request.is_finished
-        request.spec_token_ids = list(draft_token_ids[:max(0, room)]) if usable else []
+        decoding = not request.is_finished and request.num_tokens - request.num_computed_tokens == 1
+        drafts = list(draft_token_ids[:max(0, room)]) if decoding else []  # mid-prefill: none
+        grammar = request.structured_output_request
+        if drafts and grammar is not None:
+            drafts = drafts[:grammar.num_valid_drafts(request.output_token_ids, drafts)]
+        request.spec_token_ids = drafts
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []  # proposed for a position the recompute samples afresh
@@ -159,16 +164,20 @@ class Scheduler(_PrefixCachingScheduler):
         self.preempted_on_workers |= runner_input.preempted_req_ids
 
     def _add_grammar_bitmask(self, output: SchedulerOutput, runner_input: ModelRunnerInput) -> None:
-        """The masks of the requests with a grammar that sample this step (they reach their last token)."""
+        """The masks of the requests with a grammar that sample this step (they reach their last token):
+        one row per position that samples, so ``1 + len(drafts)`` rows for a request verifying drafts."""
         sampling = [r for r in output.scheduled_reqs if r.structured_output_request is not None
-                    and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] == r.num_tokens]
+                    and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] >= r.num_tokens]
         if not sampling:
             return
         if self.vocab_size is None:
             raise ValueError("vocab_size: a scheduler of requests with structured output needs the model's vocab_size")
+        drafts = [output.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling]
         words = -(-self.vocab_size // 32)
-        bitmask = torch.full((len(sampling), words), -1, dtype=torch.int32)  # -1: every token allowed
-        for row, request in enumerate(sampling):
-            request.structured_output_request.fill_bitmask(bitmask, row, request.output_token_ids)
+        bitmask = torch.full((sum(1 + len(d) for d in drafts), words), -1, dtype=torch.int32)  # -1: all allowed
+        row = 0
+        for request, request_drafts in zip(sampling, drafts):
+            request.structured_output_request.fill_bitmask(bitmask, row, request.output_token_ids, request_drafts)
+            row += 1 + len(request_drafts)
         runner_input.grammar_bitmask = bitmask
         runner_input.grammar_req_ids = [r.request_id for r in sampling]

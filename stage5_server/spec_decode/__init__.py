@@ -23,9 +23,11 @@ vLLM: ``vllm/v1/spec_decode/`` (``ngram_proposer.py``, ``eagle.py``, ``metrics.p
 
 from __future__ import annotations
 
+from shared.config import ModelConfig
+from shared.named_models import resolve_model
 from stage5_server.spec_decode.config import SPECULATIVE_METHODS, SpeculativeConfig
 from stage5_server.spec_decode.ngram_proposer import NgramProposer
-from stage5_server.spec_decode.policy import DraftPolicy
+from stage5_server.spec_decode.policy import DraftPolicy, forward_weights
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
 
 
@@ -39,9 +41,16 @@ def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
 
 
 def make_draft_policy(config) -> DraftPolicy | None:
-    """The draft-length policy for an ``EngineConfig`` with speculation on, for its device; None: off."""
+    """The draft-length policy for an ``EngineConfig`` with speculation on, for its device and drafter;
+    None: off."""
     spec = config.speculative
-    return None if spec is None else DraftPolicy.for_device(spec.num_speculative_tokens, config.device.type)
+    if spec is None:
+        return None
+    draft_cost_ratio = 0.0
+    if spec.method == "draft_model":
+        draft = ModelConfig.from_pretrained(resolve_model(spec.model))
+        draft_cost_ratio = forward_weights(draft) / forward_weights(config.model_config)
+    return DraftPolicy.for_device(spec.num_speculative_tokens, config.device.type, draft_cost_ratio)
 
 
 __all__ = ["SPECULATIVE_METHODS", "DraftPolicy", "NgramProposer", "SpeculativeConfig", "make_draft_policy",

@@ -15,24 +15,29 @@ draw from the target model's own distribution given the tokens before it, so the
 plain decoding gives (token for token under greedy); the rejected positions' KV is simply
 overwritten later, since the scheduler rolls ``num_computed_tokens`` back past them.
 
-With a draft model (``spec_decode/draft_model.py``), the runner then runs the draft over the
-step's positions and lets it propose each sampling request's next drafts, which go back to the
-core with the sampled tokens.
+With a draft model (``spec_decode/draft_model.py``), the runner then lets it propose the next
+drafts of each sampling request the policy asks drafts of (the draft catches up on the positions
+it has not run first); they go back to the core with the sampled tokens. A request that samples
+gets drafts drawn from the draft's distribution ``q``; the runner keeps ``q`` until the drafts
+come back for verification and checks them by the rejection rule instead, against the target's
+distribution at each position (``spec_decode/rejection_sampler.py``).
 
 vLLM: ``GPUModelRunner.execute_model`` and ``sample_tokens`` in ``vllm/v1/worker/gpu_model_runner.py``;
 the accept-while-equal rule is ``vllm/v1/sample/rejection_sampler.py`` for a draft that gives no
-probabilities (as n-gram drafts do).
+probabilities (as n-gram drafts do), the rejection rule its case with ``draft_probs``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
-from shared.sampler import sample
+from shared.sampler import gather_logprobs, sample, target_probs
 from shared.structured_output import unpack_bitmask
 from stage5_server.spec_decode.draft_model import DraftModelProposer
+from stage5_server.spec_decode.rejection_sampler import rejection_sample
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
 from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
@@ -45,13 +50,18 @@ class ModelRunner:
         self.input_batch = input_batch
         self.is_driver = is_driver
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded sampled requests
+        # A draft model's sampled drafts, until verified: request id -> (drafts, the distributions they came from)
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
         hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
-        if self.drafter is not None:
-            self.drafter.catch_up(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        if self.drafter is not None:  # rows gone or new: the draft's cache holds nothing of them yet
+            gone = [*step.finished_req_ids, *step.preempted_req_ids, *(r.req_id for r in step.new_reqs)]
+            self.drafter.forget(gone)
+            for request_id in gone:
+                self.draft_probs.pop(request_id, None)
         scored_before = [len(state.prompt_logprobs) for state in prepared.states]
         score_prompt_tokens(self.model, list(zip(prepared.states, prepared.num_scheduled)), inputs, hidden)
         logits = None
@@ -76,30 +86,60 @@ class ModelRunner:
         for num_draft in prepared.num_draft:
             first_rows.append(offset)
             offset += 1 + num_draft
-        if offset == len(states):  # no drafts: one logits row per request
-            first = logits
-        else:
-            first = logits[first_rows]
-        first = apply_grammar_masks(first, states, step)
-        sampled = [[token] for token in sample(first, states, self.generator)]
+        logits = apply_grammar_masks(logits, states, first_rows, prepared.num_draft, step)
+        drafts = [step.spec_token_ids.get(state.request_id, []) for state in states]
+        draft_probs = [self._draft_probs(state.request_id, d) for state, d in zip(states, drafts)]
+        point = [i for i, q in enumerate(draft_probs) if q is None]  # no drafts, or drafts without probabilities
+        sampled: list[list[int]] = [[] for _ in states]
+        first = logits if offset == len(states) else logits[[first_rows[i] for i in point]]
+        for i, token in zip(point, sample(first, [states[i] for i in point], self.generator)):
+            sampled[i] = [token]
         if offset != len(states):
-            self._verify_drafts(step, states, prepared.num_draft, first_rows, logits, sampled)
+            self._verify_drafts(states, drafts, first_rows, logits, sampled)
+            for i, q in enumerate(draft_probs):
+                if q is not None:
+                    sampled[i] = self._rejection_sample(states[i], drafts[i], q, logits[first_rows[i]:][:len(q) + 1])
         output = ModelRunnerOutput([state.request_id for state in states], sampled)
         for state in states:
             if state.logprobs:
                 output.logprobs[state.request_id], state.logprobs = state.logprobs, []
         return output
 
-    def _verify_drafts(self, step: ModelRunnerInput, states: list[CachedRequestState], num_draft: list[int],
-                       first_rows: list[int], logits: torch.Tensor, sampled: list[list[int]]) -> None:
-        """Extend each request's list while its sampled token equals the next draft (module docstring)."""
-        drafts = [step.spec_token_ids.get(state.request_id, []) for state in states]
+    def _draft_probs(self, request_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """The distributions a draft model drew ``drafts`` from (the scheduler may have cut them), or None."""
+        proposed = self.draft_probs.pop(request_id, None) if drafts else None
+        if proposed is None or proposed[0][:len(drafts)] != drafts:
+            return None
+        return proposed[1][:len(drafts)]
+
+    def _rejection_sample(self, state: CachedRequestState, drafts: list[int], draft_probs: torch.Tensor,
+                          logits: torch.Tensor) -> list[int]:
+        """Sampled drafts: the rejection rule against the target's distribution at each position (each
+        computed with the drafts before it as outputs, for the penalties), plus logprobs if asked."""
+        before = len(state.output_token_ids)
+        targets = []
+        for j in range(len(drafts) + 1):
+            targets.append(target_probs(logits[j:j + 1], [state])[0])
+            if j < len(drafts):
+                state.output_token_ids.append(drafts[j])
+        del state.output_token_ids[before:]
+        tokens = rejection_sample(torch.stack(targets), drafts, draft_probs, state.generator or self.generator)
+        if state.sampling_params.logprobs is not None:
+            raw = logits[:len(tokens)].to("cpu", torch.float32).log_softmax(dim=-1)
+            num_top = [state.sampling_params.logprobs] * len(tokens)
+            state.logprobs.extend(gather_logprobs(raw, torch.tensor(tokens), num_top))
+        return tokens
+
+    def _verify_drafts(self, states: list[CachedRequestState], drafts: list[list[int]], first_rows: list[int],
+                       logits: torch.Tensor, sampled: list[list[int]]) -> None:
+        """Extend each request's list while its sampled token equals the next draft (module docstring);
+        a request whose list is still empty verifies by the rejection rule instead."""
         num_outputs = [state.num_output_tokens for state in states]
-        for position in range(1, max(num_draft) + 1):
+        for position in range(1, max(map(len, drafts)) + 1):
             # Still verifying: every draft before this one was accepted (its list has one token per position so
             # far), and the token sampled at the last position is the next draft.
-            active = [i for i, tokens in enumerate(sampled)
-                      if num_draft[i] >= position and len(tokens) == position and tokens[-1] == drafts[i][position - 1]]
+            active = [i for i, tokens in enumerate(sampled) if len(drafts[i]) >= position
+                      and len(tokens) == position and tokens[-1] == drafts[i][position - 1]]
             if not active:
                 break
             for i in active:  # the sampler sees the drafts accepted so far as outputs
@@ -114,28 +154,36 @@ class ModelRunner:
     def _propose_drafts(self, output: ModelRunnerOutput, num_drafts: dict[str, int] | None) -> None:
         """The draft model's next drafts for each request that sampled, wants some and has room for them."""
         batch, k = self.input_batch, self.drafter.k
-        ids, rows, positions, tokens, wanted = [], [], [], [], []
+        ids, rows, tokens, wanted = [], [], [], []
         for request_id, sampled in zip(output.req_ids, output.sampled_token_ids):
-            position = batch.states[request_id].num_tokens + len(sampled) - 1  # where the last token sampled goes
+            state, row = batch.states[request_id], batch.row_of[request_id]
+            position = state.num_tokens + len(sampled) - 1  # where the last token sampled goes
             want = k if num_drafts is None else min(k, num_drafts.get(request_id, k))
             if want > 0 and position + k <= batch.max_model_len:
                 ids.append(request_id)
                 wanted.append(want)
-                rows.append(batch.row_of[request_id])
-                positions.append(position)
-                tokens.append(sampled[-1])
+                rows.append(row)
+                tokens.append(np.concatenate([batch.token_ids[row, :state.num_tokens], sampled]))
         if ids:
-            drafts = self.drafter.propose(batch.block_table, batch.num_blocks, rows, positions, tokens, max(wanted))
+            states = [batch.states[request_id] for request_id in ids]
+            drafts, probs = self.drafter.propose(batch.block_table, batch.num_blocks, rows, states, tokens,
+                                                 max(wanted), self.generator)
             output.draft_token_ids = {i: d[:n] for i, d, n in zip(ids, drafts, wanted)}
+            for request_id, d, q, n in zip(ids, drafts, probs, wanted):
+                if q is not None:
+                    self.draft_probs[request_id] = (d[:n], q[:n])
 
 
-def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState],
-                          step: ModelRunnerInput) -> torch.Tensor:
-    """-inf wherever a request's grammar forbids the token; the masks come computed from the core."""
+def apply_grammar_masks(logits: torch.Tensor, states: list[CachedRequestState], first_rows: list[int],
+                        num_draft: list[int], step: ModelRunnerInput) -> torch.Tensor:
+    """-inf wherever a request's grammar forbids the token, at each of its positions that sample; the
+    masks come computed from the core, one per such position, in ``grammar_req_ids`` order."""
     if step.grammar_bitmask is None:
         return logits
-    row_of = {state.request_id: row for row, state in enumerate(states)}
-    rows = [row_of[request_id] for request_id in step.grammar_req_ids]
+    index = {state.request_id: i for i, state in enumerate(states)}
+    rows = [row for request_id in step.grammar_req_ids
+            for row in range(first_rows[index[request_id]], first_rows[index[request_id]] + 1 +
+                             num_draft[index[request_id]])]
     allowed = torch.ones(logits.shape, dtype=torch.bool)
     allowed[rows] = unpack_bitmask(step.grammar_bitmask, logits.shape[-1])
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

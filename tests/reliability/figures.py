@@ -79,6 +79,7 @@ SECTIONS = {
     "kv_cache_manager_stage3": "Stage 3 KV cache manager (state machine)",
     "scheduler_stage3": "Stage 3 scheduler + fake runner (state machine)",
     "scheduler_stage4": "Stage 4 scheduler with prefix caching + fake runner (state machine)",
+    "scheduler_stage5_spec": "Stage 5 scheduler verifying drafts + fake runner (state machine)",
     "api_fuzz": "Live server fuzzed from its OpenAPI schema",
     "soak": "Soak: concurrent streaming clients on loopback",
     "soak_engine_process": "Soak, engine core in its own process",

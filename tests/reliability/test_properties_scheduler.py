@@ -1,4 +1,4 @@
-"""The real schedulers of stages 3 and 4 under random operation sequences, with a fake model runner.
+"""The real schedulers of stages 3, 4 and 5 under random operation sequences, with a fake model runner.
 
 A ``RuleBasedStateMachine`` adds requests (random prompts, output limits, priorities, salts),
 runs steps, aborts requests (while waiting, while running, and while their step executes),
@@ -13,11 +13,18 @@ free queue plus held blocks is the pool, and the hash map is consistent. At the 
 machine drains: every request finished or was aborted, finished outputs equal the
 reference exactly (preemption is invisible), aborted ones are a prefix of it, and the pool
 is whole again.
+
+Stage 5's scheduler runs the same machine with speculative steps: after each step every request
+that goes on is given drafts (its true continuation, with some tokens deliberately wrong), the
+fake runner verifies them as the real one does (keep while the model's token equals the draft),
+and the rejected positions are rolled back. The same invariants hold, and a prefix hit must
+never serve a block last written by a rejected draft.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -28,6 +35,7 @@ from stage3_continuous.config import SchedulerConfig
 from stage3_continuous.scheduler import Scheduler as ContinuousScheduler
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage4_prefix_cache.scheduler import Scheduler as PrefixCacheScheduler
+from stage5_server.core.scheduler import Scheduler as SpeculativeScheduler
 from tests.reliability.figures import count
 from tests.reliability.settings import machine_settings
 
@@ -299,7 +307,87 @@ class PrefixCacheSchedulerMachine(SchedulerMachine):
         assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_block_hash_to_block)
 
 
+class SpeculativeSchedulerMachine(PrefixCacheSchedulerMachine):
+    """Stage 5's scheduler: each decode also verifies up to ``k`` drafts inside the same budget."""
+
+    scheduler_class = SpeculativeScheduler
+    section = "scheduler_stage5_spec"
+
+    @initialize(k=st.integers(1, 4), seed=st.integers(0, 2**16))
+    def setup_drafts(self, k, seed):
+        self.k, self.rng = k, random.Random(seed)
+
+    def _execute(self, output) -> dict[str, list[int]]:
+        """Write every scheduled position, drafts included, then keep each draft while the model agrees."""
+        sampled = {}
+        for request in output.scheduled_reqs:
+            drafts = output.scheduled_spec_decode_tokens.get(request.request_id, [])
+            n = output.num_scheduled_tokens[request.request_id]
+            table = output.block_tables[request.request_id]
+            tokens = request.all_token_ids + drafts
+            start = request.num_computed_tokens
+            for pos in range(start, start + n):
+                self.content[table[pos // self.block_size]] = (request.cache_salt, tuple(tokens[:pos + 1]))
+            if start + n < request.num_tokens:
+                sampled[request.request_id] = []  # mid-prefill
+                continue
+            known, gained = list(request.all_token_ids), []
+            for draft in [*drafts, None]:
+                gained.append(next_token(known))
+                if gained[-1] != draft:
+                    break
+                known.append(draft)
+            count(self.section, "drafts_accepted", len(gained) - 1)
+            sampled[request.request_id] = gained
+        self._check_prefix_hits(output)
+        return sampled
+
+    def _propose(self) -> None:
+        """The true continuation of each running request, one draft in three wrong."""
+        for request in self.scheduler.running:
+            known, drafts = list(request.all_token_ids), []
+            for _ in range(self.rng.randint(0, self.k)):
+                token = next_token(known)
+                if self.rng.random() < 1 / 3:
+                    token = (token + 1) % VOCAB
+                drafts.append(token)
+                known.append(token)
+            self.scheduler.add_draft_tokens(request, drafts)
+            count(self.section, "drafts_proposed", len(request.spec_token_ids))
+
+    def _check_schedule(self, output) -> None:
+        drafts = output.scheduled_spec_decode_tokens
+        for request in output.scheduled_reqs:
+            n, num_drafts = output.num_scheduled_tokens[request.request_id], len(drafts.get(request.request_id, []))
+            if num_drafts:  # a decode: its last token and its drafts, each with a slot
+                assert request.num_tokens - request.num_computed_tokens == 1 and n == 1 + num_drafts <= 1 + self.k
+                table = output.block_tables[request.request_id]
+                assert len(table) >= math.ceil((request.num_computed_tokens + n) / self.block_size)
+        plain = {rid: n - len(drafts.get(rid, [])) for rid, n in output.num_scheduled_tokens.items()}
+        assert output.total_num_scheduled_tokens == sum(output.num_scheduled_tokens.values())
+        assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert all(n >= 1 for n in plain.values())
+
+    @rule(repeat=st.integers(1, 8))
+    def step(self, repeat=1):
+        for _ in range(repeat):
+            output = self._schedule()
+            self.scheduler.update_from_output(output, self._execute(output))
+            self._propose()
+
+    @invariant()
+    def tables_cover_exactly_the_computed_tokens(self):
+        """The computed tokens, plus at most the slots of the drafts just rejected: they stay with their
+        request and are written over by its next step, as in vLLM."""
+        for request in self.scheduler.running:
+            held = len(self.kv.get_block_ids(request.request_id))
+            assert math.ceil(request.num_computed_tokens / self.block_size) <= held
+            assert held <= math.ceil((request.num_computed_tokens + 1 + self.k) / self.block_size)
+
+
 TestContinuousScheduler = SchedulerMachine.TestCase
 TestContinuousScheduler.settings = machine_settings(max_examples=150, steps=40)
 TestPrefixCacheScheduler = PrefixCacheSchedulerMachine.TestCase
 TestPrefixCacheScheduler.settings = machine_settings(max_examples=150, steps=40)
+TestSpeculativeScheduler = SpeculativeSchedulerMachine.TestCase
+TestSpeculativeScheduler.settings = machine_settings(max_examples=150, steps=40)

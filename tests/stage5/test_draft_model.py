@@ -23,9 +23,14 @@ def one_layer_draft(tiny_llama, tmp_path_factory):
     return write_layer_prefix_checkpoint(tiny_llama, tmp_path_factory.mktemp("draft") / "one-layer", 1)
 
 
-def drafting(target, draft, k: int = 3, **engine) -> LLM:
+def drafting(target, draft, k: int = 3, policy: bool = False, **engine) -> LLM:
+    """An engine drafting with ``draft``; without the draft-length policy (``policy=False``) every
+    request drafts ``k`` every step, which these tests want even from drafts that do not pay."""
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
-    return LLM(str(target), **{**ENGINE, **engine}, speculative_config=spec)
+    llm = LLM(str(target), **{**ENGINE, **engine}, speculative_config=spec)
+    if not policy:
+        llm.engine.draft_policy = None
+    return llm
 
 
 def test_the_target_as_its_own_draft_has_every_draft_accepted_through_preemption_and_prefix_hits(tiny_llama):
@@ -55,12 +60,57 @@ def test_a_one_layer_draft_gives_the_plain_greedy_tokens(tiny_llama, one_layer_d
     assert_no_block_held(llm)
 
 
-def test_seeded_sampling_with_n_2_samples_the_plain_tokens(tiny_llama, one_layer_draft):
+def test_sampled_drafts_follow_the_seed_and_are_checked_by_the_rejection_rule(tiny_llama, one_layer_draft):
+    """A sampling request drafts by drawing from the draft's own distribution (no longer a point mass),
+    so its tokens are not the plain engine's for the same seed; they follow the seed, and only part of
+    the drafts survive the rule."""
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, n=2)
-    expected = generate(LLM(str(tiny_llama), **ENGINE), PROMPTS[:2], params)
+    first = generate(drafting(tiny_llama, one_layer_draft), PROMPTS[:2], params)
     llm = drafting(tiny_llama, one_layer_draft)
-    assert generate(llm, PROMPTS[:2], params) == expected
-    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert generate(llm, PROMPTS[:2], params) == first
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+CHI2_CRITICAL_2_DOF = 13.816  # the 0.1% critical value with 3 - 1 degrees of freedom
+
+
+def test_a_verified_token_from_sampled_drafts_is_distributed_as_the_target_says(tiny_llama, one_layer_draft):
+    """The rejection rule end to end: 600 seeds, top-k 3, one draft from the one-layer model for the
+    second token; its counts (given the commonest first token) against the target's own distribution,
+    computed by transformers, by a chi-square test; and the drafts kept as often as the rule keeps
+    them, ``sum(min(p, q))`` (a point-mass check, ``p(draft)``, would be exact too, but keep fewer)."""
+    from collections import Counter
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.stage5.test_rejection_sampler import chi_square
+
+    prompt = PROMPTS[0]
+    llm = drafting(tiny_llama, one_layer_draft, k=1, max_num_seqs=64, max_num_batched_tokens=1024)
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(600)]
+    outputs = generate(llm, [prompt] * len(params), params)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both ways of the rule
+    first, _ = Counter(o[0] for o in outputs).most_common(1)[0]
+    seconds = Counter(o[1] for o in outputs if o[0] == first)
+
+    def top3(checkpoint, token: int) -> torch.Tensor:  # the distribution after prompt + [token], top-k 3
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [token]])).logits[0, -1]
+        top = logits.topk(3)
+        return torch.zeros_like(logits).scatter_(0, top.indices, top.values.softmax(dim=-1))
+
+    target = top3(tiny_llama, first)
+    assert {t for t in seconds if target[t] == 0} == set()
+    observed = torch.tensor([float(seconds.get(t, 0)) for t in target.nonzero().flatten().tolist()])
+    assert chi_square(observed, target[target > 0]) < CHI2_CRITICAL_2_DOF, observed
+    firsts = Counter(o[0] for o in outputs)
+    kept = sum(n * float(torch.minimum(top3(tiny_llama, t), top3(one_layer_draft, t)).sum()) for t, n in firsts.items())
+    rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    assert abs(rate - kept / len(outputs)) < 0.05, (rate, kept / len(outputs))  # 3 sigma at n = 600
 
 
 def test_stop_strings_and_aborts_end_where_plain_decoding_ends(tiny_llama):
@@ -104,9 +154,7 @@ def test_the_policy_asks_the_workers_for_fewer_drafts_from_a_poor_draft(tiny_lla
     expected = generate(LLM(str(tiny_llama), **ENGINE), PROMPTS, params)
     drafted = []
     for policy in (False, True):
-        llm = drafting(tiny_llama, one_layer_draft, k=4)
-        if not policy:
-            llm.engine.draft_policy = None
+        llm = drafting(tiny_llama, one_layer_draft, k=4, policy=policy)
         assert generate(llm, PROMPTS, params) == expected
         drafted.append(llm.engine.stats().spec_decode_num_draft_tokens)
     assert drafted[1] < drafted[0]

@@ -4,6 +4,8 @@ under vLLM's names."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -84,14 +86,21 @@ def test_openai_client_gets_the_plain_greedy_answer_and_metrics_count_the_drafts
 
 
 @pytest.mark.slow
-def test_stagedserve_serve_with_speculative_config_answers_the_plain_tokens(tiny_llama, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stagedserve_serve_with_speculative_config_answers_the_plain_tokens(tiny_llama, tmp_path, method):
+    """Through the engine process: the n-gram proposer in the core, or a draft model (the target's
+    first layer and head) on the worker there."""
+    from shared.draft_checkpoint import write_layer_prefix_checkpoint
+
     plain = make_llm(tiny_llama, max_model_len=128).generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
+    spec = json.dumps({"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                       "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(
+                           write_layer_prefix_checkpoint(tiny_llama, tmp_path / "draft", 1))}}[method])
     log = (tmp_path / "serve.log").open("w+")
     process, url = spawn_serve(tiny_llama, log, "--max-model-len", "128", "--num-kv-blocks", "32",
                                "--served-model-name", "tiny", "--log-stats-interval", "0.2",
-                               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
-                                                       '"prompt_lookup_min": 1}')
+                               "--speculative-config", spec)
     try:
         assert wait_until(serving_or_exited(process, url), timeout=90, interval=0.2) and process.poll() is None
         with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
