@@ -83,23 +83,13 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> None:
     from safetensors.torch import save_file
 
     path, out_dir = Path(path), Path(out_dir)
-    reader = read_gguf(path)
-    meta = _Metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"model: {path.name} is a {arch!r} model; supported GGUF architectures: "
-                         f"{sorted(ARCHITECTURES)}")
+    reader, meta, arch = _read_supported(path)
     _check_tensors(reader, path)
     config = _config(meta, arch, reader)
     tensors = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, arch, path)
-        weight = torch.from_numpy(_dequantize(tensor))
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
-        tensors[name] = weight.contiguous()
+        tensors[name] = _hf_row_order(name, torch.from_numpy(_dequantize(tensor)), arch, config).contiguous()
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
     _check_complete(tensors, config, arch, path)
@@ -108,6 +98,44 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> None:
     _save_config(config, arch, out_dir)
     _save_tokenizer(path, out_dir, meta)
     logger.info("converted %s (%s, %d tensors) into %s", path.name, arch, len(tensors), out_dir)
+
+
+def read_raw_tensors(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
+    """The file's weights as stored, for a loader that keeps them quantized: Hugging Face name ->
+    (GGML type name, data). A block type's data is its raw bytes, one row of ``uint8`` per output
+    row (Q4_1: 20 bytes for each 32 weights); F32/F16 data is the values. Llama's q/k rows are
+    put back in Hugging Face order, as ``convert_gguf`` does (a row holds whole blocks, so raw rows
+    move like dequantized ones)."""
+    path = Path(path)
+    reader, meta, arch = _read_supported(path)
+    config = _config(meta, arch, reader)
+    tensors = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, arch, path)
+        data = torch.from_numpy(np.array(tensor.data))  # a copy: the file is mapped read-only
+        tensors[name] = (tensor.tensor_type.name, _hf_row_order(name, data, arch, config).numpy())
+    return tensors
+
+
+def _read_supported(path: Path):
+    """The reader, the metadata and the architecture of a GGUF file of an architecture read here."""
+    reader = read_gguf(path)
+    meta = _Metadata(reader, path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"model: {path.name} is a {arch!r} model; supported GGUF architectures: "
+                         f"{sorted(ARCHITECTURES)}")
+    return reader, meta, arch
+
+
+def _hf_row_order(name: str, rows: torch.Tensor, arch: str, config: dict) -> torch.Tensor:
+    """Llama's q/k rows (weights or biases) back in Hugging Face order: GGUF keeps them permuted for its
+    RoPE. A quantized weight's raw rows move the same way (a row holds whole blocks)."""
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rope_rows(rows, config["num_attention_heads"])
+    if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rope_rows(rows, config["num_key_value_heads"])
+    return rows
 
 
 def read_gguf(path: Path):

@@ -29,6 +29,14 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def describe(self, layer: Linear) -> str:
+        """How this layer's product runs, for the start-up log."""
+        return "plain"
+
+    def weight_bytes(self, layer: Linear) -> int:
+        """Bytes this layer's weight takes as the method holds it."""
+        return layer.weight.numel() * layer.weight.element_size()
+
 
 UNQUANTIZED = LinearMethod()
 

@@ -22,23 +22,21 @@ from stage5_server.model.linear import Linear
 from stage5_server.parallel.parallel_state import all_gather, all_reduce
 
 
-class ColumnParallelLinear(Linear):
-    """Output rows ``[start, start + out_features)`` of the full weight (and bias)."""
-
+class _ShardLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, start: int):
         super().__init__(in_features, out_features, bias=bias)
-        self.start = start
+        self.start = start  # where this rank's shard starts in the full weight
+
+
+class ColumnParallelLinear(_ShardLinear):
+    """Output rows ``[start, start + out_features)`` of the full weight (and bias)."""
 
     def load_shard(self, name: str, full) -> torch.Tensor:
         return full[self.start:self.start + self.out_features]  # weight [out, in] and bias [out] alike
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(_ShardLinear):
     """Input columns ``[start, start + in_features)`` of the full weight; the outputs are summed."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, start: int):
-        super().__init__(in_features, out_features, bias=bias)
-        self.start = start
 
     def load_shard(self, name: str, full) -> torch.Tensor:
         if name == "bias":

@@ -13,6 +13,7 @@ vLLM: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``load_model``, ``determine_
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -26,10 +27,13 @@ from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.parallel.sharded_model import load_sharded_model
+from stage5_server.quantization import install_linear_methods
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.worker.input_batch import InputBatch
 from stage5_server.worker.model_runner import ModelRunner
 from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
+
+logger = logging.getLogger("stagedserve")
 
 
 class Worker:
@@ -45,6 +49,8 @@ class Worker:
         # q/k/v (gate/up) fused into one GEMM each; a compiled forward fuses RoPE into its own loops.
         self.compiled = config.enforce_eager is False and world_size == 1
         self.model = fuse_projections(model, step_rope=not self.compiled)
+        if world_size == 1:  # packed or quantized linears (quantization/config.py); plain under TP
+            logger.info(install_linear_methods(self.model, config.linear))
         spec = config.speculative
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
