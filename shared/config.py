@@ -14,12 +14,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "BertModel": "bert",  # an encoder: pooled, never generating (stage5_server/pooling/)
 }
+ENCODER_FAMILIES = frozenset({"bert"})
 
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,6 +38,13 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
+    type_vocab_size: int = 0  # BERT's token-type (segment) embeddings
+    hidden_act: str = "silu"
+
+    @property
+    def is_encoder(self) -> bool:
+        """Bidirectional attention over the whole input: it pools, it cannot generate."""
+        return self.family in ENCODER_FAMILIES
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -69,7 +78,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -78,4 +87,6 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            type_vocab_size=raw.get("type_vocab_size", 0),
+            hidden_act=raw.get("hidden_act", "silu"),
         )

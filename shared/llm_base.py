@@ -66,6 +66,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
 
+def check_common_args(args: dict[str, Any], model_config: ModelConfig) -> int:
+    """Check ``max_num_seqs`` and ``max_model_len``; return the latter (default: the model's)."""
+    max_len = args["max_model_len"] or model_config.max_position_embeddings
+    if not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_model_len: must be an integer >= 2, got {max_len!r}")
+    if not isinstance(args["max_num_seqs"], int) or args["max_num_seqs"] < 1:
+        raise ValueError(f"max_num_seqs: must be an integer >= 1, got {args['max_num_seqs']!r}")
+    return max_len
+
+
 class BaseLLM:
     stage: ClassVar[str] = "base"
     engine_args: ClassVar[dict[str, Any]] = {}  # the stage's own arguments and their defaults
@@ -81,24 +91,19 @@ class BaseLLM:
         self.dtype = self._resolve_dtype(self.args["dtype"])
         self.model, self.model_config = self._load_model()
         self.tokenizer = Tokenizer(resolve_model(self.args["tokenizer"]) if self.args["tokenizer"] else self.model_path)
-        max_len = self.args["max_model_len"] or self.model_config.max_position_embeddings
-        if not isinstance(max_len, int) or max_len < 2:
-            raise ValueError(f"max_model_len: must be an integer >= 2, got {max_len!r}")
-        self.max_model_len = max_len
-        if not isinstance(self.args["max_num_seqs"], int) or self.args["max_num_seqs"] < 1:
-            raise ValueError(f"max_num_seqs: must be an integer >= 1, got {self.args['max_num_seqs']!r}")
+        self.max_model_len = check_common_args(self.args, self.model_config)
         self.engine: EngineCore = self._build_engine()
-        # Compiles structured-output grammars off the engine loop; the engine schedules a request once it is ready.
-        self._start_frontend(StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                     self.model_config.eos_token_ids))
-
-    def _start_frontend(self, structured_output_manager: StructuredOutputManager) -> None:
-        """The offline front end over a built ``self.engine``: request ids, outputs, grammars."""
-        self.structured_output_manager = structured_output_manager
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
+        self._start_frontend()
         logger.info("%s engine ready: model=%s device=%s dtype=%s max_model_len=%d", self.stage,
                     self.model_path, self.device, self.dtype, self.max_model_len)
+
+    def _start_frontend(self) -> None:
+        """The offline front end over a built ``self.engine``: request ids, outputs, grammars."""
+        # Compiles structured-output grammars off the engine loop; the engine schedules a request once it is ready.
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                                 self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
 
     # ---- what a stage provides -------------------------------------------------------
     def _build_engine(self) -> EngineCore:

@@ -56,6 +56,7 @@ class OutputDelta:
     queued: float | None  # when the core took the request in
     first_scheduled: float | None
     finished: float | None
+    pooled: list[float] | None = None  # a pooling request's vector, with its final delta
 
     @classmethod
     def from_request(cls, request: Request, num_sent: int) -> OutputDelta:
@@ -67,7 +68,7 @@ class OutputDelta:
                    request.logprobs[num_sent:] if params.logprobs is not None else None,
                    request.prompt_logprobs if first else None, request.status.finish_reason, request.stop_reason,
                    request.num_cached_tokens, request.num_preemptions, timeline.queued, timeline.first_scheduled,
-                   timeline.finished)
+                   timeline.finished, request.pooled_output)
 
 
 def one_token_deltas(delta: OutputDelta) -> list[OutputDelta]:
@@ -157,6 +158,7 @@ class RequestState:
     num_preemptions: int = 0
     sent_chars: int = 0  # of the text, already in an output (DELTA)
     sent_tokens: int = 0
+    pooled: list[float] | None = None
 
     def update(self, delta: OutputDelta) -> bool:
         """Take in one step's delta; return True when a stop string just ended the request.
@@ -177,6 +179,8 @@ class RequestState:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = list(delta.prompt_logprobs)
         self.num_cached_tokens, self.num_preemptions = delta.num_cached_tokens, delta.num_preemptions
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         t.queued, t.first_scheduled, t.finished = delta.queued, delta.first_scheduled, delta.finished
         was_finished = self.finish_reason is not None
         if delta.finish_reason is not None:
@@ -220,7 +224,7 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=self.finish_reason is not None, timeline=self.timeline,
                              num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, pooled=self.pooled)
 
 
 @dataclass
@@ -284,9 +288,13 @@ class OutputProcessor:
                 self._finished(state)
                 whole = output if state.kind is RequestOutputKind.CUMULATIVE else \
                     state.output(state.text.visible(True), 0, len(state.token_ids))
-                result.finished.append((whole, state.text.params))
+                # A FINAL_ONLY child reaches its caller only with its siblings: it is reported then.
+                held = state.parent is not None and state.kind is RequestOutputKind.FINAL_ONLY
+                (state.parent.finished_children if held else result.finished).append((whole, state.text.params))
             if state.parent is not None and output is not None:
                 output = self._merge(state, output)
+                if output is not None and state.kind is RequestOutputKind.FINAL_ONLY:
+                    result.finished += state.parent.finished_children
             if output is not None:
                 result.deliveries.append((state.queue, output))
         return result
@@ -317,7 +325,7 @@ class OutputProcessor:
         merged = state.parent.merge(state.index, output)
         if state.kind is RequestOutputKind.DELTA:
             return RequestOutput(merged.request_id, output.prompt, output.prompt_token_ids, output.outputs,
-                                 finished=merged.finished, timeline=merged.timeline,
+                                 finished=merged.finished, timeline=output.timeline,  # the child's own
                                  num_cached_tokens=merged.num_cached_tokens, prompt_logprobs=merged.prompt_logprobs)
         return merged if merged.finished or state.kind is RequestOutputKind.CUMULATIVE else None
 

@@ -61,6 +61,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (stage4)
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # draft tokens a speculative step verifies (stage 5)
+        self.pooled_output: list[float] | None = None  # a pooling runner's vector, set as the request finishes
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] = []
         # Entry i: prompt token i's logprob and top alternatives; the first token has none (None).

@@ -36,6 +36,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     """Build the model for ``path``'s config and fill it with the checkpoint's weights."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if config.is_encoder:
+        raise ValueError(f"model: {path!s} is an encoder ({config.family}): it pools and cannot generate; "
+                         "serve it with stage5_server, whose pooling runner loads it")
     with torch.device("meta"):
         model = DecoderModel(config)
     load_weights(model, config, path, dtype, device)
@@ -54,7 +57,8 @@ def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dty
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 short = name.removeprefix("model.")
-                if "rotary_emb" in short or (short == "lm_head.weight" and config.tie_word_embeddings):
+                tied_head = short == "lm_head.weight" and config.tie_word_embeddings
+                if "rotary_emb" in short or short.endswith("position_ids") or tied_head:  # derived, not weights
                     continue
                 if short not in params:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {config.family} model")
@@ -66,4 +70,5 @@ def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dty
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary_emb = type(model.rotary_emb)(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    if hasattr(model, "rotary_emb"):  # an encoder has absolute positions instead
+        model.rotary_emb = type(model.rotary_emb)(config.head_dim, config.rope_theta, config.rope_scaling).to(device)

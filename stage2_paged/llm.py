@@ -33,12 +33,17 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
+def check_num_blocks(num_blocks) -> int:
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+    return num_blocks
+
+
 def check_pool_holds_one_sequence(llm: BaseLLM, num_blocks, block_size: int) -> None:
     """A pool smaller than one ``max_model_len`` sequence could never finish that sequence: refused,
     unless neither was set by the user, when ``max_model_len`` comes down to the pool
     (``BaseLLM.set_kv_cache_capacity``)."""
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-        raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+    check_num_blocks(num_blocks)
     llm.set_kv_cache_capacity(num_blocks * block_size, "num_kv_blocks",
                               pool_too_small(num_blocks, block_size, llm.max_model_len))
 

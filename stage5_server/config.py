@@ -21,14 +21,16 @@ from typing import Any
 import torch
 
 from shared.config import ModelConfig
-from shared.llm_base import COMMON_ARGS, DTYPES, check_kv_cache_memory
-from shared.named_models import default_model, resolve_model
-from stage2_paged.llm import check_block_size
+from shared.llm_base import COMMON_ARGS, DTYPES, check_common_args, check_kv_cache_memory
+from shared.named_models import default_model, default_model_file, resolve_model
+from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
+from stage5_server.pooling.config import PoolerConfig, resolve_runner
+from stage5_server.quantization import LinearConfig, resolve_linear_config, source_gguf_file
 from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
@@ -36,7 +38,11 @@ SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_mem
                       "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
                       "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
-                      "speculative_config": None}  # a dict (or its JSON): spec_decode/config.py; None: off
+                      "speculative_config": None,  # a dict (or its JSON): spec_decode/config.py; None: off
+                      "runner": "auto",  # "generate" | "pooling"; auto: pooling for an encoder (pooling/config.py)
+                      "convert": "auto",  # "embed": a decoder pools (its last token)
+                      "quantization": None,  # gguf, int8, int4 (quantization/config.py); None: as measured
+                      "prepack_linear": None}  # float linears on oneDNN-packed weights; None: as measured
 ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
 # bfloat16 pays on a CPU with native bf16 (AMX, AVX512-BF16) once the GEMMs are wide enough:
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
@@ -80,6 +86,9 @@ class EngineConfig:
     cpu_threads: int | None
     log_stats_interval: float | None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    runner: str = "generate"  # "generate" | "pooling" (pooling/)
+    pooler: PoolerConfig | None = None  # how the pooling runner pools; None when generating
+    linear: LinearConfig = LinearConfig(None, False, None)  # each linear layer's method: quantization/
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -92,11 +101,11 @@ class EngineConfig:
         model_config = ModelConfig.from_pretrained(model_path)
         device = torch.device(args["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(args["dtype"], device, model_config)
-        max_model_len = args["max_model_len"] or model_config.max_position_embeddings
-        if not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len: must be an integer >= 2, got {max_model_len!r}")
-        if not isinstance(args["max_num_seqs"], int) or args["max_num_seqs"] < 1:
-            raise ValueError(f"max_num_seqs: must be an integer >= 1, got {args['max_num_seqs']!r}")
+        runner = resolve_runner(args["runner"], args["convert"], model_config)
+        pooler = PoolerConfig.from_checkpoint(model_path, model_config) if runner == "pooling" else None
+        if pooler is not None:
+            args = {**args, **pooling_args(args, model_config, pooler)}
+        max_model_len = check_common_args(args, model_config)
         tensor_parallel_size = check_tensor_parallel_size(args["tensor_parallel_size"], model_config, device)
         if args["enforce_eager"] not in (None, True, False):
             raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
@@ -110,9 +119,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching: must be a bool, got {args['enable_prefix_caching']!r}")
         get_hash_fn(args["prefix_caching_hash_algo"])  # a clear error for an unknown name
         num_kv_blocks = args["num_kv_blocks"]
-        if num_kv_blocks is not None and (not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool)
-                                          or num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_kv_blocks!r}")
+        if num_kv_blocks is not None:
+            check_num_blocks(num_kv_blocks)
         scheduler = SchedulerConfig(max_num_batched_tokens=args["max_num_batched_tokens"],
                                     max_num_seqs=args["max_num_seqs"],
                                     max_num_active_seqs=args["max_num_active_seqs"],
@@ -125,18 +133,39 @@ class EngineConfig:
                               prefix_caching_hash_algo=args["prefix_caching_hash_algo"],
                               block_shuffle_seed=args["block_shuffle_seed"])
         speculative = SpeculativeConfig.create(args["speculative_config"])
+        if runner == "pooling" and (speculative is not None or tensor_parallel_size > 1):
+            raise ValueError("runner: the pooling runner runs on one device without speculative decoding "
+                             "(tensor_parallel_size=1, no speculative_config)")
         check_draft_model(speculative, model_config, tensor_parallel_size)
         interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
+        linear = resolve_linear_config(args["quantization"], args["prepack_linear"],
+                                       source_gguf_file(model, default_model_file), device, dtype, model_config,
+                                       tensor_parallel_size)
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                    parallel=ParallelConfig(tensor_parallel_size, interface),
                    attention_backend=resolve_attention_backend(args["attention_backend"], device),
                    enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
-                   log_stats_interval=args["log_stats_interval"], speculative=speculative, args=args)
+                   log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
+                   pooler=pooler, linear=linear, args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
+
+
+def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: PoolerConfig) -> dict[str, Any]:
+    """What the pooling runner changes: ``runner`` resolved; sentence-transformers' ``max_seq_length`` as the
+    default ``max_model_len``; an encoder runs each prompt whole (no chunked prefill: its attention looks both
+    ways) and reuses no cached prefix (a later token changes every earlier token's state), as in vLLM."""
+    changed: dict[str, Any] = {"runner": "pooling"}
+    if args["max_model_len"] is None and pooler.max_seq_length:
+        changed["max_model_len"] = min(pooler.max_seq_length, model_config.max_position_embeddings)
+    if model_config.is_encoder or pooler.pooling_type != "LAST":  # a cached prefix has no hidden states
+        changed["enable_prefix_caching"] = False
+    if model_config.is_encoder:
+        changed["enable_chunked_prefill"] = False
+    return changed
 
 
 def cpu_has_native_bf16() -> bool:

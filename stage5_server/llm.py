@@ -9,7 +9,8 @@ The engine-core process and every data-parallel rank build their core with the s
 New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA by default when
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
 model rearranged for speed (``model/``), one torch thread per physical core on a CPU with
-``dtype="auto"`` bfloat16 where it wins, and ``tensor_parallel_size=N`` (``executor/``, ``parallel/``).
+``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``), and a
+pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``.
 """
@@ -19,13 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from shared.llm_base import BaseLLM
-from shared.structured_output import StructuredOutputManager
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.pooling.offline import PoolingAPI
 
 
-class LLM(BaseLLM):
+class LLM(PoolingAPI, BaseLLM):
     stage = "stage5_server"
     engine_args = SERVER_ENGINE_ARGS
 
@@ -40,7 +41,7 @@ class LLM(BaseLLM):
         self.tensor_parallel_size = config.parallel.tensor_parallel_size
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
         self.tokenizer = Tokenizer(config.tokenizer_path)
-        self._start_frontend(grammar_manager(config, self.tokenizer))
+        self._start_frontend()  # the builder has logged the configuration
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""
@@ -49,11 +50,6 @@ class LLM(BaseLLM):
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
         self.engine.shutdown()
-
-
-def grammar_manager(config: EngineConfig, tokenizer: Tokenizer) -> StructuredOutputManager:
-    """Builds structured-output grammars off the engine loop; a request is scheduled once its grammar is ready."""
-    return StructuredOutputManager(tokenizer.hf, config.model_config.vocab_size, config.model_config.eos_token_ids)
 
 
 __all__ = ["LLM", "SERVER_ENGINE_ARGS"]

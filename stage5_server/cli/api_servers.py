@@ -34,9 +34,9 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from stage5_server.cli.options import chat_options_from, log_api_keys, request_limits_from
+from stage5_server.cli.options import chat_options_from, log_api_keys, log_engine, log_level, request_limits_from
 from stage5_server.data_parallel.launcher import CoreEngineProcManager, EngineTopology
-from stage5_server.processes import set_process_name
+from stage5_server.processes import configure_child, set_process_name, stop_processes
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.limits import RequestLimits
 
@@ -82,11 +82,8 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     from stage5_server.engine.mp_client import MPAsyncLLM
     from stage5_server.server import create_app
 
-    set_process_name(f"ss-api-{index}")
-    logging.basicConfig(format=f"%(levelname)s %(asctime)s [api-server {index} pid %(process)d] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
-    level = logging.DEBUG if config.log_level in ("debug", "trace") else logging.INFO
-    logger.setLevel(level)
+    # uvicorn handles SIGTERM and SIGINT itself (a drain).
+    configure_child(f"ss-api-{index}", f"api-server {index}", log_level(config.log_level), signals=False)
     parent = os.getppid()
     engine = MPAsyncLLM.connect(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
     app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
@@ -164,18 +161,7 @@ class APIServerProcessManager:
 
     def stop(self, timeout: float) -> None:
         """SIGTERM each (uvicorn drains for up to ``--shutdown-timeout``), then kill what is left."""
-        for process in self.processes:
-            if process is not None and process.is_alive():
-                process.terminate()
-        deadline = time.monotonic() + timeout
-        for process in self.processes:
-            if process is not None:
-                process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process is not None and process.is_alive():
-                logger.error("API server pid %d did not stop in time; killing it", process.pid)
-                process.kill()
-                process.join(5)
+        stop_processes([p for p in self.processes if p is not None], timeout)
 
 
 class _Stop(Exception):
@@ -210,10 +196,7 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
             print(f"stagedserve serve: error: {exc}", flush=True)
             return 2
         ready = manager.topology.ready[0]
-        logger.info("model: %s (served as %r)", ready.model_path, served_model_name)
-        logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
-        logger.info("resolved engine configuration (%s): %s", ready.stage,
-                    ", ".join(f"{k}={v}" for k, v in sorted(ready.engine_args.items())))
+        log_engine(ready.model_path, served_model_name, engine_kwargs, ready.stage, ready.engine_args)
         log_api_keys(args, api_keys, groups)
         config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
                                  args.trust_client_cache_salt, args.metrics_public, max_body_bytes,

@@ -11,6 +11,11 @@ logger = logging.getLogger("stagedserve")
 API_KEY_ENV = "STAGEDSERVE_API_KEY"
 
 
+def log_level(uvicorn_level: str) -> int:
+    """``--uvicorn-log-level`` -> the level of stagedserve's own log lines."""
+    return logging.DEBUG if uvicorn_level in ("debug", "trace") else logging.INFO
+
+
 def chat_options_from(args: argparse.Namespace):
     """The tool-calling and chat-template flags as the server reads them (a ValueError names a bad one)."""
     from stage5_server.server.chat_options import ChatOptions
@@ -39,6 +44,13 @@ def request_limits_from(args: argparse.Namespace):
     from stage5_server.server.limits import FLAGS, RequestLimits
 
     return RequestLimits(**{name: getattr(args, name) for name in FLAGS})
+
+
+def log_engine(model_path: str, served_model_name: str, engine_kwargs: dict, stage: str, engine_args: dict) -> None:
+    logger.info("model: %s (served as %r)", model_path, served_model_name)
+    logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
+    logger.info("resolved engine configuration (%s): %s", stage,
+                ", ".join(f"{k}={v}" for k, v in sorted(engine_args.items())))
 
 
 def log_api_keys(args: argparse.Namespace, api_keys: dict[str, str | None] | None, groups: list[str]) -> None:

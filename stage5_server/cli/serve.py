@@ -27,10 +27,11 @@ from stage5_server.cli.options import (
     add_limit_flags,
     chat_options_from,
     log_api_keys,
+    log_engine,
+    log_level,
     request_limits_from,
 )
-
-ROUTING_POLICIES = ("least-loaded", "prefix-affinity")  # data_parallel/routing.py
+from stage5_server.data_parallel.routing import LEAST_LOADED, ROUTING_POLICIES
 
 logger = logging.getLogger("stagedserve")
 
@@ -46,13 +47,15 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
                "attention_backend", "seed", "tensor_parallel_size", "distributed_interface", "enforce_eager",
-               "cpu_threads", "speculative_config")
+               "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear")
+QUANTIZATION_CHOICES = ("gguf", "int8", "int4")  # stage5_server.quantization.QUANTIZATION_METHODS
 
 
 def add_serve_subcommand(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve MODEL (a Hugging Face model directory, a .gguf file, or one of "
-                                          "the names default, tiny-chat, tiny, small; default: SmolLM2-135M-Instruct) "
+                                          "the names default, tiny-chat, tiny, small, all-minilm-l6-v2; default: "
+                                          "SmolLM2-135M-Instruct) "
                                           "over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model directory, .gguf file or name (default: the default model, SmolLM2-135M-Instruct)")
@@ -104,6 +107,16 @@ def add_serve_subcommand(subparsers) -> None:
     eng.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                      help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)')
+    eng.add_argument("--runner", choices=("auto", "generate", "pooling"), default=None,
+                     help="generate tokens, or pool each input into a vector (embeddings, score, rerank); "
+                          "default auto: pooling for an encoder checkpoint such as BERT")
+    eng.add_argument("--convert", choices=("auto", "none", "embed"), default=None,
+                     help="embed: serve a decoder as an embedding model (its last token, normalized)")
+    eng.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
+                     help="gguf: a .gguf model's Q4_0/Q4_1 blocks as int4 linears; int8/int4: weight-only, "
+                          "quantized at load (CPU; default: as measured, docs/performance.md)")
+    eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
+                     help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
     eng.add_argument("--seed", type=int, default=None)
     eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
@@ -115,7 +128,7 @@ def add_serve_subcommand(subparsers) -> None:
                           "CUDA rank d uses GPUs d*TP .. d*TP+TP-1, on CPU each gets cores/N threads (default: 1)")
     top.add_argument("--api-server-count", type=positive_int, default=None, metavar="A",
                      help="A API-server processes sharing the port (default: N)")
-    top.add_argument("--dp-routing", choices=ROUTING_POLICIES, default="least-loaded",
+    top.add_argument("--dp-routing", choices=ROUTING_POLICIES, default=LEAST_LOADED,
                      help="how an API server picks the engine core of a request: the least loaded one, or the one "
                           "that was sent the same prompt prefix unless it is much busier (default: least-loaded)")
     top.add_argument("--shutdown-timeout", type=non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -184,7 +197,7 @@ def configure_logging(level: str = "info") -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                             datefmt="%m-%d %H:%M:%S")
-    logger.setLevel(logging.DEBUG if level in ("debug", "trace") else logging.INFO)
+    logger.setLevel(log_level(level))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -269,10 +282,7 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
     from stage5_server.server.openapi import describe_routes
 
     serving = app.state.serving
-    logger.info("model: %s (served as %r)", engine.model_path, serving.served_model_name)
-    logger.info("engine arguments from the command line: %s", engine_kwargs or "(none)")
-    logger.info("resolved engine configuration (%s): %s", engine.stage,
-                ", ".join(f"{k}={v}" for k, v in sorted(engine.engine_args.items())))
+    log_engine(engine.model_path, serving.served_model_name, engine_kwargs, engine.stage, engine.engine_args)
     if not engine.engine_process:
         logger.info("engine core: a thread of the server process")
     elif len(engine.engine_pids) == 1:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from shared.llm_base import automatic_kv_cache_tokens, fit_max_model_len
-from stage2_paged.llm import pool_too_small
+from stage2_paged.llm import check_num_blocks, pool_too_small
 from stage3_continuous.llm import check_budget_takes_a_whole_prompt
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage5_server.config import EngineConfig
@@ -27,6 +27,7 @@ from stage5_server.core.cpu_threads import configure_engine_threads
 from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.executor import Executor, make_executor
+from stage5_server.pooling.core import PoolingEngineCore, PoolingScheduler
 from stage5_server.spec_decode import make_draft_policy, make_proposer
 from stage5_server.spec_decode.metrics import LoggingStatLogger
 
@@ -41,9 +42,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     try:
         block_size = config.cache.block_size
         per_token = executor.collective_rpc("kv_bytes_per_token")[0]
-        num_blocks = config.cache.num_kv_blocks or kv_cache_tokens(config, executor, per_token) // block_size
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks: must be a positive integer, got {num_blocks!r}")
+        if per_token == 0:  # an encoder keeps no KV: the blocks only count what runs, enough for a full batch
+            num_blocks = -(-config.scheduler.max_num_seqs * config.max_model_len // block_size)
+        else:
+            num_blocks = check_num_blocks(config.cache.num_kv_blocks
+                                          or kv_cache_tokens(config, executor, per_token) // block_size)
         max_model_len = fit_max_model_len(num_blocks * block_size, config.max_model_len, config.args,
                                           "num_kv_blocks", pool_too_small(num_blocks, block_size, config.max_model_len),
                                           per_token)
@@ -52,7 +55,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
-        scheduler = Scheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
+        scheduler_class = PoolingScheduler if config.runner == "pooling" else Scheduler
+        scheduler = scheduler_class(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()
@@ -62,6 +66,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     logger.info("engine core ready: model=%s device=%s dtype=%s max_model_len=%d", config.model_path, config.device,
                 config.dtype, max_model_len)
     interval = config.log_stats_interval
+    if config.runner == "pooling":
+        return PoolingEngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None)
     return EngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None,
                       make_proposer(config.speculative), make_draft_policy(config))
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import time
 import weakref
 
 import zmq
 
 from stage5_server.core.messages import EngineStats, EngineStatsUpdate, drain, encoder, open_socket, stats_decoder
-from stage5_server.processes import stop_process
+from stage5_server.processes import configure_child, stop_processes
 
 logger = logging.getLogger("stagedserve")
 
@@ -43,7 +42,7 @@ class DPCoordinator:
             target=run_coordinator, name="stagedserve-dp-coordinator",
             args=(num_engines, stats_address, publish_address, os.getpid(), log_level), daemon=True)
         self.process.start()
-        self._finalizer = weakref.finalize(self, stop_process, self.process)
+        self._finalizer = weakref.finalize(self, stop_processes, [self.process])
 
     @property
     def pid(self) -> int:
@@ -53,20 +52,9 @@ class DPCoordinator:
         self._finalizer()
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def run_coordinator(num_engines: int, stats_address: str, publish_address: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
-    from stage5_server.processes import set_process_name
-
-    set_process_name("ss-coordinator")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(format="%(levelname)s %(asctime)s [dp-coordinator pid %(process)d] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
-    logger.setLevel(log_level)
+    configure_child("ss-coordinator", "dp-coordinator", log_level)
     context = zmq.Context()
     stats_in = open_socket(context, zmq.PULL, bind=stats_address, LINGER=0)
     publish = open_socket(context, zmq.PUB, bind=publish_address, LINGER=0)

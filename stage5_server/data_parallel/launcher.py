@@ -39,12 +39,12 @@ from stage5_server.core.messages import (
     output_decoder,
 )
 from stage5_server.data_parallel.coordinator import DPCoordinator
+from stage5_server.data_parallel.routing import LEAST_LOADED, check_routing
+from stage5_server.processes import stop_processes
 
 logger = logging.getLogger("stagedserve")
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
-
-ROUTING_POLICIES = ("least-loaded", "prefix-affinity")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class EngineTopology:
     stats_address: str | None  # the coordinator's PUB (None: DP = 1, no coordinator)
     ready: tuple[EngineCoreReady, ...]  # rank d's resolved configuration
     api_server_count: int = 1
-    routing: str = "least-loaded"
+    routing: str = LEAST_LOADED
     dead_ranks: frozenset[int] = field(default_factory=frozenset)  # known dead when an API server starts
 
     @property
@@ -68,8 +68,7 @@ def check_topology(data_parallel_size: Any, api_server_count: Any, routing: Any)
     for name, value in (("data_parallel_size", data_parallel_size), ("api_server_count", api_server_count)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-    if routing not in ROUTING_POLICIES:
-        raise ValueError(f"dp_routing: must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+    check_routing(routing)
 
 
 def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[dict[str, str]]:
@@ -117,7 +116,7 @@ class CoreEngineProcManager:
     (``ValueError``, ``RuntimeError``, ``TimeoutError``) once whatever had started is stopped."""
 
     def __init__(self, model_path: str, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
-                 api_server_count: int = 1, routing: str = "least-loaded",
+                 api_server_count: int = 1, routing: str = LEAST_LOADED,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, log_level: int | None = None):
         check_topology(data_parallel_size, api_server_count, routing)
         log_level = logger.getEffectiveLevel() if log_level is None else log_level
@@ -222,17 +221,10 @@ class CoreEngineProcManager:
 
 
 def _stop_all(processes: list[multiprocessing.Process], coordinator: DPCoordinator | None, context: zmq.Context,
-              controls: list[zmq.Socket], ipc_dir: str, timeout: float = 5.0) -> None:
+              controls: list[zmq.Socket], ipc_dir: str) -> None:
     for control in controls:
         control.close(linger=0)
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(timeout)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout)
+    stop_processes(processes)
     if coordinator is not None:
         coordinator.shutdown()
     context.term()

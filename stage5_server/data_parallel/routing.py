@@ -18,12 +18,18 @@ from collections.abc import Mapping, Sequence
 
 LEAST_LOADED = "least-loaded"
 PREFIX_AFFINITY = "prefix-affinity"
+ROUTING_POLICIES = (LEAST_LOADED, PREFIX_AFFINITY)
 MAX_PREFIX_BLOCKS = 8  # how deep a prompt's prefix is keyed
 TABLE_SIZE = 1 << 16
 
 
 def rank_load(waiting: int, running: int, in_flight: int, api_server_count: int) -> float:
     return float(max(waiting + running, api_server_count * in_flight))
+
+
+def check_routing(policy: str) -> None:
+    if policy not in ROUTING_POLICIES:
+        raise ValueError(f"dp_routing: must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
 
 
 def least_loaded(loads: Mapping[int, float]) -> int:
@@ -35,8 +41,7 @@ class Router:
 
     def __init__(self, policy: str, block_size: int, slack: float, max_prefix_blocks: int = MAX_PREFIX_BLOCKS,
                  table_size: int = TABLE_SIZE):
-        if policy not in (LEAST_LOADED, PREFIX_AFFINITY):
-            raise ValueError(f"dp_routing: must be {LEAST_LOADED} or {PREFIX_AFFINITY}, got {policy!r}")
+        check_routing(policy)
         self.policy = policy
         self.block_size = block_size
         self.slack = slack

@@ -31,7 +31,7 @@ from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import EngineDeadError, EngineError, RequestAborted
-from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs
+from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.stream import RequestStream
 from stage5_server.spec_decode.metrics import LoggingStatLogger
@@ -62,6 +62,11 @@ def _guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             raise
         logger.error("%s failed", getattr(fn, "__name__", "an engine call"), exc_info=exc)
         raise EngineError(f"the engine failed on this request ({type(exc).__name__})") from None
+
+
+def dead_core_stats(stats: SchedulerStats) -> SchedulerStats:
+    """A dead core runs and holds nothing; its counters keep what it did."""
+    return dataclasses.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
 
 class AsyncEngine:
@@ -106,11 +111,8 @@ class AsyncEngine:
     # ---- the public API (the event loop, or any thread) -------------------------------------------
     @property
     def stats(self) -> SchedulerStats:
-        """The core's stats as of its latest published step; a dead core runs and holds nothing (its
-        counters keep what it did), as ``MPAsyncLLM`` reports a dead rank."""
-        if self._dead is None:
-            return self._stats
-        return dataclasses.replace(self._stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
+        """The core's stats as of its latest published step."""
+        return self._stats if self._dead is None else dead_core_stats(self._stats)
 
     @property
     def stats_by_engine(self) -> dict[int, SchedulerStats]:
@@ -164,6 +166,38 @@ class AsyncEngine:
                                                   r.prompt_token_ids, r.sampling_params, r.arrival_time,
                                                   kind=output_kind, parent=parent, index=index, queue=stream,
                                                   received=received_time)
+        self._send_requests(requests, request_id)
+        return stream
+
+    @property
+    def is_pooling(self) -> bool:
+        """The core runs the pooling runner: it returns vectors (``pooling/``), never tokens."""
+        return self.engine_args.get("runner") == "pooling"
+
+    async def add_pooling_request(self, token_ids: list[int], request_id: str, *, cache_salt: str | None = None,
+                                  received_time: float | None = None) -> RequestStream:
+        """Send checked token ids (``pooling/offline.py``'s ``pooling_token_ids``) to a pooling core; the stream's
+        one output is final, its vector in ``RequestOutput.pooled``."""
+        self._check_running()
+        return await asyncio.to_thread(self._add_pooling_request, asyncio.get_running_loop(), token_ids, request_id,
+                                       cache_salt, received_time)
+
+    def _add_pooling_request(self, loop: asyncio.AbstractEventLoop, token_ids: list[int], request_id: str,
+                             cache_salt: str | None, received_time: float | None) -> RequestStream:
+        params = SamplingParams(max_tokens=1)  # carried, never used: a pooling request samples nothing
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                                    arrival_time=time.monotonic(), cache_salt=cache_salt)
+        with self._lock:
+            if self.output_processor.has_request(request_id):
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            stream = RequestStream(request_id, loop, False)
+            self.output_processor.add_request(request_id, None, token_ids, params, request.arrival_time,
+                                              kind=RequestOutputKind.FINAL_ONLY, queue=stream, received=received_time)
+        self._send_requests([request], request_id)
+        return stream
+
+    def _send_requests(self, requests: list[EngineCoreRequest], request_id: str) -> None:
+        """Send ``requests`` (one prompt's) to the core; if the core is dead, forget them here and raise."""
         try:
             for request in requests:
                 self._send(AddRequest(request))
@@ -171,7 +205,6 @@ class AsyncEngine:
             with self._lock:
                 self.output_processor.abort_requests([request_id])
             raise
-        return stream
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Returns at once; thread-safe."""
@@ -252,9 +285,10 @@ class AsyncEngine:
     def _deliver_outputs(self, items: list[tuple[RequestStream, RequestOutput]],
                          finished: list[tuple[RequestOutput, SamplingParams]]) -> None:
         """Hand outputs to their streams' loops; stamp each request's first delivery; tell the stat loggers of
-        each engine request that finished (``finished``: their whole outputs)."""
+        each engine request that finished (``finished``: their whole outputs, handed over by now: an ``n > 1``
+        child's may travel inside its parent's output, under another timeline)."""
         now = time.monotonic()
-        for _, output in items:
+        for output in [o for _, o in items] + [o for o, _ in finished]:
             if output.timeline.first_delivered is None:
                 output.timeline.first_delivered = now
         for output, params in finished:

@@ -47,7 +47,7 @@ from stage5_server.core.messages import (
 )
 from stage5_server.data_parallel.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
 from stage5_server.data_parallel.routing import LEAST_LOADED, Router, rank_load
-from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
+from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase, dead_core_stats
 
 logger = logging.getLogger("stagedserve")
 
@@ -173,10 +173,7 @@ class MPAsyncLLM(AsyncEngine):
         waiting = {rank.index: rank for rank in self._ranks if rank.alive}
         for rank in waiting.values():
             rank.dealer.send(encoder.encode(ClientHello(self.client_id)))
-        poller = zmq.Poller()
-        for rank in waiting.values():
-            poller.register(rank.dealer, zmq.POLLIN)
-            poller.register(rank.monitor, zmq.POLLIN)
+        poller = self._poller(waiting.values())
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
             events = dict(poller.poll(100))
@@ -244,10 +241,7 @@ class MPAsyncLLM(AsyncEngine):
 
     @staticmethod
     def _rank_stats(rank: _Rank) -> SchedulerStats:
-        """A dead rank runs and holds nothing; its counters keep what it did."""
-        if rank.alive:
-            return rank.stats
-        return dataclasses.replace(rank.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
+        return rank.stats if rank.alive else dead_core_stats(rank.stats)
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank an in-flight request was sent to."""
@@ -267,13 +261,17 @@ class MPAsyncLLM(AsyncEngine):
         self._ranks[message.engine_index].take_stats(message.scheduler_stats, message.stats_seq)
 
     # ---- outputs (the output thread) -----------------------------------------------------------
-    def _run_output_loop(self) -> None:
+    @staticmethod
+    def _poller(ranks, *sockets: zmq.Socket | None) -> zmq.Poller:
+        """A poller of the ranks' outputs and connection events, and of ``sockets``."""
         poller = zmq.Poller()
-        for rank in self._ranks:
-            poller.register(rank.dealer, zmq.POLLIN)
-            poller.register(rank.monitor, zmq.POLLIN)
-        if self._stats_sub is not None:
-            poller.register(self._stats_sub, zmq.POLLIN)
+        for sock in [s for rank in ranks for s in (rank.dealer, rank.monitor)] + list(sockets):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _run_output_loop(self) -> None:
+        poller = self._poller(self._ranks, self._stats_sub)
         try:
             while not self._stopping:
                 events = dict(poller.poll(OUTPUT_POLL_MS))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from stage5_server.config import EngineConfig
 from stage5_server.core.errors import EngineDeadError
 from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, init_tensor_parallel
-from stage5_server.processes import set_process_name
+from stage5_server.processes import set_process_name, stop_processes
 from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
 
 logger = logging.getLogger("stagedserve")
@@ -133,13 +133,7 @@ def _stop_workers(processes, pipes, store_dir: str, grace_s: float = 5.0) -> Non
             pipe.send(("shutdown", ()))
         except OSError:
             pass
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
+    stop_processes(processes, grace=grace_s)
     for pipe in pipes:
         pipe.close()
     shutil.rmtree(store_dir, ignore_errors=True)

@@ -10,14 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stage5_server.config import EngineConfig
-from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
+from stage5_server.pooling.worker import make_worker
+from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput
 
 
 class UniProcExecutor:
     world_size = 1
 
     def __init__(self, config: EngineConfig):
-        self.driver_worker = Worker(config)
+        self.driver_worker = make_worker(config)  # the generating worker, or a pooling one
 
     def collective_rpc(self, method: str | Callable, *args) -> list:
         """``method(*args)`` on the worker (a function: ``method(worker, *args)``), as a one-element list."""

@@ -3,7 +3,7 @@
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
          -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
             parse strictly (protocol.py, 400)
-         -> completions.py | chat.py | models.py -> serving.py -> the AsyncEngine
+         -> completions.py | chat.py | models.py | pooling.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
 Errors are OpenAI error objects (errors.py); ``/metrics`` (metrics.py); the schema (openapi.py).
@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.server import chat, completions, models, responses
+from stage5_server.server import chat, completions, models, pooling, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
@@ -104,6 +104,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)
+    pooling.add_routes(app, serving)  # embeddings, score, rerank
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:

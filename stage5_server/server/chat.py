@@ -44,6 +44,15 @@ class ToolCallStream(Protocol):
     def finish(self) -> StreamDelta: ...
 
 
+def read_delta(stream: ToolCallStream, text: str, finished: bool) -> StreamDelta:
+    """One delta's content and calls; the last delta's include what the stream held back."""
+    got = stream.feed(text)
+    if not finished:
+        return got
+    rest = stream.finish()
+    return StreamDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
+
+
 class ToolCallReader:
     """How one request's text becomes content and tool calls: whole (``parse``) or streamed
     (``stream()``, one per choice). ``max_calls``: 1 when ``parallel_tool_calls`` is false."""
@@ -108,11 +117,7 @@ class ChatResponder(Responder):
         finished = output.finished
         content, calls = output.outputs[0].text, []
         if self.tool_calls is not None:
-            stream = self.streams.setdefault(index, self.tool_calls.stream())
-            got = stream.feed(content)
-            if finished:
-                rest = stream.finish()
-                got = StreamDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
+            got = read_delta(self.streams.setdefault(index, self.tool_calls.stream()), content, finished)
             content, calls = got.content, self._call_deltas(index, got.tool_calls)
         delta: dict[str, Any] = {"content": content} if content or first else {}
         if first:

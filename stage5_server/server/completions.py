@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from shared.outputs import Logprob, RequestOutput
+from shared.tokenizer import Tokenizer
 from stage5_server.server.protocol import CompletionRequest
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
 
@@ -75,16 +76,26 @@ def _joined(prompt_part: dict[str, list] | None, generated: dict[str, Any] | Non
     return {key: prompt_part[key] + generated[key] for key in prompt_part}
 
 
+def echo_texts(tokenizer: Tokenizer, output: RequestOutput) -> tuple[str, str]:
+    """What is echoed of a prompt (its text, or its token ids decoded) and its first token's text."""
+    ids = output.prompt_token_ids
+    return output.prompt if output.prompt is not None else tokenizer.decode(ids), tokenizer.decode(ids[:1], False)
+
+
 class CompletionResponder(Responder):
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args: Any, echo: list[tuple[str, str]] | None = None, generate: bool = True,
+    def __init__(self, *args: Any, echo: bool = False, generate: bool = True,
                  special_token_ids: frozenset[int] = frozenset(), **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.echo = echo  # per prompt: (its text, its first token's text), when echoed
+        self.echo: list[tuple[str, str]] | None = [] if echo else None  # per prompt: ``echo_texts``
         self.generate = generate  # False: echo with max_tokens 0, the generated token is not returned
         self.special = special_token_ids  # left out of decoded text: no width in text_offset
         self.text_offset: dict[int, int] = {}  # per choice: characters streamed so far
+
+    async def prepare(self, serving: OpenAIServing, outputs: list[RequestOutput]) -> None:
+        if self.echo is not None:  # the ids the engine took, not a second tokenization
+            self.echo = [await serving.on_engine(echo_texts, serving.engine.tokenizer, o) for o in outputs]
 
     def _echoed(self, index: int, output: RequestOutput, text: str, logprobs: dict[str, Any] | None,
                 offset: int) -> tuple[str, dict[str, Any] | None]:
@@ -131,18 +142,11 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
     generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
     params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
                                   body.requested_structured_outputs())
-    serving.check_limits(list(body.prompts), params)  # before the echoed prompts are tokenized
-    echo = []
-    for prompt in body.prompts if body.echo else ():  # the prompt's text, and its first token's
-        tokenizer = serving.engine.tokenizer
-        ids = prompt if isinstance(prompt, list) else await serving.on_engine(tokenizer.encode, prompt)
-        text = prompt if isinstance(prompt, str) else await serving.on_engine(tokenizer.decode, ids)
-        echo.append((text, await serving.on_engine(tokenizer.decode, ids[:1], False)))
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=body.logprobs)  # vLLM: echo scores the prompt too
     responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
                                     body.include_usage, body.continuous_usage, n=params.n,
-                                    echo=echo if body.echo else None, generate=generate,
+                                    echo=body.echo, generate=generate,
                                     special_token_ids=serving.engine.tokenizer.special_token_ids)
     return await serving.generate(request, list(body.prompts), params, salt, responder, body.stream)
 

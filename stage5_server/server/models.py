@@ -49,10 +49,8 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await serving.on_engine(lambda: tokenizer.apply_chat_template(
                 conversation, body.add_generation_prompt, tools=tools, control_tokens_in_messages=control))
-        elif body.add_special_tokens:
-            ids = await serving.on_engine(tokenizer.encode, body.prompt)
         else:
-            ids = await serving.on_engine(lambda text: tokenizer.hf.encode(text, add_special_tokens=False), body.prompt)
+            ids = await serving.on_engine(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

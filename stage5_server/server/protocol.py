@@ -80,6 +80,18 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class IgnoredFields(StrictModel):
+    """Accepted with any value; they change nothing a client can observe (logged: ``IGNORED_FIELDS``)."""
+
+    user: str | None = None  # an end-user id for the operator's logs
+    safety_identifier: Any = None  # OpenAI's successor of ``user``
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None  # routing hints for OpenAI's prompt cache; this server's is automatic
+    prompt_cache_retention: Any = None
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not only a final one
@@ -127,7 +139,7 @@ def structured_outputs_of(response_format: ResponseFormat | None, structured: di
         raise bad_request_from_value_error(exc) from None
 
 
-class _GenerationRequest(StrictModel):
+class _GenerationRequest(IgnoredFields):
     """Fields the two generation endpoints share."""
 
     model: str | None = None
@@ -140,14 +152,6 @@ class _GenerationRequest(StrictModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Accepted with any value; they change nothing a client can observe (logged: IGNORED_FIELDS).
-    user: str | None = None  # an end-user id for the operator's logs
-    safety_identifier: Any = None  # OpenAI's successor of ``user``
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None  # routing hints for OpenAI's prompt cache; this server's is automatic
-    prompt_cache_retention: Any = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None

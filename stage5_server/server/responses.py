@@ -29,9 +29,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.outputs import RequestOutput
-from stage5_server.server.chat import ToolCallReader, conversation_prompt, tool_plan
-from stage5_server.server.errors import APIError, bad_request_from_value_error
-from stage5_server.server.protocol import ChatCompletionRequest, StrictModel
+from stage5_server.server.chat import ToolCallReader, conversation_prompt, read_delta, tool_plan
+from stage5_server.server.errors import APIError, bad_request_from_value_error, loc_to_param
+from stage5_server.server.protocol import ChatCompletionRequest, IgnoredFields, JsonSchemaFormat, StrictModel
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason, usage_of
 from stage5_server.server.tool_parsers import StreamDelta, ToolCall
 
@@ -49,12 +49,9 @@ class NamedFunction(StrictModel):
     name: str
 
 
-class TextFormat(StrictModel):
+class TextFormat(JsonSchemaFormat):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
 
 
 class TextOptions(StrictModel):
@@ -78,7 +75,7 @@ class Item(BaseModel):
     output: Any = None
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(IgnoredFields):
     model: str | None = None
     input: Any  # text, or a list of items (``Item``)
     instructions: str | None = None
@@ -95,12 +92,6 @@ class ResponsesRequest(StrictModel):
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
     reasoning: dict | None = None
-    # Accepted with any value; they change nothing a client can observe.
-    metadata: Any = None
-    user: str | None = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # logprobs are not returned here
     stream_options: Any = None
     # vLLM's extensions
@@ -129,8 +120,7 @@ class ResponsesRequest(StrictModel):
                 items.append(Item.model_validate(raw))
             except ValidationError as exc:
                 first = exc.errors()[0]
-                where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-                raise ValueError(f"input[{i}]{where}: {first['msg']}") from None
+                raise ValueError(f"{loc_to_param(('input', i, *first['loc']))}: {first['msg']}") from None
         return items
 
     @field_validator("store")
@@ -292,10 +282,7 @@ class ResponsesResponder(Responder):
 
     def frames(self, index: int, output: RequestOutput) -> list[str]:
         text = output.outputs[0].text
-        got = StreamDelta(content=text) if self.stream is None else self.stream.feed(text)
-        if output.finished and self.stream is not None:
-            rest = self.stream.finish()
-            got = StreamDelta(got.content + rest.content, got.tool_calls + rest.tool_calls)
+        got = StreamDelta(content=text) if self.stream is None else read_delta(self.stream, text, output.finished)
         frames = []
         if got.content:
             if self.open is None or self.open["type"] != "message":

@@ -45,6 +45,8 @@ from stage5_server.server.sse import (
     unless_disconnected,
 )
 
+GENERATION_APIS = {"chat.completion": "Chat Completions", "text_completion": "Completions",
+                   "response": "Responses"}  # a responder's ``object`` -> the API's name in vLLM's errors
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
 
 
@@ -63,10 +65,13 @@ def finish_reason(output: RequestOutput) -> str | None:
     return reason if reason in ("stop", "length") else None
 
 
-def engine_refused(output: RequestOutput) -> bool:
-    """The engine core ended this choice itself ("abort"): its structured-output grammar failed (a resource
-    limit of the grammar engine, while compiling or generating). A client's abort never reaches a body."""
-    return output.outputs[0].finish_reason == "abort"
+def grammar_failed(outputs: list[RequestOutput]) -> APIError | None:
+    """The error to answer with when the engine core ended a choice itself ("abort"): its structured-output
+    grammar failed (a resource limit of the grammar engine, while compiling or generating). A client's
+    abort never reaches a body."""
+    if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+        return APIError(400, GRAMMAR_FAILED, code="grammar_failed")
+    return None
 
 
 GRAMMAR_FAILED = ("The structured-output constraint failed while generating: it exceeded the grammar engine's "
@@ -97,6 +102,10 @@ class Responder:
         self.num_tokens: dict[int, int] = {}  # per choice: output tokens streamed so far
         self.system_fingerprint: str | None = None  # set by ``OpenAIServing.generate``
         self.with_timeline = http_request.headers.get(TIMELINE_HEADER) == "1"
+
+    async def prepare(self, serving: OpenAIServing, outputs: list[RequestOutput]) -> None:
+        """Before the first body: anything it needs from the engine's tokenizer (``outputs``: each prompt's
+        first output, with the token ids the engine took)."""
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         """The whole response's choice ``index``."""
@@ -212,6 +221,8 @@ class OpenAIServing:
                        responder: Responder, stream: bool, prompt_param: str = "prompt") -> Response:
         """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
         stream. ``prompt_param``: the field a prompt too long for the context is blamed on."""
+        if self.engine.is_pooling:  # vLLM's answer when the model lacks the task
+            raise APIError(400, f"The model does not support {GENERATION_APIS.get(responder.object, 'this')} API")
         self.check_limits(prompts, params, prompt_param)
         responder.system_fingerprint = self.system_fingerprint
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -235,14 +246,17 @@ class OpenAIServing:
         ids = [s.request_id for s in streams]
         try:
             if not streaming:
-                outputs = choices_of(await unless_disconnected(request, asyncio.gather(*map(final_output, streams))))
-                if any(map(engine_refused, outputs)):
-                    raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
+                finals = await unless_disconnected(request, asyncio.gather(*map(final_output, streams)))
+                await responder.prepare(self, list(finals))
+                if (error := grammar_failed(finals)) is not None:
+                    raise error
+                outputs = choices_of(finals)
                 self.record_parents([len(o.outputs[0].token_ids) for o in outputs], params.n)
                 return JSONResponse(responder.response(outputs))
             firsts = await unless_disconnected(request, asyncio.gather(*(s.get() for s in streams)))
-            if any(map(engine_refused, choices_of(list(firsts)))):
-                raise APIError(400, GRAMMAR_FAILED, code="grammar_failed")
+            if (error := grammar_failed(firsts)) is not None:
+                raise error
+            await responder.prepare(self, list(firsts))
             return SSEResponse(self.events(list(firsts), streams, params, responder))
         except BaseException as exc:
             self.engine.abort(ids)
@@ -263,8 +277,8 @@ class OpenAIServing:
             ready = list(enumerate(firsts))
             while True:
                 for i, output in ready:
-                    if any(map(engine_refused, choices_of([output]))):
-                        for frame in responder.error_frames(APIError(400, GRAMMAR_FAILED, code="grammar_failed")):
+                    if (error := grammar_failed([output])) is not None:
+                        for frame in responder.error_frames(error):
                             yield frame
                         return  # ``finally`` aborts the other choices
                     for choice in choices_of([output]):

@@ -14,8 +14,8 @@ of plain data that every rank receives alike, one process or many:
   should get for its next step (the draft-length policy's answer; absent: ``k``);
 - ``finished_req_ids``: requests the workers can forget; ``preempted_req_ids``: requests whose rows
   they can free (each comes back later as a new request);
-- ``grammar_bitmask``: the structured-output mask of each request that samples, computed in the
-  core, where the grammars live.
+- ``grammar_bitmask``: the structured-output masks of each request that samples, computed in the
+  core, where the grammars live: one per position that samples (``1 + len(drafts)`` rows).
 
 The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill,
 one for a decode, several when draft tokens were accepted), the logprobs it was asked for, and
@@ -68,7 +68,7 @@ class ModelRunnerInput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)  # their rows go; their state stays
-    grammar_bitmask: torch.Tensor | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
+    grammar_bitmask: torch.Tensor | None = None  # int32 [positions that sample, ceil(vocab / 32)]
     grammar_req_ids: list[str] = field(default_factory=list)
     num_drafts_to_propose: dict[str, int] | None = None  # a draft model's: per request, None: k for all
 
@@ -80,6 +80,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # one entry per token gained
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # newly scored positions
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a draft model's next drafts
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)  # a pooling runner's vectors (pooling/)
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids))

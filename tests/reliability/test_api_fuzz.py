@@ -38,7 +38,10 @@ KEY = "fuzz-key-0123456789"
 MODEL = "tiny"
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("GET", "/metrics"), ("POST", "/v1/responses")]
+              ("POST", "/detokenize"), ("GET", "/metrics"), ("POST", "/v1/responses"),
+              # the pooling routes and vLLM's aliases (a generating model answers them with a 400)
+              ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/score"), ("POST", "/v1/rerank"),
+              ("POST", "/rerank"), ("POST", "/v2/rerank")]
 # Generating requests run the model, so they get fewer examples than the cheap routes.
 EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40, "/v1/responses": 20}
 # Constraints and tool choices the steered bodies get, so that structured output runs in the engine.

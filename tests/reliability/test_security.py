@@ -67,7 +67,8 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(servers):
                 checked += 1
     paths = {r.path for r in app.routes}
     assert {"/docs", "/redoc", "/openapi.json", "/metrics", "/v1/completions", "/v1/chat/completions",
-            "/v1/models", "/tokenize", "/detokenize", "/version"} <= paths
+            "/v1/models", "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/v1/score", "/score",
+            "/v1/rerank", "/rerank", "/v2/rerank"} <= paths
     assert checked >= len(paths)
 
 
@@ -82,9 +83,10 @@ def test_a_valid_key_opens_the_docs_and_the_api(servers):
 
 def test_unknown_paths_answer_401_without_a_key_and_404_with_one(servers):
     _, url = servers["strict"]
-    assert httpx.get(f"{url}/score").status_code == 401  # vLLM's unprefixed aliases: nothing to find here
-    response = httpx.get(f"{url}/score", headers=auth("alice-key"))
+    assert httpx.get(f"{url}/v1/audio/speech").status_code == 401  # a route this server lacks
+    response = httpx.get(f"{url}/v1/audio/speech", headers=auth("alice-key"))
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    assert httpx.post(f"{url}/score", json={}).status_code == 401  # vLLM's unprefixed alias, keyed here
 
 
 def test_a_route_added_after_create_app_is_protected_too(servers):

@@ -100,15 +100,17 @@ def engine_kv_cache(llm) -> Any:
     return llm.engine.kv_cache if executor is None else executor.driver_worker.kv_cache
 
 
-def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1) -> dict[str, int]:
-    """Make the runner's forward pass raise on its ``on_call``-th call (1-based), ``times`` times in a row."""
+def fail_execute(monkeypatch, llm, *, on_call: int = 1, times: int = 1, min_requests: int = 0) -> dict[str, int]:
+    """Make the runner's forward pass raise on its ``on_call``-th call (1-based), ``times`` times in a row;
+    with ``min_requests``, only on a stage 5 step that carries at least that many requests."""
     runner, method = engine_runner(llm)
     original = getattr(runner, method)
     state = {"calls": 0, "failures": 0}
 
     def execute(*args, **kwargs):
         state["calls"] += 1
-        if state["calls"] >= on_call and state["failures"] < times:
+        carried = len(getattr(args[0], "scheduled_req_ids", ())) if args else 0
+        if state["calls"] >= on_call and carried >= min_requests and state["failures"] < times:
             state["failures"] += 1
             raise RuntimeError("injected engine failure")
         return original(*args, **kwargs)

@@ -11,6 +11,7 @@ import torch
 
 from shared import ModelConfig, SamplingParams
 from shared.closeness import as_token_logprobs, first_divergences
+from stage5_server import LLM
 from stage5_server.config import CPU_BF16_MIN_HIDDEN_SIZE, cpu_auto_dtype, cpu_has_native_bf16
 from stage5_server.core.cpu_threads import configure_engine_threads, physical_cores
 from tests.invariants.prompts import PROMPTS
@@ -31,6 +32,13 @@ def test_engine_threads_default_to_one_per_physical_core_and_say_so(restore_thre
     assert line in caplog.text and "physical cores" in line
 
 
+def test_the_offline_llm_logs_its_configuration_once(tiny_llama, restore_threads, caplog):
+    with caplog.at_level(logging.INFO, logger="stagedserve"):
+        LLM(str(tiny_llama), device="cpu", dtype="float32", max_model_len=64, block_size=8, num_kv_blocks=8)
+    [line] = [r.getMessage() for r in caplog.records if "max_model_len=" in r.getMessage()]
+    assert "dtype=torch.float32" in line and "max_model_len=64" in line
+
+
 def test_engine_threads_follow_an_explicit_count_or_omp_num_threads(restore_threads, monkeypatch):
     configure_engine_threads(1)
     assert torch.get_num_threads() == 1
@@ -49,7 +57,6 @@ def test_auto_dtype_is_bfloat16_only_for_wide_models_on_cpus_with_bf16_units(tin
 
 
 def _generate(model, dtype, **kwargs):
-    from stage5_server import LLM
 
     llm = LLM(model=str(model), device="cpu", dtype=dtype, max_model_len=128, block_size=8,
               max_num_batched_tokens=32, **kwargs)
@@ -72,7 +79,6 @@ def test_bfloat16_greedy_output_is_logprob_close_to_float32(tiny_llama):
 def test_the_default_model_on_its_own_defaults_is_logprob_close_to_transformers():
     """``LLM()`` with no arguments: bfloat16 on a CPU with bf16 units, and its greedy replies agree with
     transformers' float32 ones on the .gguf file token for token, or diverge only at a near-tie."""
-    from stage5_server import LLM
     from tests.invariants.real_model import CHATS, MAX_TOKENS, smollm2_reference
 
     llm = LLM()

@@ -96,7 +96,7 @@ def test_invalid_input_raises_value_error_naming_the_field(engine):
 
 
 def test_a_failed_step_fails_every_request_in_flight_and_the_loop_keeps_serving(engine, llm, monkeypatch):
-    fail_execute(monkeypatch, llm, on_call=3, times=1)
+    fail_execute(monkeypatch, llm, times=1, min_requests=3)  # a step with all three in it, however they arrive
 
     async def run():
         results = await asyncio.gather(*[collect(engine, f"doomed {i}", LONG) for i in range(3)],

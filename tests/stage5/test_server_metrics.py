@@ -81,6 +81,14 @@ def test_request_size_histograms_count_every_sample_and_sum_its_tokens(scraped):
     assert metric(text, "vllm:request_success_total", model_name=MODEL) == len(samples)
 
 
+def test_every_sample_is_timed_on_both_sides_of_the_engine_core(scraped):
+    parents, text = scraped
+    samples = sum(len(lengths) for _, _, lengths, _ in parents)
+    for name in ("vllm:e2e_request_latency_seconds", "stagedserve:request_frontend_in_time_seconds",
+                 "stagedserve:request_frontend_out_time_seconds"):
+        assert histogram(text, name)["count"] == samples, name
+
+
 def test_max_tokens_histogram_holds_each_samples_limit_or_what_the_context_leaves(scraped):
     parents, text = scraped
     limits = [max_tokens if max_tokens is not None else ENGINE_KWARGS["max_model_len"] - prompt

@@ -243,6 +243,19 @@ def test_echo_with_generation_puts_the_prompt_in_front_streamed_or_not(served_ec
     assert streamed == whole["text"]
 
 
+def test_echo_puts_each_prompt_of_a_batch_in_front_of_each_of_its_samples(served_echo):
+    url, scored, tokenizer = served_echo
+    prompts = [SCORED, tokenizer.encode("Good morning", False)]  # text, and token ids (echoed decoded)
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "n": 2, "max_tokens": 2, "seed": 3}
+    with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = [e for e in sse_events(response.iter_lines()) if e != "[DONE]"]
+    streamed = ["".join(c["text"] for e in events for c in e["choices"] if c["index"] == i) for i in range(4)]
+    for texts in ([c["text"] for c in whole], streamed):
+        assert [t.startswith(p) for t, p in zip(texts, [SCORED, SCORED, "Good morning", "Good morning"])] == [True] * 4
+
+
 def test_text_offsets_index_the_returned_text_and_give_left_out_special_tokens_no_width(served_echo):
     url, _, tokenizer = served_echo
     special = sorted(tokenizer.special_token_ids)[1]  # "<|im_start|>": decoded text leaves it out

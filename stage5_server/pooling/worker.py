@@ -1,0 +1,58 @@
+"""The workers of a pooling model: an encoder's (no KV cache at all) and a decoder's (the generating
+worker's model and paged KV cache, with the pooling runner in place of the sampling one).
+
+vLLM: ``vllm/v1/worker/gpu_worker.py`` (one worker class; the runner checks ``is_pooling_model``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from stage5_server.config import EngineConfig
+from stage5_server.pooling.bert import load_bert
+from stage5_server.pooling.pooler import Pooler
+from stage5_server.pooling.runner import DecoderPoolingRunner, EncoderModelRunner
+from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
+from stage5_server.worker.input_batch import InputBatch
+
+
+class EncoderWorker:
+    """Loads the encoder; asks the scheduler's blocks for no memory: ``kv_bytes_per_token`` is 0."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config, self.rank, self.device = config, rank, config.device
+        self.model, _ = load_bert(config.model_path, config.dtype, self.device)
+        self.model_runner: EncoderModelRunner | None = None
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
+                "num_heads": self.model.config.num_attention_heads, "num_kv_heads": 0}
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def determine_available_memory(self, num_tokens: int) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.model_runner = EncoderModelRunner(self.model, Pooler(self.config.pooler), self.device)
+
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(step)
+
+
+class DecoderPoolingWorker(Worker):
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        super().initialize_kv_cache(num_blocks, block_size, max_model_len)
+        batch = InputBatch(self.config.scheduler.max_num_seqs, max_model_len, block_size, self.device)
+        self.model_runner = DecoderPoolingRunner(self.model, batch, Pooler(self.config.pooler))
+
+
+def make_worker(config: EngineConfig, rank: int = 0) -> Worker | EncoderWorker:
+    """The worker this configuration's runner needs."""
+    if config.runner != "pooling":
+        return Worker(config, rank)
+    return EncoderWorker(config, rank) if config.model_config.is_encoder else DecoderPoolingWorker(config, rank)
+
+
+__all__ = ["DecoderPoolingWorker", "EncoderWorker", "make_worker"]
