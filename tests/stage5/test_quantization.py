@@ -25,6 +25,7 @@ from stage5_server.model import Linear
 from stage5_server.quantization import QUANTIZATION_METHODS, PackedLinearMethod, resolve_linear_config, weight_only
 from stage5_server.quantization import config as linear_config
 from stage5_server.quantization.gguf import dequantize_q8_0, int4_groups
+from stage5_server.quantization.packed import pack_weight
 from tests.shared.gguf_files import write_gguf
 
 ENGINE = dict(device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, seed=0)
@@ -87,7 +88,8 @@ def test_each_linear_method_is_close_to_the_float32_model(tiny_llama, engine_arg
     reference = greedy_with_logprobs(reference_llm)
     with caplog.at_level(logging.INFO, logger="stagedserve"):
         llm = LLM(str(tiny_llama), dtype="bfloat16", **engine_args, **ENGINE)
-    kind = engine_args.get("quantization") or ("packed" if engine_args["prepack_linear"] else "plain")
+    kind = engine_args.get("quantization") or ("plain" if not engine_args["prepack_linear"] else
+                                                "packed" if bf16_packs() else "plain (could not pack)")
     assert {layer.method.describe(layer) for layer in served_layers(llm).values()} == {kind}
     assert any(r.message.startswith(f"linear layers: 9 {kind}: ") for r in caplog.records)
     assert_close(reference, greedy_with_logprobs(llm))
@@ -126,7 +128,7 @@ def test_a_method_the_model_or_device_cannot_use_is_refused(tiny_llama):
     assert resolve_linear_config("int8", None, None, cpu, bf16, odd, 1).quantization == "int8"
     with pytest.raises(ValueError, match="quantization: 'int8' runs torch's CPU kernels; .* cuda"):
         resolve_linear_config("int8", None, None, torch.device("cuda"), bf16, config, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size is 2"):
+    with pytest.raises(ValueError, match="runs on one rank; this engine has 2"):
         resolve_linear_config("int8", None, None, cpu, bf16, config, 2)
     with pytest.raises(ValueError, match="prepack_linear: packs weights for a CPU"):
         resolve_linear_config(None, True, None, torch.device("cuda"), bf16, config, 1)
@@ -164,12 +166,22 @@ def test_a_layer_whose_weight_cannot_be_packed_keeps_f_linear(monkeypatch):
     assert torch.equal(layer(x), expected)
 
 
-def test_a_packed_layer_holds_only_its_packed_weight_and_gives_the_same_product():
-    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
+def bf16_packs() -> bool:
+    """oneDNN packs bfloat16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
+    return pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_layer_holds_only_its_packed_weight_and_gives_the_same_product(dtype):
+    layer = Linear(64, 48, bias=False).to(dtype)
+    x = torch.randn(5, 64, dtype=dtype)
     expected = F.linear(x, layer.weight)
     PackedLinearMethod().process_weights_after_loading(layer)
     layer.method = PackedLinearMethod()
+    if dtype == torch.bfloat16 and not bf16_packs():  # this CPU: the plain weight stays, F.linear runs
+        assert layer.packed_weight is None and layer.method.describe(layer) == "plain (could not pack)"
+        assert torch.equal(layer(x), expected)
+        return
     assert layer.weight.numel() == 0 and layer.packed_weight.is_mkldnn
     assert torch.allclose(layer(x).float(), expected.float(), atol=1e-2)
 
