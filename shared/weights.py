@@ -47,16 +47,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 
 def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dtype: torch.dtype,
-                 device: str | torch.device, take: Callable[[str, Any], torch.Tensor] | None = None) -> None:
+                 device: str | torch.device, take: Callable[[str, Any], torch.Tensor] | None = None,
+                 rename: Callable[[str], str | None] | None = None) -> None:
     """Fill ``model``'s parameters from the checkpoint at ``path``, refusing a tensor with no place
     and a parameter with no tensor. ``take(name, lazy_tensor)`` picks the part of each checkpoint
-    tensor that this model holds (a tensor-parallel shard); by default all of it."""
+    tensor that this model holds (a tensor-parallel shard); by default all of it. ``rename(name)``
+    gives a tensor's name in this model, or None to pass it by (a pipeline stage holds some layers)."""
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 short = name.removeprefix("model.")
+                if rename is not None and (short := rename(short)) is None:
+                    continue
                 tied_head = short == "lm_head.weight" and config.tie_word_embeddings
                 if "rotary_emb" in short or short.endswith("position_ids") or tied_head:  # derived, not weights
                     continue

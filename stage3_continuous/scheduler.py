@@ -127,7 +127,7 @@ class Scheduler:
         # 2. Waiting requests, with the budget that is left (none if we just had to preempt).
         aborted: list[Request] = []
         while (self.waiting and budget > 0 and not preempted and len(num_scheduled) < self.config.max_num_seqs
-               and len(self.running) < self.config.running_cap):
+               and self._num_running() < self.config.running_cap):
             request = self._peek_waiting()
             if request is None:
                 break  # only requests whose grammar is still compiling
@@ -205,6 +205,10 @@ class Scheduler:
     # ---- helpers ---------------------------------------------------------------------------
     def _block_tables(self, request_ids) -> dict[str, list[int]]:
         return {rid: self.kv_cache_manager.get_block_ids(rid) for rid in request_ids}
+
+    def _num_running(self) -> int:
+        """Requests holding a place in the running set."""
+        return len(self.running)
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """Input positions a running request still lacks: one for a decode, the prompt's rest mid-prefill."""

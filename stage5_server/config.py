@@ -28,13 +28,18 @@ from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
-from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
+from stage5_server.parallel.parallel_state import (
+    check_pipeline_parallel_size,
+    check_tensor_parallel_size,
+    resolve_interface,
+)
 from stage5_server.pooling.config import PoolerConfig, resolve_runner
 from stage5_server.quantization import LinearConfig, resolve_linear_config, source_gguf_file
 from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
                       "tensor_parallel_size": 1,
+                      "pipeline_parallel_size": 1,  # layers split into stages (parallel/pipeline.py)
                       "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
                       "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
@@ -67,6 +72,12 @@ class CacheSettings:
 class ParallelConfig:
     tensor_parallel_size: int
     distributed_interface: str | None  # resolved when there are ranks: the loopback interface unless one is named
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes: one per (pipeline stage, tensor-parallel rank)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,10 @@ class EngineConfig:
         if pooler is not None:
             args = {**args, **pooling_args(args, model_config, pooler)}
         max_model_len = check_common_args(args, model_config)
-        tensor_parallel_size = check_tensor_parallel_size(args["tensor_parallel_size"], model_config, device)
+        pipeline_parallel_size = check_pipeline_parallel_size(args["pipeline_parallel_size"], model_config)
+        tensor_parallel_size = check_tensor_parallel_size(args["tensor_parallel_size"], model_config, device,
+                                                          pipeline_parallel_size)
+        world_size = tensor_parallel_size * pipeline_parallel_size
         if args["enforce_eager"] not in (None, True, False):
             raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
         cpu_threads = args["cpu_threads"]
@@ -133,18 +147,21 @@ class EngineConfig:
                               prefix_caching_hash_algo=args["prefix_caching_hash_algo"],
                               block_shuffle_seed=args["block_shuffle_seed"])
         speculative = SpeculativeConfig.create(args["speculative_config"])
-        if runner == "pooling" and (speculative is not None or tensor_parallel_size > 1):
+        if runner == "pooling" and (speculative is not None or world_size > 1):
             raise ValueError("runner: the pooling runner runs on one device without speculative decoding "
-                             "(tensor_parallel_size=1, no speculative_config)")
+                             "(tensor_parallel_size=1, pipeline_parallel_size=1, no speculative_config)")
+        if pipeline_parallel_size > 1 and speculative is not None:
+            raise ValueError("speculative_config: speculative decoding runs without pipeline parallelism "
+                             f"(pipeline_parallel_size is {pipeline_parallel_size})")
         check_draft_model(speculative, model_config, tensor_parallel_size)
-        interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
+        interface = resolve_interface(args["distributed_interface"]) if world_size > 1 else None
         linear = resolve_linear_config(args["quantization"], args["prepack_linear"],
                                        source_gguf_file(model, default_model_file), device, dtype, model_config,
-                                       tensor_parallel_size)
+                                       world_size)
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                   parallel=ParallelConfig(tensor_parallel_size, interface),
+                   parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size),
                    attention_backend=resolve_attention_backend(args["attention_backend"], device),
                    enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,

@@ -39,6 +39,7 @@ class LLM(PoolingAPI, BaseLLM):
         self.device, self.dtype, self.max_model_len = config.device, config.dtype, config.max_model_len
         self.attention_backend_name = config.attention_backend
         self.tensor_parallel_size = config.parallel.tensor_parallel_size
+        self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
         self.tokenizer = Tokenizer(config.tokenizer_path)
         self._start_frontend()  # the builder has logged the configuration

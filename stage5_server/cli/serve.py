@@ -46,7 +46,8 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 # CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
-               "attention_backend", "seed", "tensor_parallel_size", "distributed_interface", "enforce_eager",
+               "attention_backend", "seed", "tensor_parallel_size", "pipeline_parallel_size", "distributed_interface",
+               "enforce_eager",
                "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear")
 QUANTIZATION_CHOICES = ("gguf", "int8", "int4")  # stage5_server.quantization.QUANTIZATION_METHODS
 
@@ -118,7 +119,10 @@ def add_serve_subcommand(subparsers) -> None:
     eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
                      help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
     eng.add_argument("--seed", type=int, default=None)
-    eng.add_argument("--tensor-parallel-size", type=positive_int, default=None, help="split the model over N devices")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
+                     help="split each layer over N devices")
+    eng.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=None,
+                     help="split the layers into P stages, one batch in flight per stage (default: 1)")
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
                      help="network interface of the ranks' unauthenticated traffic (default: loopback); "
                           "never one reachable from an untrusted network")
@@ -183,10 +187,12 @@ def resolve_topology(args: argparse.Namespace) -> None:
                          "core in its own process; drop --no-engine-process")
 
 
-def serving_process_count(api_server_count: int, data_parallel_size: int, tensor_parallel_size: int) -> dict:
-    """The seeds' A + DP + N (+1 coordinator when DP > 1); N is DP x TP when TP > 1, else 0 (the model runs
-    in the engine-core process); with A > 1 a supervisor holds the socket and serves no request."""
-    workers = data_parallel_size * tensor_parallel_size if tensor_parallel_size > 1 else 0
+def serving_process_count(api_server_count: int, data_parallel_size: int, tensor_parallel_size: int,
+                          pipeline_parallel_size: int = 1) -> dict:
+    """The seeds' A + DP + N (+1 coordinator when DP > 1); N is DP x TP x PP when the model is split, else 0
+    (the model runs in the engine-core process); with A > 1 a supervisor holds the socket and serves no request."""
+    split = tensor_parallel_size * pipeline_parallel_size
+    workers = data_parallel_size * split if split > 1 else 0
     counts = {"api_servers": api_server_count, "engine_cores": data_parallel_size, "workers": workers,
               "coordinator": 1 if data_parallel_size > 1 else 0, "supervisor": 1 if api_server_count > 1 else 0}
     counts["total"] = sum(counts.values())
@@ -268,12 +274,13 @@ def _exit_after_sigterm(signum, frame) -> None:
 
 
 def _log_topology(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
-    tp = engine_kwargs.get("tensor_parallel_size", 1)
-    counts = serving_process_count(args.api_server_count, args.data_parallel_size, tp)
-    logger.info("serving processes: %d API server(s) + %d engine core(s) + %d tensor-parallel worker(s) + %d "
-                "coordinator%s = %d (A=%d, DP=%d, TP=%d; routing %s)", counts["api_servers"], counts["engine_cores"],
-                counts["workers"], counts["coordinator"], " + 1 supervisor" if counts["supervisor"] else "",
-                counts["total"], args.api_server_count, args.data_parallel_size, tp, args.dp_routing)
+    tp, pp = engine_kwargs.get("tensor_parallel_size", 1), engine_kwargs.get("pipeline_parallel_size", 1)
+    counts = serving_process_count(args.api_server_count, args.data_parallel_size, tp, pp)
+    logger.info("serving processes: %d API server(s) + %d engine core(s) + %d model-parallel worker(s) + %d "
+                "coordinator%s = %d (A=%d, DP=%d, TP=%d, PP=%d; routing %s)", counts["api_servers"],
+                counts["engine_cores"], counts["workers"], counts["coordinator"],
+                " + 1 supervisor" if counts["supervisor"] else "", counts["total"], args.api_server_count,
+                args.data_parallel_size, tp, pp, args.dp_routing)
 
 
 def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],

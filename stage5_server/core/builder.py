@@ -35,13 +35,13 @@ logger = logging.getLogger("stagedserve")
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
-    if config.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
+    if config.device.type == "cpu" and config.parallel.world_size == 1:
         configure_engine_threads(config.cpu_threads)  # the ranks of a split model share the cores instead
     logger.info("attention backend: %s (device %s)", config.attention_backend, config.device)
     executor = make_executor(config)
     try:
         block_size = config.cache.block_size
-        per_token = executor.collective_rpc("kv_bytes_per_token")[0]
+        per_token = max(executor.collective_rpc("kv_bytes_per_token"))  # pipeline stages differ: the largest decides
         if per_token == 0:  # an encoder keeps no KV: the blocks only count what runs, enough for a full batch
             num_blocks = -(-config.scheduler.max_num_seqs * config.max_model_len // block_size)
         else:
@@ -81,5 +81,5 @@ def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) ->
         logger.info("KV cache sized from GPU memory: %.2f GiB -> %d tokens", memory / 2**30, memory // per_token)
     if memory is None:
         return automatic_kv_cache_tokens(per_token, config.scheduler.max_num_seqs, config.max_model_len,
-                                         processes=config.parallel.tensor_parallel_size)
+                                         processes=config.parallel.world_size)
     return memory // per_token

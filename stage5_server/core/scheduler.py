@@ -10,6 +10,9 @@
 2. **The workers' view of the step** (``runner_input``): the plain-data ``ModelRunnerInput`` every
    rank receives, sending a request whole once and afterwards only what it gained; and the
    structured-output masks of the requests that sample, computed here where the grammars live.
+3. **Batches in flight.** Under pipeline parallelism the core schedules the next batch before the
+   last one's tokens are back; a request in a batch still in flight (``in_flight``) sits that
+   batch out, so a request is never in two batches at once and never preempted under one.
 
 vLLM: ``vllm/v1/core/sched/scheduler.py`` (``num_tokens_with_spec``, the rejected-token rollback in
 ``update_from_output``, ``get_grammar_bitmask``) and ``vllm/v1/core/sched/output.py``.
@@ -64,6 +67,8 @@ class Scheduler(_PrefixCachingScheduler):
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
         self.preempted_on_workers: set[str] = set()
+        self.in_flight: set[str] = set()  # requests in a batch the workers have not answered yet
+        self.set_aside: list[Request] = []  # the running ones of them, while a batch is scheduled
 
     def _block_tables(self, request_ids) -> BlockTables:
         return BlockTables(self.kv_cache_manager, dict.fromkeys(request_ids))
@@ -93,7 +98,28 @@ class Scheduler(_PrefixCachingScheduler):
         request.spec_token_ids = []  # proposed for a position the recompute samples afresh
         super()._preempt(request)
 
+    # ---- batches in flight ---------------------------------------------------------------------
+    def _num_running(self) -> int:
+        return len(self.running) + len(self.set_aside)
+
     def schedule(self) -> SchedulerOutput:
+        """The next batch. A request whose last batch is still in flight (``in_flight``, under pipeline
+        parallelism) is set aside: not scheduled, not preempted (its blocks are in use), still counted."""
+        running = self.running
+        self.set_aside = [r for r in running if r.request_id in self.in_flight]
+        if self.set_aside:
+            self.running = [r for r in running if r.request_id not in self.in_flight]
+        try:
+            base = self._schedule_with_drafts()
+        finally:
+            if self.set_aside:  # back in admission order: the set-aside ones where they were, new ones last
+                place = {id(r): i for i, r in enumerate(running)}
+                self.running = sorted(self.set_aside + self.running,
+                                      key=lambda r: place.get(id(r), len(place)))
+            self.set_aside = []
+        return base
+
+    def _schedule_with_drafts(self) -> SchedulerOutput:
         base = super().schedule()
         drafts = {}
         for request in base.scheduled_running_reqs:

@@ -77,7 +77,7 @@ def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[d
 
     if data_parallel_size == 1:
         return [{}]  # the whole machine as given (on a CPU a thread per physical core: core/cpu_threads.py)
-    tp = engine_args.get("tensor_parallel_size") or 1
+    tp = (engine_args.get("tensor_parallel_size") or 1) * (engine_args.get("pipeline_parallel_size") or 1)
     device = str(engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.startswith("cuda"):
         if data_parallel_size > 1 and device != "cuda":
@@ -87,7 +87,7 @@ def plan_devices(engine_args: dict[str, Any], data_parallel_size: int) -> list[d
         gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else \
             [str(i) for i in range(torch.cuda.device_count())]
         if data_parallel_size * tp > len(gpus):
-            raise ValueError(f"data_parallel_size: {data_parallel_size} ranks x tensor_parallel_size {tp} need "
+            raise ValueError(f"data_parallel_size: {data_parallel_size} ranks x {tp} model-parallel ranks need "
                              f"{data_parallel_size * tp} GPUs; {len(gpus)} visible")
         return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[d * tp:(d + 1) * tp])} for d in range(data_parallel_size)]
     user_threads = os.environ.get("OMP_NUM_THREADS")
@@ -132,7 +132,8 @@ class CoreEngineProcManager:
         context = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.Process] = []
         for d in range(data_parallel_size):
-            threads = envs[d].get("OMP_NUM_THREADS") if (engine_args.get("tensor_parallel_size") or 1) == 1 else None
+            split = (engine_args.get("tensor_parallel_size") or 1) * (engine_args.get("pipeline_parallel_size") or 1)
+            threads = envs[d].get("OMP_NUM_THREADS") if split == 1 else None
             process = context.Process(
                 target=run_engine_core, name=f"stagedserve-engine-core-{d}",
                 args=(d, model_path, dict(engine_args), inputs[d], outputs[d], f"{ipc}/handshake",

@@ -1,9 +1,13 @@
-"""The multiprocess executor: one worker process per tensor-parallel rank, each step sent to all of them.
+"""The multiprocess executor: one worker process per rank, each step sent to all of them.
 
 The engine process keeps the scheduler and the KV accounting and holds no weights. Each worker
-process builds the same ``Worker`` a single device uses (its shard of the model, its share of the
-KV cache) and serves ``(method, args)`` calls over a pipe until told to stop or the pipe closes.
-Every step goes to every rank, and rank 0's answer, the sampled tokens, comes back. Every worker
+process builds the same ``Worker`` a single device uses (its shard or stage of the model, its share
+of the KV cache) and serves ``(method, args)`` calls over a pipe, in order, until told to stop or the
+pipe closes. Every step goes to every rank, and the driver's answer (the sampled tokens, from TP
+rank 0 of the last pipeline stage) comes back. ``execute_model_async`` sends a step and returns at
+once: its ``PendingStep`` collects the answers later, so the core can send the next batch while
+the pipeline's later stages still run this one (each rank answers its steps in the order sent).
+Every worker
 process is watched: a rank that exits or errs fails the step at once, naming it, and the others
 are stopped. Workers are ``spawn``-ed daemons; a worker whose pipe closes exits by itself.
 
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 from stage5_server.config import EngineConfig
 from stage5_server.core.errors import EngineDeadError
-from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, init_tensor_parallel
+from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, RankPlace, init_model_parallel
 from stage5_server.processes import set_process_name, stop_processes
 from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
 
@@ -43,7 +47,9 @@ class TensorParallelError(EngineDeadError):
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.world_size = world_size = config.parallel.tensor_parallel_size
+        self.world_size = world_size = config.parallel.world_size
+        self.driver_rank = config.parallel.world_size - config.parallel.tensor_parallel_size  # TP rank 0, last stage
+        self.pending: list[PendingStep] = []  # steps sent whose answers are not collected yet, oldest first
         self.failure: TensorParallelError | None = None
         self._store_dir = tempfile.mkdtemp(prefix="stagedserve-tp-")  # mode 0700: only this user meets here
         store_path = f"{self._store_dir}/rendezvous"
@@ -59,9 +65,11 @@ class MultiprocExecutor:
             self.pipes.append(engine_end)
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.pipes, self._store_dir)
         self.workers = self._gather_replies("start-up")
-        logger.info("tensor parallel: %d ranks up on interface %s: %s", world_size,
+        logger.info("model parallel: %d ranks (TP %d x PP %d) up on interface %s: %s", world_size,
+                    config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                     config.parallel.distributed_interface,
-                    ", ".join(f"rank {w['rank']} pid {w['pid']} {w['device']}" for w in self.workers))
+                    ", ".join(f"rank {w['rank']} pid {w['pid']} {w['device']} stage {w['stage']} "
+                              f"({w['num_layers']} layers)" for w in self.workers))
 
     @property
     def pids(self) -> list[int]:
@@ -70,6 +78,30 @@ class MultiprocExecutor:
     def collective_rpc(self, method: str | Callable, *args) -> list:
         """Call ``method(*args)`` on every worker (a function: ``method(worker, *args)``); their results in rank
         order."""
+        while self.pending:  # answers come in the order sent: the queued steps' first
+            self.collect_oldest()
+        self._send(method, args)
+        return self._gather_replies(method)
+
+    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+        return self.execute_model_async(step).result()
+
+    def execute_model_async(self, step: ModelRunnerInput) -> PendingStep:
+        """Send ``step`` to every rank and return before it has run."""
+        self._send("execute_model", (step,))
+        pending = PendingStep(self)
+        self.pending.append(pending)
+        return pending
+
+    def collect_oldest(self) -> None:
+        """Wait for the answers to the oldest step sent and hand the driver's to its ``PendingStep``."""
+        oldest = self.pending.pop(0)
+        if self.failure is not None:
+            raise TensorParallelError(f"the tensor-parallel engine is down: {self.failure}")
+        replies = self._gather_replies("execute_model")
+        oldest.output, oldest.done = replies[self.driver_rank], True  # the other ranks answer None
+
+    def _send(self, method: str | Callable, args: tuple) -> None:
         if self.failure is not None:
             raise TensorParallelError(f"the tensor-parallel engine is down: {self.failure}")
         for rank, pipe in enumerate(self.pipes):
@@ -77,10 +109,6 @@ class MultiprocExecutor:
                 pipe.send((method, args))
             except OSError:  # that worker's end is closed: it died
                 self._fail(f"rank {rank} is gone (its pipe is closed)", method)
-        return self._gather_replies(method)
-
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", step)[0]  # the driver's answer; the others return None
 
     def _gather_replies(self, what: str) -> list:
         results: list = [None] * self.world_size
@@ -127,6 +155,20 @@ class MultiprocExecutor:
         self._finalizer()
 
 
+class PendingStep:
+    """A step sent to the ranks; ``result()`` waits for its answers (and those of every step sent before it)."""
+
+    def __init__(self, executor: MultiprocExecutor):
+        self.executor = executor
+        self.output: ModelRunnerOutput | None = None
+        self.done = False
+
+    def result(self) -> ModelRunnerOutput:
+        while not self.done:
+            self.executor.collect_oldest()
+        return self.output
+
+
 def _stop_workers(processes, pipes, store_dir: str, grace_s: float = 5.0) -> None:
     for pipe in pipes:
         try:
@@ -142,13 +184,14 @@ def _stop_workers(processes, pipes, store_dir: str, grace_s: float = 5.0) -> Non
 def worker_main(rank: int, config: EngineConfig, store_path: str, timeout_s: float, conn) -> None:
     """A worker's life: answer ``(method, args)`` with ``("ok", result)`` or ``("error", tb)``; exit after an error."""
     set_process_name(f"ss-tp-{rank}")
-    world_size = config.parallel.tensor_parallel_size
+    world_size = config.parallel.world_size
+    place = RankPlace(rank, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
     try:
         device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
         if device.type == "cpu":  # the ranks share the cores instead of each claiming all of them
             threads = os.environ.get("OMP_NUM_THREADS")
             torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world_size))
-        init_tensor_parallel(rank, world_size, store_path, config.parallel.distributed_interface, device, timeout_s)
+        init_model_parallel(place, store_path, config.parallel.distributed_interface, device, timeout_s)
         worker = Worker(config, rank)
         conn.send(("ok", worker.describe()))
     except BaseException:

@@ -14,6 +14,14 @@ from stage5_server.pooling.worker import make_worker
 from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput
 
 
+class DoneStep:
+    def __init__(self, output: ModelRunnerOutput):
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class UniProcExecutor:
     world_size = 1
 
@@ -27,6 +35,10 @@ class UniProcExecutor:
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(step)
+
+    def execute_model_async(self, step: ModelRunnerInput) -> DoneStep:
+        """The step, already run (one process has nothing to overlap it with)."""
+        return DoneStep(self.execute_model(step))
 
     def shutdown(self) -> None:
         pass

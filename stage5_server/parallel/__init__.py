@@ -1,9 +1,11 @@
-"""Tensor parallelism: the arithmetic of one model split over several devices.
+"""Model parallelism: one model split over several devices, across each layer and along the layers.
 
 ``LLM(..., tensor_parallel_size=N)`` runs N workers (``executor/multiproc.py``), each holding 1/N
 of the attention heads, MLP columns, vocabulary and KV cache; each layer costs two all-reduces.
-Here: ``parallel_state.py`` (the process group, collectives, which sizes divide), ``layers.py``
-(the split layers), ``sharded_model.py`` (one rank's shard, read from the checkpoint).
+``pipeline_parallel_size=P`` cuts the layers into P stages that hand their hidden states on, once
+per step. Here: ``parallel_state.py`` (the process groups, collectives, which sizes divide),
+``layers.py`` (the split layers), ``sharded_model.py`` (one rank's shard, read from the
+checkpoint), ``pipeline.py`` (one stage's layers and the hand-over).
 
 vLLM: ``vllm/distributed/``, ``vllm/model_executor/layers/linear.py``.
 """

@@ -63,11 +63,16 @@ def load_sharded_model(path: str | Path, rank: int, world_size: int, dtype: torc
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = build_sharded_model(config, rank, world_size)
+    load_weights(model, config, path, dtype, device, shard_reader(model))  # ties lm_head to the same slice
+    return model.eval(), config
+
+
+def shard_reader(model: DecoderModel):
+    """``load_weights``' ``take``: each tensor's part that ``model``'s layer holds (``load_shard``), else all."""
 
     def take(name: str, full) -> torch.Tensor:
         module_name, _, param_name = name.rpartition(".")
         module = model.get_submodule(module_name)
         return module.load_shard(param_name, full) if hasattr(module, "load_shard") else full[:]
 
-    load_weights(model, config, path, dtype, device, take)  # ties lm_head to the same vocabulary slice
-    return model.eval(), config
+    return take

@@ -63,33 +63,35 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def resolve_linear_config(quantization: str | None, prepack: bool | None, gguf_file: str | None,
                           device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
-                          tensor_parallel_size: int) -> LinearConfig:
-    """Check the two arguments against the model and the machine; fill in the measured defaults."""
+                          num_ranks: int) -> LinearConfig:
+    """Check the two arguments against the model and the machine (``num_ranks``: TP x PP); fill in the
+    measured defaults."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: unknown method {quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
     if prepack not in (None, True, False):
         raise ValueError(f"prepack_linear: must be a bool, got {prepack!r}")
-    fast_path = device.type == "cpu" and dtype == torch.bfloat16 and tensor_parallel_size == 1
+    fast_path = device.type == "cpu" and dtype == torch.bfloat16 and num_ranks == 1
     if quantization is None:
         if AUTO_QUANTIZE_GGUF and fast_path and gguf_file is not None and kernel_available("int4") \
                 and kernel_available("int8"):
             quantization = "gguf"
     else:
-        _check_quantization(quantization, gguf_file, device, model_config, tensor_parallel_size)
+        _check_quantization(quantization, gguf_file, device, model_config, num_ranks)
     if prepack is None:
         prepack = AUTO_PREPACK and fast_path and packing_available()
-    elif prepack and (device.type != "cpu" or tensor_parallel_size > 1):
+    elif prepack and (device.type != "cpu" or num_ranks > 1):
         raise ValueError(f"prepack_linear: packs weights for a CPU's oneDNN on one rank; this engine runs on "
-                         f"{device} with tensor_parallel_size={tensor_parallel_size}")
+                         f"{device} with {num_ranks} rank(s)")
     return LinearConfig(quantization, prepack, gguf_file if quantization == "gguf" else None)
 
 
 def _check_quantization(method: str, gguf_file: str | None, device: torch.device, model_config: ModelConfig,
-                        tensor_parallel_size: int) -> None:
+                        num_ranks: int) -> None:
     if device.type != "cpu":
         raise ValueError(f"quantization: {method!r} runs torch's CPU kernels; this engine runs on {device}")
-    if tensor_parallel_size > 1:
-        raise ValueError(f"quantization: {method!r} runs on one rank; tensor_parallel_size is {tensor_parallel_size}")
+    if num_ranks > 1:
+        raise ValueError(f"quantization: {method!r} runs on one rank; this engine has {num_ranks} "
+                         "(tensor_parallel_size x pipeline_parallel_size)")
     kernels = ("int4", "int8") if method == "gguf" else (method,)
     for kernel in kernels:
         if not kernel_available(kernel):

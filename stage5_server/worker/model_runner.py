@@ -4,7 +4,8 @@
 gathers the inputs, runs the model, scores prompt positions for requests that asked for
 ``prompt_logprobs``, and computes logits at every position that samples: a request's last
 position, plus one per draft token under verification. The same code runs on every rank; only
-the driver (rank 0) samples and answers, the other ranks' logits go unused.
+the driver (TP rank 0 of the last pipeline stage) samples and answers, the other ranks' logits go
+unused, and a pipeline stage before the last stops once it has sent its hidden states on.
 
 Sampling gives each request a *list* of tokens. Without draft tokens that list has one token.
 With drafts ``d_1 .. d_k`` (scheduled as ``k`` extra positions after the last known token) the
@@ -57,6 +58,8 @@ class ModelRunner:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
         hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        if hidden is None:  # a pipeline stage before the last: it sent its output on (parallel/pipeline.py)
+            return None
         if self.drafter is not None:  # rows gone or new: the draft's cache holds nothing of them yet
             gone = [*step.finished_req_ids, *step.preempted_req_ids, *(r.req_id for r in step.new_reqs)]
             self.drafter.forget(gone)

@@ -6,6 +6,8 @@ every rank of a split model; the executor decides only where each worker lives.
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
 GPU, ``determine_available_memory`` (the builder sizes the pool from them) -> ``initialize_kv_cache``
 (allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step.
+Under pipeline parallelism a worker holds its stage's layers (``parallel/pipeline.py``), and its KV
+cache has room for those layers only.
 
 vLLM: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``load_model``, ``determine_available_memory``,
 ``initialize_from_config``, ``execute_model``).
@@ -26,6 +28,8 @@ from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
 from stage5_server.model import compile_model, fuse_projections
+from stage5_server.parallel.parallel_state import RankPlace
+from stage5_server.parallel.pipeline import PipelineStage, load_stage_model
 from stage5_server.parallel.sharded_model import load_sharded_model
 from stage5_server.quantization import install_linear_methods
 from stage5_server.spec_decode.draft_model import DraftModelProposer
@@ -40,17 +44,23 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
         self.rank = rank
-        world_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        self.place = place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        world_size = parallel.world_size
         self.device = torch.device("cuda", rank) if world_size > 1 and config.device.type == "cuda" else config.device
-        if world_size == 1:
-            model, _ = load_model(config.model_path, config.dtype, self.device)
-        else:
+        if parallel.pipeline_parallel_size > 1:
+            model = load_stage_model(config.model_path, place, config.dtype, self.device)
+        elif world_size > 1:
             model, _ = load_sharded_model(config.model_path, rank, world_size, config.dtype, self.device)
+        else:
+            model, _ = load_model(config.model_path, config.dtype, self.device)
         # q/k/v (gate/up) fused into one GEMM each; a compiled forward fuses RoPE into its own loops.
         self.compiled = config.enforce_eager is False and world_size == 1
         self.model = fuse_projections(model, step_rope=not self.compiled)
-        if world_size == 1:  # packed or quantized linears (quantization/config.py); plain under TP
+        if world_size == 1:  # packed or quantized linears (quantization/config.py); plain when split
             logger.info(install_linear_methods(self.model, config.linear))
+        if parallel.pipeline_parallel_size > 1:  # receives its input from the stage before, or sends it on
+            self.model = PipelineStage(self.model, place, config.dtype, self.device)
         spec = config.speculative
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
@@ -61,7 +71,8 @@ class Worker:
     def describe(self) -> dict:
         config = self.model.config  # this rank's share: its heads
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
-                "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads}
+                "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+                "num_layers": config.num_hidden_layers, "stage": self.place.pp_rank}
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers, on this rank (its own KV heads only), the draft model's
@@ -89,7 +100,7 @@ class Worker:
             drafter = DraftModelProposer(self.draft_model, config.speculative.num_speculative_tokens, num_blocks,
                                          block_size, config.scheduler.max_num_seqs, config.dtype, self.device,
                                          ATTENTION_BACKENDS[config.attention_backend])
-        self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.rank == 0,
+        self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.place.is_driver,
                                         drafter=drafter)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:

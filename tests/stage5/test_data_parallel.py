@@ -124,14 +124,17 @@ def test_combined_stats_sum_the_counts_and_average_kv_usage():
 # ---- the topology, model-free -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("a, dp, tp, expected", [
-    (1, 1, 1, dict(api_servers=1, engine_cores=1, workers=0, coordinator=0, supervisor=0, total=2)),
-    (1, 1, 2, dict(api_servers=1, engine_cores=1, workers=2, coordinator=0, supervisor=0, total=4)),
-    (1, 2, 2, dict(api_servers=1, engine_cores=2, workers=4, coordinator=1, supervisor=0, total=8)),
-    (2, 2, 1, dict(api_servers=2, engine_cores=2, workers=0, coordinator=1, supervisor=1, total=6)),
+@pytest.mark.parametrize("a, dp, tp, pp, expected", [
+    (1, 1, 1, 1, dict(api_servers=1, engine_cores=1, workers=0, coordinator=0, supervisor=0, total=2)),
+    (1, 1, 2, 1, dict(api_servers=1, engine_cores=1, workers=2, coordinator=0, supervisor=0, total=4)),
+    (1, 2, 2, 1, dict(api_servers=1, engine_cores=2, workers=4, coordinator=1, supervisor=0, total=8)),
+    (2, 2, 1, 1, dict(api_servers=2, engine_cores=2, workers=0, coordinator=1, supervisor=1, total=6)),
+    (1, 1, 1, 2, dict(api_servers=1, engine_cores=1, workers=2, coordinator=0, supervisor=0, total=4)),
+    (1, 2, 2, 2, dict(api_servers=1, engine_cores=2, workers=8, coordinator=1, supervisor=0, total=12)),
 ])
-def test_the_serving_process_count_is_the_seeds_formula_with_the_model_inside_a_tp1_engine_core(a, dp, tp, expected):
-    assert serving_process_count(a, dp, tp) == expected
+def test_the_serving_process_count_is_the_seeds_formula_with_the_model_inside_a_tp1_engine_core(a, dp, tp, pp,
+                                                                                                 expected):
+    assert serving_process_count(a, dp, tp, pp) == expected
 
 
 def test_the_api_server_count_defaults_to_the_data_parallel_size_and_needs_the_engine_process():

@@ -26,7 +26,7 @@ from stage5_server import LLM
 from stage5_server.executor import MultiprocExecutor, TensorParallelError
 from stage5_server.parallel import tensor_parallel_shape
 from stage5_server.parallel.layers import ParallelLMHead, VocabParallelEmbedding
-from stage5_server.parallel.parallel_state import resolve_interface
+from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server, wait_until
 
@@ -96,11 +96,12 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tiny_config):
     assert tensor_parallel_shape(tiny_config, 2).num_kv_heads == 1
 
 
-def test_more_ranks_than_devices_are_refused(tiny_llama, monkeypatch):
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "cpu_count", lambda: 1)  # a one-core machine
-        with pytest.raises(ValueError, match="tensor_parallel_size: 2 CPU ranks need 2 cores, found 1"):
-            LLM(model=str(tiny_llama), tensor_parallel_size=2, device="cpu")
+def test_more_ranks_than_gpus_are_refused_and_more_than_cores_are_logged(tiny_llama, tiny_config, monkeypatch,
+                                                                          caplog):
+    with monkeypatch.context() as patch, caplog.at_level("WARNING", logger="stagedserve"):
+        patch.setattr(os, "cpu_count", lambda: 1)  # a one-core machine: the ranks take turns on it
+        assert check_tensor_parallel_size(2, tiny_config, torch.device("cpu"), pipeline_parallel_size=2) == 2
+    assert "4 ranks share 1 CPU cores" in caplog.text
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need 2 GPUs, found"):
             LLM(model=str(tiny_llama), tensor_parallel_size=2, device="cuda")
