@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from benchmarks import cpu_gemm, kv_fragmentation, offline_throughput, prefix_cache, spec_decode, step_overhead
+from benchmarks import (
+    cpu_gemm,
+    kv_fragmentation,
+    offline_throughput,
+    pipeline_parallel,
+    prefix_cache,
+    spec_decode,
+    step_overhead,
+)
 
 
 def _outputs(tmp_path, name):
@@ -114,3 +122,15 @@ def test_spec_decode_smoke(tmp_path, tiny_llama):
         (s, w, b) for s in ("off", "ngram-fixed", "ngram", "draft") for w in ("copy", "chat") for b in (1, 2)}
     assert all(r["same_tokens_as_off"] and r["tpot_s"] > 0 and r["mean_acceptance_length"] >= 1 for r in rows)
     assert all(r["drafts"] == 0 for r in rows if r["speculation"] == "off")
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_smoke(tmp_path):
+    pipeline_parallel.main(["--model", "tiny", "--concurrency", "1", "3", "--prompt-len", "12", "--output-len", "4",
+                            *_outputs(tmp_path, "pipeline_parallel")])
+    data = _check_files(tmp_path, "pipeline_parallel")
+    assert data["same_tokens"] is True
+    assert {(r["tensor_parallel_size"], r["pipeline_parallel_size"], r["concurrency"]) for r in data["rows"]} == {
+        (tp, pp, c) for tp, pp in pipeline_parallel.LAYOUTS for c in (1, 3)}
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_s"] > 0 for r in data["rows"])
+    assert all(len(busy) == 2 and all(0 < b <= 1 for b in busy) for busy in data["busy"].values())

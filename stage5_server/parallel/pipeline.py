@@ -22,6 +22,7 @@ vLLM: ``get_pp_indices`` in ``vllm/distributed/utils.py``, ``PPMissingLayer`` an
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,7 @@ class PipelineStage(nn.Module):
         self.place = place
         self.config = model.config
         self.dtype, self.device = dtype, device  # of the hidden states a stage receives
+        self.waits: list[tuple[float, float]] = []  # the last step's waits for its neighbours: (start, end)
 
     def set_attention_backend(self, backend) -> None:
         self.model.set_attention_backend(backend)
@@ -97,15 +99,20 @@ class PipelineStage(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor | None:
         model, place = self.model, self.place
+        self.waits = []
         if place.is_first_stage:
             hidden = model.embed_tokens(input_ids)
         else:
+            start = time.monotonic()
             hidden = recv_hidden(input_ids.shape[0], self.config.hidden_size, self.dtype, self.device,
                                  place.prev_rank)
+            self.waits.append((start, time.monotonic()))
         for layer in model.layers:
             hidden = layer(positions, hidden, attn_metadata, model.rotary_emb)
-        if not place.is_last_stage:
+        if not place.is_last_stage:  # returns once the next stage has taken it (it may still be busy)
+            start = time.monotonic()
             send_hidden(hidden, place.next_rank)
+            self.waits.append((start, time.monotonic()))
             return None
         return model.norm(hidden)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -67,6 +68,7 @@ class Worker:
             self.draft_model = fuse_projections(load_model(resolve_model(spec.model), config.dtype, self.device)[0])
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
+        self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
 
     def describe(self) -> dict:
         config = self.model.config  # this rank's share: its heads
@@ -104,4 +106,15 @@ class Worker:
                                         drafter=drafter)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(step)
+        if self.timeline is None:
+            return self.model_runner.execute_model(step)
+        start = time.monotonic()
+        try:
+            return self.model_runner.execute_model(step)
+        finally:  # a pipeline stage's waits for its neighbours are not work
+            waits = self.model.waits if isinstance(self.model, PipelineStage) else []
+            for begin, end in waits:
+                if begin > start:
+                    self.timeline.append((start, begin))
+                start = end
+            self.timeline.append((start, time.monotonic()))
