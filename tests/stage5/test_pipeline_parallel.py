@@ -7,7 +7,10 @@ The split engines start once per module (spawning workers costs seconds on 2 cor
 
 from __future__ import annotations
 
+import ipaddress
+
 import httpx
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,10 +19,20 @@ from shared import SamplingParams
 from shared.request import Request, RequestStatus
 from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
+from stage5_server.cli.serve import serving_process_count
 from stage5_server.parallel.pipeline import stage_layers
 from stage5_server.server import create_app
 from tests.invariants.prompts import hf_greedy
-from tests.stage5.server_fixtures import auth, running_server
+from tests.stage5.server_fixtures import (
+    auth,
+    counts_of,
+    running_server,
+    serving_or_exited,
+    serving_processes,
+    spawn_serve,
+    stop_serve,
+    wait_until,
+)
 
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, block_size=4, max_num_batched_tokens=16, device="cpu",
                      attention_backend="torch", kv_cache_memory=1 << 20)
@@ -170,3 +183,29 @@ def test_tied_embeddings_and_two_by_two_ranks_match_one_process(tiny_qwen3):
             assert [(w["rank"], w["stage"]) for w in workers] == [(r, r // tp) for r in range(tp * pp)]
         finally:
             split.shutdown()
+
+
+@pytest.mark.slow
+def test_every_process_of_a_split_data_parallel_server_listens_on_loopback_only(tiny_llama, tmp_path):
+    """The seeds' network rule on the default configuration: no socket of any serving process (API
+    server, engine cores, coordinator, the pipeline's workers) is open on a non-loopback address."""
+    log = (tmp_path / "serve.log").open("w+")
+    process, url = spawn_serve(tiny_llama, log, "--data-parallel-size", "2", "--api-server-count", "1",
+                               "--pipeline-parallel-size", "2", "--max-model-len", "128", "--num-kv-blocks", "32",
+                               "--uvicorn-log-level", "warning")
+    try:
+        assert wait_until(serving_or_exited(process, url), timeout=240, interval=0.5) and process.poll() is None, \
+            log.read()
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        roles = serving_processes(psutil.Process(process.pid))
+        assert counts_of(roles) == serving_process_count(1, 2, 1, 2)  # 1 + 2 + 4 workers + the coordinator
+        listening = []
+        for proc in (p for group in roles.values() for p in group):
+            for conn in proc.net_connections(kind="inet"):
+                if conn.laddr:
+                    assert ipaddress.ip_address(conn.laddr.ip).is_loopback, (proc.name(), conn)
+                    listening += [conn] if conn.status == psutil.CONN_LISTEN else []
+        assert listening, "the HTTP server listens (on 127.0.0.1)"
+    finally:
+        stop_serve(process)
