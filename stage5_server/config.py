@@ -40,6 +40,7 @@ from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_mode
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
                       "tensor_parallel_size": 1,
                       "pipeline_parallel_size": 1,  # layers split into stages (parallel/pipeline.py)
+                      "distributed_executor_backend": None,  # "mp" (worker processes here) | "ray"; None: mp
                       "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
                       "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
@@ -73,6 +74,7 @@ class ParallelConfig:
     tensor_parallel_size: int
     distributed_interface: str | None  # resolved when there are ranks: the loopback interface unless one is named
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp": processes on this host; "ray": actors on a Ray cluster
 
     @property
     def world_size(self) -> int:
@@ -121,6 +123,9 @@ class EngineConfig:
         tensor_parallel_size = check_tensor_parallel_size(args["tensor_parallel_size"], model_config, device,
                                                           pipeline_parallel_size)
         world_size = tensor_parallel_size * pipeline_parallel_size
+        backend = args["distributed_executor_backend"] or "mp"
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend: must be 'mp' or 'ray', got {backend!r}")
         if args["enforce_eager"] not in (None, True, False):
             raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
         cpu_threads = args["cpu_threads"]
@@ -161,7 +166,7 @@ class EngineConfig:
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                   parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size),
+                   parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size, backend),
                    attention_backend=resolve_attention_backend(args["attention_backend"], device),
                    enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,

@@ -47,7 +47,7 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16
 ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
                "attention_backend", "seed", "tensor_parallel_size", "pipeline_parallel_size", "distributed_interface",
-               "enforce_eager",
+               "distributed_executor_backend", "enforce_eager",
                "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear")
 QUANTIZATION_CHOICES = ("gguf", "int8", "int4")  # stage5_server.quantization.QUANTIZATION_METHODS
 
@@ -123,6 +123,9 @@ def add_serve_subcommand(subparsers) -> None:
                      help="split each layer over N devices")
     eng.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=None,
                      help="split the layers into P stages, one batch in flight per stage (default: 1)")
+    eng.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                     help="where the ranks of a split model run: mp, processes on this host (default); ray, actors "
+                          "on the Ray cluster of RAY_ADDRESS (hosts joined with ray start)")
     eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
                      help="network interface of the ranks' unauthenticated traffic (default: loopback); "
                           "never one reachable from an untrusted network")

@@ -165,18 +165,20 @@ class RankPlace:
 _TP_GROUP = None  # this rank's tensor-parallel subgroup; None: the whole world (or no group at all)
 
 
-def init_model_parallel(place: RankPlace, store_path: str, interface: str, device: torch.device,
+def init_model_parallel(place: RankPlace, store: str | dist.Store, interface: str, device: torch.device,
                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the world: rendezvous through the file at ``store_path``, traffic on ``interface``; then the
-    TP subgroups (every rank creates every group, in the same order, as ``new_group`` requires)."""
+    """Join the world: rendezvous through ``store`` (the path of a file the ranks share, or a store
+    object), traffic on ``interface``; then the TP subgroups (every rank creates every group, in the
+    same order, as ``new_group`` requires)."""
     global _TP_GROUP
     os.environ["GLOO_SOCKET_IFNAME"] = interface
     os.environ["NCCL_SOCKET_IFNAME"] = interface
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp, pp = place.tensor_parallel_size, place.pipeline_parallel_size
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_path}",
-                            rank=place.rank, world_size=tp * pp, timeout=timedelta(seconds=timeout_s))
+    meeting = {"init_method": f"file://{store}"} if isinstance(store, str) else {"store": store}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=place.rank, world_size=tp * pp,
+                            timeout=timedelta(seconds=timeout_s), **meeting)
     if pp > 1 and tp > 1:
         for stage in range(pp):
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))

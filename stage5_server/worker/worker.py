@@ -42,13 +42,15 @@ logger = logging.getLogger("stagedserve")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
         self.config = config
         self.rank = rank
         parallel = config.parallel
         self.place = place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         world_size = parallel.world_size
-        self.device = torch.device("cuda", rank) if world_size > 1 and config.device.type == "cuda" else config.device
+        if device is None:  # on one host, rank r has GPU r (a Ray actor is given the one Ray assigned it)
+            device = torch.device("cuda", rank) if world_size > 1 and config.device.type == "cuda" else config.device
+        self.device = device
         if parallel.pipeline_parallel_size > 1:
             model = load_stage_model(config.model_path, place, config.dtype, self.device)
         elif world_size > 1:

@@ -34,7 +34,7 @@ def test_serve_passes_exactly_the_engine_flags_given():
                  "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "100",
                  "--dtype", "bfloat16", "--device", "cuda:1", "--attention-backend", "triton", "--seed", "7",
                  "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--distributed-interface", "lo",
-                 "--no-enforce-eager",
+                 "--distributed-executor-backend", "ray", "--no-enforce-eager",
                  "--cpu-threads", "3", "--served-model-name", "m", "--log-stats-interval", "5", "--metrics-public",
                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
                  "--runner", "generate", "--convert", "none", "--quantization", "int8", "--no-prepack-linear")
@@ -44,7 +44,7 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.8, "kv_cache_memory": 1 << 30,
         "num_kv_blocks": 100, "dtype": "bfloat16", "device": "cuda:1", "attention_backend": "triton", "seed": 7,
         "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_interface": "lo",
-        "enforce_eager": False, "cpu_threads": 3,
+        "distributed_executor_backend": "ray", "enforce_eager": False, "cpu_threads": 3,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "runner": "generate",
         "convert": "none", "quantization": "int8", "prepack_linear": False}
     assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
