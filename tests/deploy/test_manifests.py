@@ -254,3 +254,47 @@ def test_the_image_copies_every_package_the_project_installs(name):
     packages = {p.strip(' "*') for p in include.group(1).split(",")}
     copied = set(re.findall(r"^COPY (\w+)/ \1/$", DOCKERFILES[name].read_text(), re.MULTILINE))
     assert packages and copied == packages
+
+
+MULTI_HOST = KUBERNETES / "multi-host" / "ray-cluster.yaml"
+
+
+def by_kind(path: Path) -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in documents(path)}
+
+
+def test_the_multi_host_server_spans_exactly_the_ray_clusters_gpus_and_the_worker_joins_its_head():
+    from stage5_server.cli import make_parser
+
+    docs = by_kind(MULTI_HOST)
+    head = server_container(docs["Deployment"])
+    script = head["command"][2]
+    ray_head, serve = (part.strip() for part in script.split("&& exec "))
+    args = make_parser().parse_args(shlex.split(serve)[3:])  # after python -m stage5_server
+    assert args.command == "serve" and args.distributed_executor_backend == "ray"
+    (worker,) = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    gpus = lambda c: int(c["resources"]["limits"]["nvidia.com/gpu"])  # noqa: E731
+    ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
+    assert ranks == gpus(head) + docs["StatefulSet"]["spec"]["replicas"] * gpus(worker)
+    port = shlex.split(ray_head)[shlex.split(ray_head).index("--port") + 1]
+    service = docs["Service"]
+    assert f"--address={service['metadata']['name']}:{port}" in worker["command"]
+    assert service["spec"]["selector"].items() <= docs["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    assert {e["name"]: e.get("value") for e in head["env"]}["RAY_ADDRESS"] == "auto"
+
+
+def test_the_network_policy_opens_only_the_http_port_beyond_the_ray_clusters_own_pods():
+    docs = by_kind(MULTI_HOST)
+    policy = docs["NetworkPolicy"]["spec"]
+    selected = policy["podSelector"]["matchLabels"].items()
+    for kind in ("Deployment", "StatefulSet"):
+        assert selected <= docs[kind]["spec"]["template"]["metadata"]["labels"].items(), kind
+    own, public = policy["ingress"]
+    assert own["from"] == [{"podSelector": policy["podSelector"]}] and "ports" not in own
+    assert "from" not in public and public["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert serve_port_of(docs["Deployment"]) == 8000
+
+
+def serve_port_of(doc: dict) -> int:
+    ports = {p["name"]: p["containerPort"] for p in server_container(doc)["ports"]}
+    return ports["http"]
