@@ -41,7 +41,8 @@ SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_mem
                       "tensor_parallel_size": 1,
                       "pipeline_parallel_size": 1,  # layers split into stages (parallel/pipeline.py)
                       "distributed_executor_backend": None,  # "mp" (worker processes here) | "ray"; None: mp
-                      "distributed_interface": None,  # network interface of the ranks' traffic; None: loopback
+                      # network interface of the ranks' traffic; None: the one with VLLM_HOST_IP, or loopback
+                      "distributed_interface": None,
                       "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
                       "speculative_config": None,  # a dict (or its JSON): spec_decode/config.py; None: off

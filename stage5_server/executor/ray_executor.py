@@ -144,8 +144,8 @@ class RayWorkerWrapper:
         if device.type == "cpu":
             threads = os.environ.get("OMP_NUM_THREADS")
             torch.set_num_threads(int(threads) if threads else 1)  # the bundle's one CPU
-        if parallel.world_size > 1:  # the interface by name, as it is on this host
-            interface = resolve_interface(parallel.distributed_interface)
+        if parallel.world_size > 1:  # named, or this host's VLLM_HOST_IP's, or the loopback
+            interface = resolve_interface(config.args["distributed_interface"])
             init_model_parallel(place, RendezvousStore(rendezvous, timeout_s), interface, device, timeout_s)
         self.worker = Worker(config, rank, device)
         return {**self.worker.describe(), "node_id": ray.get_runtime_context().get_node_id()}

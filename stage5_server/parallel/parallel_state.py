@@ -111,9 +111,25 @@ def network_interfaces() -> list[str]:
     return [name for _, name in socket.if_nameindex()]
 
 
+HOST_IP_ENV = "VLLM_HOST_IP"  # vLLM's name for this host's address on the ranks' network
+
+
+def interface_with_address(address: str) -> str:
+    """The network interface that holds ``address`` on this host, or a ``ValueError``."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    raise ValueError(f"{HOST_IP_ENV}: no network interface of this host has the address {address!r}")
+
+
 def resolve_interface(name: str | None) -> str:
-    """The interface process-group traffic binds to: ``name``, or the loopback one."""
+    """The interface process-group traffic binds to: ``name``; else the one holding this host's
+    ``VLLM_HOST_IP`` when that is set (each host sets its own); else the loopback one."""
     names = network_interfaces()
+    if name is None and os.environ.get(HOST_IP_ENV):
+        return interface_with_address(os.environ[HOST_IP_ENV])
     if name is None:
         loopback = [n for n in names if n.startswith("lo")]
         if not loopback:

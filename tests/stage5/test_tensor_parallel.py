@@ -110,10 +110,20 @@ def test_more_ranks_than_gpus_are_refused_and_more_than_cores_are_logged(tiny_ll
             LLM(model=str(tiny_llama), tensor_parallel_size=bad, device="cpu")
 
 
-def test_unknown_interface_is_refused_and_the_default_is_loopback():
+def test_unknown_interface_is_refused_and_the_default_is_loopback(monkeypatch):
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
     assert resolve_interface(None).startswith("lo")
     with pytest.raises(ValueError, match="distributed_interface: no network interface 'nope0'"):
         resolve_interface("nope0")
+
+
+def test_vllm_host_ip_names_the_interface_that_holds_it_unless_one_is_named(monkeypatch):
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    assert resolve_interface(None).startswith("lo")
+    monkeypatch.setenv("VLLM_HOST_IP", "198.51.100.254")  # TEST-NET-2: documentation only, on no host
+    with pytest.raises(ValueError, match="VLLM_HOST_IP: no network interface of this host has the address"):
+        resolve_interface(None)
+    assert resolve_interface(resolve_interface("lo")) == "lo"  # a named interface wins
 
 
 def test_vocab_shards_pad_past_the_vocabulary_and_the_head_drops_the_padding():
