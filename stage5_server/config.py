@@ -137,6 +137,9 @@ class EngineConfig:
             raise ValueError("runner: the pooling runner runs on one device without speculative decoding "
                              "(tensor_parallel_size=1, no speculative_config)")
         check_draft_model(speculative, model_config, tensor_parallel_size)
+        if model_config.vision is not None and (tensor_parallel_size > 1 or runner == "pooling"):
+            raise ValueError("model: a vision-language model generates on one device (tensor_parallel_size=1, "
+                             "runner='generate')")
         interface = resolve_interface(args["distributed_interface"]) if tensor_parallel_size > 1 else None
         linear = resolve_linear_config(args["quantization"], args["prepack_linear"],
                                        source_gguf_file(model, default_model_file), device, dtype, model_config,
