@@ -16,6 +16,7 @@ import base64
 import binascii
 import io
 import os
+import warnings
 
 DEFAULT_MAX_IMAGE_PIXELS = 16 * 1024 * 1024  # 16 megapixels
 
@@ -47,7 +48,9 @@ def load_image(data: bytes, max_pixels: int | None = None):
 
     limit = max_image_pixels() if max_pixels is None else max_pixels
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        with warnings.catch_warnings():  # the size is checked just below, at this server's own limit
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))  # reads the header only
     except Image.DecompressionBombError as exc:  # Pillow's own, far larger, limit
         raise ValueError(f"image_url: the image is too large ({exc})") from None
     except (UnidentifiedImageError, OSError):

@@ -40,8 +40,24 @@ class ImageProcessor:
             (1 if vision["vision_feature_select_strategy"] == "full" else 0)
         self.hf = AutoImageProcessor.from_pretrained(str(model_path))
 
-    def process(self, token_ids: list[int], images: list) -> tuple[list[int], list[MultiModalFeature]]:
-        """``token_ids`` with one image token per image -> the expanded ids and one feature per image."""
+    @classmethod
+    def for_model(cls, model_path: str | Path) -> ImageProcessor | None:
+        """The processor of a vision-language checkpoint; None for any other model."""
+        try:
+            config = ModelConfig.from_pretrained(model_path)
+        except ValueError:  # not a Hugging Face directory this project reads (it generates text only)
+            return None
+        return None if config.vision is None else cls(model_path, config)
+
+    def expand(self, token_ids: list[int]) -> list[int]:
+        """Each image token as its placeholders (what ``/tokenize`` shows; no image needed)."""
+        return [t for token in token_ids for t in
+                ([token] * self.num_image_tokens if token == self.image_token_id else [token])]
+
+    def process(self, token_ids: list[int], images: list, processor_kwargs: dict | None = None
+                ) -> tuple[list[int], list[MultiModalFeature]]:
+        """``token_ids`` with one image token per image -> the expanded ids and one feature per image.
+        ``processor_kwargs``: the image processor's keyword arguments (a trusted request's)."""
         found = token_ids.count(self.image_token_id)
         if found != len(images):
             raise ValueError(f"multi_modal_data: the prompt has {found} image placeholder(s) for "
@@ -53,7 +69,10 @@ class ImageProcessor:
                 expanded.append(token)
                 continue
             image = images[len(features)].convert("RGB")
-            pixels = self.hf(images=[image], return_tensors="pt")["pixel_values"][0]
+            try:
+                pixels = self.hf(images=[image], return_tensors="pt", **(processor_kwargs or {}))["pixel_values"][0]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"mm_processor_kwargs: the image processor refused them ({exc})") from None
             features.append(MultiModalFeature.from_pixels(hash_image(image), len(expanded), self.num_image_tokens,
                                                           pixels))
             expanded += [self.image_token_id] * self.num_image_tokens
