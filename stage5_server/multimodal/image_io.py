@@ -5,9 +5,9 @@ few kilobytes of PNG that inflate to gigapixels) is refused from the header: ``I
 only the header, the width times height is checked against ``VLLM_MAX_IMAGE_PIXELS``, and only
 then are the pixels loaded.
 
-vLLM: ``ImageMediaIO`` in ``vllm/multimodal/image.py`` and ``load_from_url``'s ``data:`` branch in
-``vllm/multimodal/utils.py``; ``VLLM_MAX_IMAGE_PIXELS`` is not one of vLLM's variables (there the
-limit is Pillow's own ``Image.MAX_IMAGE_PIXELS``), named here in its style.
+vLLM: ``ImageMediaIO`` in ``vllm/multimodal/image.py`` (the same header check) and the ``data:``
+branch of ``MediaConnector`` in ``vllm/multimodal/utils.py``. vLLM's default is 178956970 pixels,
+twice Pillow's bomb threshold; this server's is 16 megapixels. 0 turns the check off, as in vLLM.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def load_image(data: bytes, max_pixels: int | None = None):
     except (UnidentifiedImageError, OSError):
         raise ValueError("image_url: the data is not an image this server can read") from None
     width, height = image.size
-    if width * height > limit:
+    if limit > 0 and width * height > limit:
         raise ValueError(f"image_url: the image is {width}x{height} = {width * height} pixels, over the limit "
                          f"of {limit} (VLLM_MAX_IMAGE_PIXELS)")
     try:

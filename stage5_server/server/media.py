@@ -53,7 +53,7 @@ class MediaOptions:
     allow_private_addresses: bool = False  # loopback, private, link-local hosts (a trusted network only)
     trust_request_mm_kwargs: bool = False  # a request's mm_processor_kwargs / media_io_kwargs
     allow_redirects: bool = False  # VLLM_MEDIA_URL_ALLOW_REDIRECTS
-    max_download_bytes: int = 50 * 1024 * 1024  # VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB
+    max_download_bytes: int = 50 * 1024 * 1024  # VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB (vLLM's default: 256); 0: none
     fetch_timeout_s: float = 5.0  # VLLM_IMAGE_FETCH_TIMEOUT
 
     @classmethod
@@ -155,7 +155,7 @@ class MediaConnector:
             if not chunk:
                 return b"".join(chunks)
             total += len(chunk)
-            if total > cap:
+            if 0 < cap < total:
                 raise refuse(f"image_url: the download passed {cap} bytes (VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB)")
             chunks.append(chunk)
 

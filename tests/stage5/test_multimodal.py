@@ -158,3 +158,10 @@ def test_same_text_with_another_image_shares_no_block_after_the_image_start(llm)
     assert cached_tokens(llm, user(text, second, "Describe.")) == prefix // 16 * 16  # the text's blocks only
     same = cached_tokens(llm, user(text, first, "Describe."))
     assert same > prefix + 25  # past the image: its hash matched
+
+
+def test_a_users_text_spelling_the_image_token_stays_text(llm):
+    """Placeholders come only from the template: ``<image>`` typed in a message is text, so this
+    conversation has one image token for its one image (two would be refused)."""
+    out = llm.chat(user("my <image> tag:", picture(9)), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(llm.model_config.vision["image_token_index"]) == 25
