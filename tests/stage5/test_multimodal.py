@@ -165,3 +165,27 @@ def test_a_users_text_spelling_the_image_token_stays_text(llm):
     conversation has one image token for its one image (two would be refused)."""
     out = llm.chat(user("my <image> tag:", picture(9)), GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids.count(llm.model_config.vision["image_token_index"]) == 25
+
+
+def test_a_prefix_cache_hit_that_ends_inside_an_image_still_matches_transformers(llm, hf):
+    """The same text and image, then another question: the cached blocks end inside the image's
+    span, so the rest of the span is computed from the image's features, rows from the middle on."""
+    text, image = "A serving engine turns prompts into tokens and schedules them.", picture(12)
+    llm.reset_prefix_cache()
+    llm.chat(user(text, image, "First?"), GREEDY, use_tqdm=False)
+    messages = user(text, image, "Second question, longer?")
+    prompt_ids, expected = reference(hf, messages)
+    start = prompt_ids.index(llm.model_config.vision["image_token_index"])
+    before = llm.engine.stats().prefix_cache_hits
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    hits = llm.engine.stats().prefix_cache_hits - before
+    assert start < hits < start + 25  # the hit stops inside the image's placeholders
+    assert out.outputs[0].token_ids == expected
+
+
+def test_stages_before_five_refuse_images_rather_than_drop_them(tiny_llama):
+    from stage4_prefix_cache import LLM as Stage4LLM
+
+    stage4 = Stage4LLM(str(tiny_llama), num_kv_blocks=32, max_model_len=256)
+    with pytest.raises(ValueError, match="takes no images"):
+        stage4.generate({"prompt": "hi", "multi_modal_data": {"image": picture(0)}}, GREEDY)

@@ -308,3 +308,26 @@ def test_a_text_only_model_answers_an_image_with_a_400(tiny_llama):
         refused(chat(running.url, "Look", data_url(picture(0))), "takes no images")
         assert chat(running.url, "Hello").status_code == 200
         assert json.loads(requests.get(f"{running.url}/health", timeout=10).text or "{}") is not None
+
+
+@pytest.mark.slow
+def test_images_cross_to_an_engine_process_as_msgpack(server, tiny_llava):
+    """The server's default: the engine core in its own process. The image's pixels, span and hash
+    cross the wire inside the request; the answer is the in-process engine's."""
+    from stage5_server.engine import MPAsyncLLM
+    from tests.stage5.server_fixtures import ENGINE_KWARGS
+
+    url, _ = server
+    image = data_url(picture(8))
+    engine = MPAsyncLLM(str(tiny_llava), log_stats_interval=None, startup_timeout_s=120,
+                        **{**ENGINE_KWARGS, "dtype": "float32", "device": "cpu", "attention_backend": "torch",
+                           "max_num_batched_tokens": 32})
+    app = create_app(engine, api_keys=[KEY], served_model_name="tiny-llava", log_stats_interval=None)
+    try:
+        with running_server(app) as split:
+            response = chat(split.url, "Describe", image)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"] == chat(url, "Describe", image).json()["choices"][0][
+                "message"]
+    finally:
+        engine.shutdown()
