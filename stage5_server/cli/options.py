@@ -27,11 +27,15 @@ def chat_options_from(args: argparse.Namespace):
 
 def add_media_flags(group) -> None:
     """Where images may come from (``server/media.py``); the caps are vLLM's environment variables."""
+    from stage5_server.cli.args import positive_int
+
     group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                        help="hosts whose http(s) image URLs the server fetches (default: none, data: URLs only)")
     group.add_argument("--allow-private-media-addresses", action="store_true",
                        help="fetch from hosts that resolve to loopback, private or link-local addresses (a trusted "
                             "network only: otherwise a caller reaches internal services through the server)")
+    group.add_argument("--max-images-per-request", type=positive_int, default=8, metavar="N",
+                       help="the most images one request may carry (default: 8)")
     group.add_argument("--trust-request-mm-kwargs", action="store_true",
                        help="accept per-request mm_processor_kwargs / media_io_kwargs (trusted callers only)")
 
@@ -43,7 +47,8 @@ def media_options_from(args: argparse.Namespace):
 
     return MediaOptions.from_env(allowed_media_domains=args.allowed_media_domains,
                                  allow_private_addresses=args.allow_private_media_addresses,
-                                 trust_request_mm_kwargs=args.trust_request_mm_kwargs)
+                                 trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+                                 max_images_per_request=args.max_images_per_request)
 
 
 def add_limit_flags(group) -> None:

@@ -114,6 +114,10 @@ def split_image_parts(messages: list[dict], load: Callable[[dict], Any]) -> tupl
     return rendered, images
 
 
+def count_image_parts(messages: list[dict]) -> int:
+    return sum(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+               for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def has_image_parts(messages: list[dict]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
-                                                          for p in m["content"]) for m in messages)
+    return count_image_parts(messages) > 0

@@ -24,10 +24,10 @@ from fastapi.responses import Response
 
 from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
-from stage5_server.multimodal.processor import has_image_parts, split_image_parts
+from stage5_server.multimodal.processor import count_image_parts, has_image_parts, split_image_parts
 from stage5_server.server.completions import token_text
 from stage5_server.server.errors import APIError
-from stage5_server.server.media import RequestMediaLoader, check_request_mm_kwargs
+from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
 from stage5_server.server.protocol import ChatCompletionRequest
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
 from stage5_server.server.tool_parsers import (
@@ -201,6 +201,7 @@ async def conversation_prompt(serving: OpenAIServing, body: ChatCompletionReques
             first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
             raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
                            "vision-language model); send text content only", param=f"messages[{first}].content")
+        check_image_count(serving.media.options, count_image_parts(messages))
         loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
         prompt["messages"], images = await asyncio.to_thread(split_image_parts, messages, loader)
         prompt["multi_modal_data"] = {"image": images}

@@ -17,6 +17,8 @@ that decodes into gigabytes. So every fetch passes these rules, and each refusal
   ``Content-Length`` is not trusted), the whole fetch within ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds,
   and at most ``VLLM_MAX_IMAGE_PIXELS`` pixels, checked from the file's header before decoding
   (``multimodal/image_io.py``);
+- **a count**: at most ``--max-images-per-request`` images in one request (each is fetched, decoded
+  and run through the vision tower);
 - **per-request processor settings** (``mm_processor_kwargs``, ``media_io_kwargs``) are refused
   unless ``--trust-request-mm-kwargs`` (``check_request_mm_kwargs``).
 
@@ -55,6 +57,7 @@ class MediaOptions:
     allow_redirects: bool = False  # VLLM_MEDIA_URL_ALLOW_REDIRECTS
     max_download_bytes: int = 50 * 1024 * 1024  # VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB (vLLM's default: 256); 0: none
     fetch_timeout_s: float = 5.0  # VLLM_IMAGE_FETCH_TIMEOUT
+    max_images_per_request: int = 8  # --max-images-per-request (vLLM: --limit-mm-per-prompt '{"image": N}')
 
     @classmethod
     def from_env(cls, **flags: Any) -> MediaOptions:
@@ -194,6 +197,13 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
         sock = socket.create_connection((self.address, self.port), self.timeout)
         self.sock = self.socket = self._context.wrap_socket(sock, server_hostname=self.host)  # the name's certificate
+
+
+def check_image_count(options: MediaOptions, count: int) -> None:
+    """Refuse a request with more images than the server allows, before any is loaded."""
+    if count > options.max_images_per_request:
+        raise refuse(f"image_url: {count} images in one request, more than the {options.max_images_per_request} "
+                     "this server allows (--max-images-per-request)")
 
 
 class RequestMediaLoader:

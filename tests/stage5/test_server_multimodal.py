@@ -56,6 +56,7 @@ class MediaHost:
                 pass
 
             def do_GET(self):
+                self.path = self.path.split("?")[0]  # a query only makes a URL distinct
                 hits[self.path] = hits.get(self.path, 0) + 1
                 if self.path == "/cat.png":
                     self._send(PNG)
@@ -282,6 +283,19 @@ def test_per_request_processor_kwargs_are_refused_unless_trusted(server):
         raw = chat(url, "Look", image, mm_processor_kwargs={"do_normalize": False})
         assert raw.status_code == 200, raw.text
         assert raw.json()["choices"][0]["message"]["content"] != plain  # the processor saw them
+    healthy(url)
+
+
+def test_more_images_than_the_server_allows_are_refused_before_any_is_loaded(server, hosts):
+    url, serving = server
+    host, _ = hosts
+    with media(serving, max_images_per_request=2):
+        before = host.hits.get("/cat.png", 0)
+        parts = [f"{host.url}/cat.png?{i}" for i in range(3)]
+        refused(chat(url, "Three", *parts), "more than the 2 this server allows")
+        assert host.hits.get("/cat.png", 0) == before  # nothing was fetched
+        assert chat(url, "Two", *parts[:2]).status_code == 200
+        assert host.hits["/cat.png"] == before + 2  # two URLs, each fetched once
     healthy(url)
 
 
