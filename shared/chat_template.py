@@ -38,6 +38,7 @@ logger = logging.getLogger("stagedserve")
 # Their values stay unmarked only when they are one of these words; any other value is the caller's text.
 _NOT_TEXT = {"role", "type"}
 _KEYWORD_VALUES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "text", "image_url",
+                             "image",
                              "string", "number", "integer", "boolean", "object", "array", "null"})
 # Keys a template may look up by name: message and tool fields, and JSON Schema keywords. Any other key
 # (a property name, a definition's name, an extension "x-...", anything in a tool call's arguments) is

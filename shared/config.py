@@ -2,6 +2,9 @@
 
 One dataclass covers the three supported families; the differences between them are
 flags (``attention_bias`` for Qwen2, ``qk_norm`` for Qwen3) rather than subclasses.
+A LLaVA-style vision-language checkpoint is its text decoder's shape (from ``text_config``)
+plus ``vision``: the vision tower's and projector's settings, kept as the checkpoint wrote
+them (stage 5 builds the tower, ``stage5_server/multimodal/``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ SUPPORTED_ARCHITECTURES = {
     "BertModel": "bert",  # an encoder: pooled, never generating (stage5_server/pooling/)
 }
 ENCODER_FAMILIES = frozenset({"bert"})
+# A vision tower and a projector in front of one of the decoders above (its ``text_config``).
+VISION_LANGUAGE_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+TEXT_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass
@@ -40,6 +46,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     type_vocab_size: int = 0  # BERT's token-type (segment) embeddings
     hidden_act: str = "silu"
+    # A vision-language checkpoint's vision side: model_type, vision_config, image_token_index,
+    # vision_feature_layer, vision_feature_select_strategy, projector_hidden_act (None: text only).
+    vision: dict | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -53,11 +62,39 @@ class ModelConfig:
             raise ValueError(f"model: no config.json in {path!s}")
         raw = json.loads(config_file.read_text())
         archs = raw.get("architectures") or []
+        if any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+            return cls._vision_language(raw, path)
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            raise ValueError(
-                f"model: unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            supported = sorted({*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES})
+            raise ValueError(f"model: unsupported architecture {archs!r}; supported: {supported}")
+        return cls._from_raw(raw, family)
+
+    @classmethod
+    def _vision_language(cls, raw: dict, path: str | Path) -> ModelConfig:
+        """The text decoder's shape from ``text_config``, the vision side kept in ``vision``."""
+        text = dict(raw.get("text_config") or {})
+        family = TEXT_MODEL_TYPES.get(text.get("model_type", "llama"))
+        if family is None:
+            raise ValueError(f"model: {path!s}: unsupported text model {text.get('model_type')!r} "
+                             f"(supported: {sorted(TEXT_MODEL_TYPES)})")
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        if text.get("eos_token_id") is None and raw.get("eos_token_id") is not None:
+            text["eos_token_id"] = raw["eos_token_id"]
+        config = cls._from_raw(text, family)
+        config.vision = {
+            "model_type": "llava",
+            "vision_config": dict(raw.get("vision_config") or {}),
+            "image_token_index": raw.get("image_token_index", raw.get("image_token_id")),
+            "vision_feature_layer": raw.get("vision_feature_layer", -2),
+            "vision_feature_select_strategy": raw.get("vision_feature_select_strategy", "default"),
+            "projector_hidden_act": raw.get("projector_hidden_act", "gelu"),
+            "multimodal_projector_bias": raw.get("multimodal_projector_bias", True),
+        }
+        return config
+
+    @classmethod
+    def _from_raw(cls, raw: dict, family: str) -> ModelConfig:
         # transformers 5 nests rope settings in "rope_parameters"; 4.x keeps them flat.
         rope = raw.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))

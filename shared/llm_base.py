@@ -313,6 +313,9 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, 
     """A prompt (text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``) as
     checked token ids (their length too, unless ``max_model_len`` is None); a ``ValueError`` names what is wrong."""
     if isinstance(prompt, dict):
+        if "multi_modal_data" in prompt:  # stage 5 takes images before this point; here they would be lost
+            raise ValueError("multi_modal_data: this engine takes no images (stage5_server does, for a "
+                             "vision-language model)")
         prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)

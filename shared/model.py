@@ -153,9 +153,11 @@ class DecoderModel(nn.Module):
             layer.self_attn.backend = backend
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """``input_ids, positions [num_tokens]`` -> final hidden states ``[num_tokens, hidden]``."""
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids, positions [num_tokens]`` -> final hidden states ``[num_tokens, hidden]``.
+        ``inputs_embeds`` replaces the token embeddings (an image's features at its positions)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden = layer(positions, hidden, attn_metadata, self.rotary_emb)
         return self.norm(hidden)

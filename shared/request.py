@@ -46,7 +46,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None):
+                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None,
+                 mm_features: list | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -54,6 +55,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.eos_token_ids = tuple(eos_token_ids)
+        # Images in the prompt (stage 5's ``multimodal/inputs.py``): each names its placeholder span and hash.
+        self.mm_features = list(mm_features or ())
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -1,4 +1,9 @@
-"""Load a Hugging Face checkpoint directory (``*.safetensors``, single or sharded) into a model."""
+"""Load a Hugging Face checkpoint directory (``*.safetensors``, single or sharded) into a model.
+
+A vision-language checkpoint (LLaVA) stores its decoder under ``language_model.`` (or, as newer
+transformers write it, ``model.language_model.`` beside a top-level ``lm_head``): that decoder is
+loaded here, and the vision tower and projector are left to stage 5 (``stage5_server/multimodal/``).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,18 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def decoder_tensor_name(name: str, config: ModelConfig) -> str | None:
+    """The decoder parameter a checkpoint tensor fills (``model.`` dropped), or None for a tensor
+    of a vision-language checkpoint's vision tower or projector."""
+    if config.vision is not None:
+        if name.startswith("model.language_model."):  # transformers >= 4.52's layout
+            return name.removeprefix("model.language_model.")
+        if name.startswith("language_model."):
+            return name.removeprefix("language_model.").removeprefix("model.")
+        return "lm_head.weight" if name == "lm_head.weight" else None
+    return name.removeprefix("model.")
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Build the model for ``path``'s config and fill it with the checkpoint's weights."""
     path = Path(path)
@@ -58,7 +75,9 @@ def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dty
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                short = name.removeprefix("model.")
+                short = decoder_tensor_name(name, config)
+                if short is None:  # a vision-language checkpoint's vision side
+                    continue
                 if rename is not None and (short := rename(short)) is None:
                     continue
                 tied_head = short == "lm_head.weight" and config.tie_word_embeddings

@@ -160,6 +160,9 @@ class EngineConfig:
             raise ValueError("speculative_config: speculative decoding runs without pipeline parallelism "
                              f"(pipeline_parallel_size is {pipeline_parallel_size})")
         check_draft_model(speculative, model_config, tensor_parallel_size)
+        if model_config.vision is not None and (world_size > 1 or runner == "pooling"):
+            raise ValueError("model: a vision-language model generates on one device (tensor_parallel_size=1, "
+                             "pipeline_parallel_size=1, runner='generate')")
         interface = resolve_interface(args["distributed_interface"]) if world_size > 1 else None
         linear = resolve_linear_config(args["quantization"], args["prepack_linear"],
                                        source_gguf_file(model, default_model_file), device, dtype, model_config,

@@ -10,7 +10,10 @@ New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
 model rearranged for speed (``model/``), one torch thread per physical core on a CPU with
 ``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``), and a
-pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``).
+pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``), and images in a
+prompt for a vision-language model (``multimodal/``): ``generate({"prompt": ..., "multi_modal_data":
+{"image": image}})`` as vLLM takes them, and ``chat`` with image content parts (``image_pil``, or an
+``image_url`` holding a ``data:`` URL).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``.
 """
@@ -19,10 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.llm_base import BaseLLM
+from shared.llm_base import BaseLLM, PromptType, prompt_token_ids
+from shared.parallel_sampling import ParentRequest
+from shared.request import Request
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.multimodal.image_io import decode_data_url, load_image
+from stage5_server.multimodal.processor import ImageProcessor, has_image_parts, images_of, split_image_parts
 from stage5_server.pooling.offline import PoolingAPI
 
 
@@ -42,7 +50,41 @@ class LLM(PoolingAPI, BaseLLM):
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
         self.tokenizer = Tokenizer(config.tokenizer_path)
+        self.image_processor = None if config.model_config.vision is None else \
+            ImageProcessor(config.model_path, config.model_config)
         self._start_frontend()  # the builder has logged the configuration
+
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
+                       ) -> tuple[str, ParentRequest | None, list[Request]]:
+        if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
+            return super()._make_requests(prompt, params, request_id, priority, cache_salt)
+        if self.image_processor is None:
+            raise ValueError("multi_modal_data: this model takes no images (it is not a vision-language model)")
+        text = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+        token_ids = prompt_token_ids(text, self.tokenizer, self.model_config.vocab_size, max_model_len=None)
+        token_ids, features = self.image_processor.process(token_ids, images_of(prompt["multi_modal_data"]))
+        request_id, parent, requests = super()._make_requests(token_ids, params, request_id, priority, cache_salt)
+        for request in requests:
+            request.mm_features = features
+        return request_id, parent, requests
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             **template_args: Any):
+        """``BaseLLM.chat``; a conversation with image parts is rendered with one image token per image
+        and sent as ``{"prompt_token_ids": ..., "multi_modal_data": ...}``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not any(has_image_parts(c) for c in conversations):
+            return super().chat(messages, sampling_params, use_tqdm, **template_args)
+        prompts = []
+        for conversation in conversations:
+            rendered, images = split_image_parts(conversation, offline_image)
+            token_ids = self.tokenizer.apply_chat_template(
+                rendered, template_args.get("add_generation_prompt", True), tools=template_args.get("tools"),
+                chat_template=template_args.get("chat_template"),
+                chat_template_kwargs=template_args.get("chat_template_kwargs"))
+            prompts.append({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""
@@ -51,6 +93,18 @@ class LLM(PoolingAPI, BaseLLM):
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
         self.engine.shutdown()
+
+
+def offline_image(part: dict):
+    """An image content part of an offline conversation: ``image_pil`` (a PIL image) or an
+    ``image_url`` with a ``data:`` URL (fetching remote URLs is the API server's, under its rules)."""
+    if part.get("type") == "image_pil":
+        return part["image_pil"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError("messages: offline, an image part is an image_pil or an image_url with a data: URL")
+    return load_image(decode_data_url(url))
 
 
 __all__ = ["LLM", "SERVER_ENGINE_ARGS"]

@@ -150,5 +150,12 @@ def tiny_qwen2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava() -> Path:
+    from shared import cached_tiny_model
+
+    return cached_tiny_model("llava")
+
+
+@pytest.fixture(scope="session")
 def checkpoints(tiny_llama, tiny_qwen3, tiny_qwen2) -> dict[str, Path]:
     return {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2": tiny_qwen2}

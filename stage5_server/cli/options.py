@@ -25,6 +25,32 @@ def chat_options_from(args: argparse.Namespace):
                        control_tokens_in_messages=args.allow_control_tokens_in_messages)
 
 
+def add_media_flags(group) -> None:
+    """Where images may come from (``server/media.py``); the caps are vLLM's environment variables."""
+    from stage5_server.cli.args import positive_int
+
+    group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                       help="hosts whose http(s) image URLs the server fetches (default: none, data: URLs only)")
+    group.add_argument("--allow-private-media-addresses", action="store_true",
+                       help="fetch from hosts that resolve to loopback, private or link-local addresses (a trusted "
+                            "network only: otherwise a caller reaches internal services through the server)")
+    group.add_argument("--max-images-per-request", type=positive_int, default=8, metavar="N",
+                       help="the most images one request may carry (default: 8)")
+    group.add_argument("--trust-request-mm-kwargs", action="store_true",
+                       help="accept per-request mm_processor_kwargs / media_io_kwargs (trusted callers only)")
+
+
+def media_options_from(args: argparse.Namespace):
+    """The media flags, with VLLM_MEDIA_URL_ALLOW_REDIRECTS, VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB and
+    VLLM_IMAGE_FETCH_TIMEOUT from the environment."""
+    from stage5_server.server.media import MediaOptions
+
+    return MediaOptions.from_env(allowed_media_domains=args.allowed_media_domains,
+                                 allow_private_addresses=args.allow_private_media_addresses,
+                                 trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+                                 max_images_per_request=args.max_images_per_request)
+
+
 def add_limit_flags(group) -> None:
     """The ``RequestLimits`` caps as flags (``server/limits.py``): ``--max-prompts-per-request`` and so on."""
     from stage5_server.cli.args import positive_int

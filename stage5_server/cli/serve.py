@@ -25,10 +25,12 @@ from stage5_server.cli.args import fraction, json_object, non_negative_float, pa
 from stage5_server.cli.options import (
     API_KEY_ENV,
     add_limit_flags,
+    add_media_flags,
     chat_options_from,
     log_api_keys,
     log_engine,
     log_level,
+    media_options_from,
     request_limits_from,
 )
 from stage5_server.data_parallel.routing import LEAST_LOADED, ROUTING_POLICIES
@@ -89,6 +91,7 @@ def add_serve_subcommand(subparsers) -> None:
     chat.add_argument("--allow-control-tokens-in-messages", action="store_true",
                       help="tokenize control-token strings inside messages as control tokens (trusted callers "
                            "only: any caller could then forge a system turn or a tool result)")
+    add_media_flags(p.add_argument_group("images: where they may come from (docs/multimodal.md)"))
     eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
     eng.add_argument("--max-model-len", type=positive_int, default=None)
     eng.add_argument("--max-num-seqs", type=positive_int, default=None)
@@ -244,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
         app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
-                         limits=request_limits_from(args),
+                         limits=request_limits_from(args), media=media_options_from(args),
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:

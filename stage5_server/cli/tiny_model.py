@@ -1,6 +1,6 @@
 """``stagedserve make-tiny-model DIR``: a random-weight Hugging Face checkpoint for tests.
 
-    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [--size {tiny,small,qwen3-0.6b}]
+    stagedserve make-tiny-model DIR --arch {llama,qwen2,qwen3,llava} [--seed N] [--size {tiny,small,qwen3-0.6b}]
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 def add_make_tiny_model_subcommand(subparsers) -> None:
     p = subparsers.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint (for tests)")
     p.add_argument("dir", metavar="DIR")
-    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "llava"), default="llama",
+                   help="llava: a vision-language model (CLIP tower, Llama decoder) with its processor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
     p.set_defaults(func=make_tiny_model)

@@ -7,7 +7,10 @@
    token; ``update_from_output`` rolls ``num_computed_tokens`` back past the rejected positions, so
    their KV slots are written again by the next step and never read. The prefix cache hashes only
    known tokens (``KVCacheManager.allocate_slots``), so drafts never enter a block hash.
-2. **The workers' view of the step** (``runner_input``): the plain-data ``ModelRunnerInput`` every
+2. **Images in a prompt**: the KV cache manager puts each image's hash into the blocks its
+   placeholders overlap (``multimodal/kv_cache.py``), and a new request carries its images to the
+   workers, which compute their features (``multimodal/encoder.py``).
+3. **The workers' view of the step** (``runner_input``): the plain-data ``ModelRunnerInput`` every
    rank receives, sending a request whole once and afterwards only what it gained; and the
    structured-output masks of the requests that sample, computed here where the grammars live.
 3. **Batches in flight.** Under pipeline parallelism the core schedules the next batch before the
@@ -30,6 +33,7 @@ from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage4_prefix_cache.scheduler import Scheduler as _PrefixCachingScheduler
 from stage4_prefix_cache.scheduler import SchedulerOutput as _SchedulerOutput
+from stage5_server.multimodal.kv_cache import MultiModalKVCacheManager
 from stage5_server.worker.runner_io import CachedRequestData, ModelRunnerInput, NewRequestData
 
 
@@ -69,6 +73,15 @@ class Scheduler(_PrefixCachingScheduler):
         self.preempted_on_workers: set[str] = set()
         self.in_flight: set[str] = set()  # requests in a batch the workers have not answered yet
         self.set_aside: list[Request] = []  # the running ones of them, while a batch is scheduled
+
+    def _make_kv_cache_manager(self, cache_config: CacheConfig):
+        """Stage 4's manager, with each image's hash in the blocks it overlaps (``multimodal/kv_cache.py``)."""
+        if not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
+            return super()._make_kv_cache_manager(cache_config)
+        return MultiModalKVCacheManager(cache_config.block_size, cache_config.num_blocks,
+                                        enable_caching=cache_config.enable_prefix_caching,
+                                        hash_fn=cache_config.prefix_caching_hash_algo,
+                                        shuffle_seed=cache_config.shuffle_seed)
 
     def _block_tables(self, request_ids) -> BlockTables:
         return BlockTables(self.kv_cache_manager, dict.fromkeys(request_ids))
@@ -165,7 +178,7 @@ class Scheduler(_PrefixCachingScheduler):
                 new_reqs.append(NewRequestData(
                     request_id, request.prompt_token_ids, request.output_token_ids, request.sampling_params,
                     request.eos_token_ids, request.bad_words_token_ids, [b.block_id for b in blocks],
-                    request.num_computed_tokens, len(request.prompt_logprobs)))
+                    request.num_computed_tokens, len(request.prompt_logprobs), request.mm_features))
                 new_counts.append(num_scheduled[request_id])
                 sent[request_id] = [request.num_tokens, len(blocks)]
             else:

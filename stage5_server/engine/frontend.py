@@ -34,6 +34,7 @@ from stage5_server.core.errors import EngineDeadError, EngineError, RequestAbort
 from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.stream import RequestStream
+from stage5_server.multimodal.processor import ImageProcessor
 from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 logger = logging.getLogger("stagedserve")
@@ -89,7 +90,9 @@ class AsyncEngine:
         self.engine_args = engine_args  # the resolved engine configuration
         self.cache_configs = dict(cache_configs or {})
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
-        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids)
+        self.image_processor = ImageProcessor.for_model(model_path)  # None: the model takes no images
+        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids,
+                                              self.image_processor)
         self.output_processor = OutputProcessor(tokenizer, decode_logprobs=True)  # the requests in flight
         self._stats_log = LoggingStatLogger(log_stats_interval) if log_stats_interval else None
         self._stats = SchedulerStats()

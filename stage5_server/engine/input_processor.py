@@ -2,8 +2,12 @@
 
 Everything the front end checks or computes before a request is queued happens here, once:
 
-    render a conversation (chat template) or tokenize text -> check ids and lengths
-    -> tokenize ``bad_words`` -> check structured outputs -> one EngineCoreRequest, or n children
+    render a conversation (chat template) or tokenize text -> expand image placeholders, prepare
+    the images -> check ids and lengths -> tokenize ``bad_words`` -> check structured outputs
+    -> one EngineCoreRequest, or n children
+
+Images come loaded (``multi_modal_data``: the API server fetched them under its media rules); here
+they become placeholder tokens and pixels (``multimodal/processor.py``).
 
 A length error is a ``ContextLengthExceeded`` (a ``ValueError`` naming ``prompt`` or ``max_tokens``),
 worded as vLLM's, which the server answers with ``code: context_length_exceeded``. With ``n > 1``
@@ -23,13 +27,16 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.core.messages import EngineCoreRequest
+from stage5_server.multimodal.processor import ImageProcessor, images_of
 
 
 class InputProcessor:
     """Runs on the caller's thread, under the front end's tokenizer lock."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
+                 image_processor: ImageProcessor | None = None):
         self.tokenizer = tokenizer
+        self.image_processor = image_processor  # None: the model takes no images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -38,11 +45,23 @@ class InputProcessor:
                        cache_salt: str | None = None) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
         """The checked engine requests for one prompt: ``(None, [request])``, or ``(parent, its n children)``.
         ``prompt``: text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, or
-        ``{"messages": [...], **apply_chat_template's keyword arguments}``."""
+        ``{"messages": [...], **apply_chat_template's keyword arguments}``; any of the dicts may add
+        ``multi_modal_data: {"image": [PIL images]}`` (one image token per image in the prompt) and
+        ``mm_processor_kwargs`` (the image processor's keyword arguments)."""
+        images, processor_kwargs = None, None
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            images = images_of(prompt["multi_modal_data"])
+            processor_kwargs = prompt.get("mm_processor_kwargs")
+            prompt = {k: v for k, v in prompt.items() if k not in ("multi_modal_data", "mm_processor_kwargs")}
         if isinstance(prompt, dict) and "messages" in prompt:
             render = {k: v for k, v in prompt.items() if k != "messages"}
             prompt = self.tokenizer.apply_chat_template(prompt["messages"], True, **render)
         token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.vocab_size, max_model_len=None)
+        features = []
+        if images is not None:
+            if self.image_processor is None:
+                raise ValueError("multi_modal_data: this model takes no images (it is not a vision-language model)")
+            token_ids, features = self.image_processor.process(token_ids, images, processor_kwargs)
         self.check_lengths(len(token_ids), params.max_tokens,  # vLLM's messages, not ``prompt_token_ids``'s
                            params.min_tokens)
         now = time.monotonic()
@@ -50,7 +69,8 @@ class InputProcessor:
         def make(rid: str, child_params: SamplingParams) -> EngineCoreRequest:
             return EngineCoreRequest(request_id=rid, prompt_token_ids=token_ids, sampling_params=child_params,
                                      arrival_time=now, priority=priority, cache_salt=cache_salt,
-                                     eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words)
+                                     eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words,
+                                     mm_features=features)
 
         if params.n == 1:
             return None, [make(request_id, params)]

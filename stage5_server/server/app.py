@@ -31,6 +31,7 @@ from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
 from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware, RequestLimits
+from stage5_server.server.media import MediaOptions
 from stage5_server.server.metrics import PrometheusStatLogger
 from stage5_server.server.openapi import openapi_with_openai_errors
 from stage5_server.server.serving import OpenAIServing
@@ -50,10 +51,12 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                served_model_name: str | None = None, trust_client_cache_salt: bool = False,
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
-               chat_options: ChatOptions | None = None, limits: RequestLimits | None = None) -> FastAPI:
+               chat_options: ChatOptions | None = None, limits: RequestLimits | None = None,
+               media: MediaOptions | None = None) -> FastAPI:
     """The OpenAI-compatible app over an ``AsyncEngine`` or an ``LLM`` (wrapped, and shut down with the app).
     ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only).
-    ``limits``: what one request may ask for (``limits.py``; the defaults unless given)."""
+    ``limits``: what one request may ask for (``limits.py``; the defaults unless given). ``media``: where
+    images may come from and how large they may be (``media.py``; safe defaults and vLLM's variables)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
@@ -65,7 +68,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                                    engine.cache_configs)
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
-                            version(), metrics, chat_options, limits)
+                            version(), metrics, chat_options, limits, media)
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager

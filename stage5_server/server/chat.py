@@ -13,6 +13,7 @@ vLLM: ``vllm/entrypoints/openai/serving_chat.py``.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -23,8 +24,10 @@ from fastapi.responses import Response
 
 from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
+from stage5_server.multimodal.processor import count_image_parts, has_image_parts, split_image_parts
 from stage5_server.server.completions import token_text
 from stage5_server.server.errors import APIError
+from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
 from stage5_server.server.protocol import ChatCompletionRequest
 from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
 from stage5_server.server.tool_parsers import (
@@ -179,24 +182,39 @@ def tool_plan(serving: OpenAIServing, body: ChatCompletionRequest,
     return ToolCallReader(parser.parse, parser.stream, max_calls), structured
 
 
-def conversation_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> dict[str, Any]:
+async def conversation_prompt(serving: OpenAIServing, body: ChatCompletionRequest) -> dict[str, Any]:
     """The prompt the engine renders (``InputProcessor``). The tools are shown unless ``tool_choice`` is
-    none: by the chat template, or described by the server where the template cannot show them."""
+    none: by the chat template, or described by the server where the template cannot show them. Images
+    are loaded here, under the server's media rules (``media.py``), before the engine sees the request."""
     options = serving.chat_options
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
                        "--trust-request-chat-template to accept one per request)", param="chat_template")
-    return {"messages": body.conversation(), "chat_template": body.chat_template,
-            "chat_template_kwargs": body.chat_template_kwargs,
-            "control_tokens_in_messages": options.control_tokens_in_messages,
-            "tools": None if body.effective_tool_choice == "none" else body.tool_dicts()}
+    check_request_mm_kwargs(serving.media.options, body.mm_processor_kwargs, body.media_io_kwargs)
+    messages = body.conversation()
+    prompt = {"messages": messages, "chat_template": body.chat_template,
+              "chat_template_kwargs": body.chat_template_kwargs,
+              "control_tokens_in_messages": options.control_tokens_in_messages,
+              "tools": None if body.effective_tool_choice == "none" else body.tool_dicts()}
+    if has_image_parts(messages):
+        if serving.engine.image_processor is None:
+            first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
+            raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
+                           "vision-language model); send text content only", param=f"messages[{first}].content")
+        check_image_count(serving.media.options, count_image_parts(messages))
+        loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
+        prompt["messages"], images = await asyncio.to_thread(split_image_parts, messages, loader)
+        prompt["multi_modal_data"] = {"image": images}
+        if body.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
+    return prompt
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:
     salt = serving.admit(request, body.model, body.cache_salt)
     tool_calls, structured = tool_plan(serving, body)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, structured)
-    prompt = conversation_prompt(serving, body)
+    prompt = await conversation_prompt(serving, body)
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
                               body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0,
                               tool_calls=tool_calls)

@@ -293,6 +293,16 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; one size fits this model's tower
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (validated before content)
@@ -339,8 +349,9 @@ class ChatMessage(StrictModel):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
-        """A string, or text parts joined with a newline (as vLLM); null only beside an assistant's tool_calls."""
+    def _content(cls, value: Any, info: ValidationInfo) -> str | list[dict[str, Any]] | None:
+        """A string, or text parts joined with a newline (as vLLM); with an ``image_url`` part, the parts
+        themselves (the API server loads the images, ``media.py``); null only beside an assistant's tool_calls."""
         if value is None:
             if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
                 return None
@@ -348,13 +359,20 @@ class ChatMessage(StrictModel):
         if isinstance(value, str):
             return value
         if isinstance(value, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
             for part in value:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    raise ValueError("content: only text parts are supported")
-                texts.append(TextPart.model_validate(part).text)
-            return "\n".join(texts)
-        raise ValueError("content must be a string or a list of text parts")
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": TextPart.model_validate(part).text})
+                elif kind == "image_url":
+                    url = ImagePart.model_validate(part).image_url.url
+                    parts.append({"type": "image_url", "image_url": {"url": url}})
+                else:
+                    raise ValueError("content: only text and image_url parts are supported")
+            if any(p["type"] == "image_url" for p in parts):
+                return parts
+            return "\n".join(p["text"] for p in parts)
+        raise ValueError("content must be a string or a list of text and image_url parts")
 
 
 class ChatCompletionRequest(_GenerationRequest, ToolChoiceFields):
@@ -367,6 +385,8 @@ class ChatCompletionRequest(_GenerationRequest, ToolChoiceFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template: str | None = None  # vLLM's; only if the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (vLLM's)
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's; only if the server trusts them (media.py)
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM's; likewise
     functions: Any = None
     function_call: Any = None
     modalities: Any = None

@@ -99,6 +99,8 @@ class ResponsesRequest(IgnoredFields):
     top_k: int | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # refused unless trusted (media.py)
+    media_io_kwargs: dict[str, Any] | None = None
 
     @field_validator("input")
     @classmethod
@@ -155,7 +157,7 @@ class ResponsesRequest(IgnoredFields):
             if item.type == "message":
                 if item.role is None:
                     raise ValueError(f"input[{i}].role: a message needs a role")
-                messages.append({"role": item.role, "content": _text_of(item.content, f"input[{i}].content")})
+                messages.append({"role": item.role, "content": _content_of(item.content, f"input[{i}].content")})
             elif item.type == "function_call":
                 if not (item.call_id and item.name and item.arguments is not None):
                     raise ValueError(f"input[{i}]: a function_call needs call_id, name and arguments")
@@ -188,7 +190,8 @@ class ResponsesRequest(IgnoredFields):
             "model": self.model, "messages": self.messages(), "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "seed": self.seed, "top_k": self.top_k, "logit_bias": self.logit_bias, "cache_salt": self.cache_salt,
-            "user": self.user,
+            "user": self.user, "mm_processor_kwargs": self.mm_processor_kwargs,
+            "media_io_kwargs": self.media_io_kwargs,
             "parallel_tool_calls": self.parallel_tool_calls, "response_format": response_format,
             "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                       for t in self.tools] if self.tools else None,
@@ -199,6 +202,25 @@ class ResponsesRequest(IgnoredFields):
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
+
+
+def _content_of(content: Any, field: str) -> str | list[dict[str, Any]]:
+    """A message's content: text as ``_text_of``; with ``input_image`` parts, chat content parts (text and
+    ``image_url``) for the chat request to check and the server to load."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                              for p in content)):
+        return _text_of(content, field)
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ValueError(f"{field}: an input_image needs image_url (a data: or http(s) URL); "
+                                 "file_id is not supported")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], field)})
+    return parts
 
 
 def _text_of(content: Any, field: str) -> str:
@@ -363,7 +385,7 @@ async def create_response(serving: OpenAIServing, request: Request, body: Respon
         raise bad_request_from_value_error(exc) from None
     tool_calls, structured = tool_plan(serving, chat_body)
     params = chat_body.sampling_params(chat_body.requested_max_tokens, None, structured)
-    prompt = conversation_prompt(serving, chat_body)
+    prompt = await conversation_prompt(serving, chat_body)
     responder = ResponsesResponder(f"resp_{uuid.uuid4().hex}", serving.served_model_name, request, False,
                                    body=body, tool_calls=tool_calls)
     return await serving.generate(request, [prompt], params, salt, responder, body.stream, "input")

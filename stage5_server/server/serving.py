@@ -35,6 +35,7 @@ from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY,
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
 from stage5_server.server.limits import RequestLimits, longest_token_chars
+from stage5_server.server.media import MediaConnector, MediaOptions
 from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
     SSE_DONE,
@@ -172,7 +173,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, salter: CacheSalter,
                  trust_client_cache_salt: bool, version: str = "0", metrics: PrometheusStatLogger | None = None,
-                 chat_options: ChatOptions | None = None, limits: RequestLimits | None = None):
+                 chat_options: ChatOptions | None = None, limits: RequestLimits | None = None,
+                 media: MediaOptions | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.salter = salter
@@ -181,6 +183,7 @@ class OpenAIServing:
         self.metrics = metrics  # told of each prompt whose n samples all finished
         self.chat_options = chat_options or ChatOptions()
         self.limits = limits or RequestLimits()
+        self.media = MediaConnector(media or MediaOptions.from_env())  # images named by URL (media.py)
         self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
 
     def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:

@@ -37,6 +37,7 @@ from shared.outputs import Logprob
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
+from stage5_server.multimodal.inputs import MultiModalFeature
 from stage5_server.worker.runner_io import ModelRunnerInput, NewRequestData
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
@@ -58,6 +59,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # filled by the sampler, sent back
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
 
     # The sampler's reads, as ``Request`` answers them.
     num_prompt_tokens = Request.num_prompt_tokens
@@ -73,7 +75,8 @@ class CachedRequestState:
         seed = new.sampling_params.seed
         state = cls(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
                     tuple(new.eos_token_ids), [list(w) for w in new.bad_words_token_ids],
-                    generator=None if seed is None else torch.Generator().manual_seed(seed))
+                    generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    mm_features=list(new.mm_features))
         state.prompt_logprobs = [None] * new.num_prompt_logprobs_done
         return state
 

@@ -37,6 +37,7 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import gather_logprobs, sample, target_probs
 from shared.structured_output import unpack_bitmask
+from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
@@ -45,8 +46,9 @@ from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True,
-                 drafter: DraftModelProposer | None = None):
+                 drafter: DraftModelProposer | None = None, mm_embedder: MultiModalEmbedder | None = None):
         self.model = model
+        self.mm_embedder = mm_embedder  # a vision-language model's image features (multimodal/encoder.py)
         self.drafter = drafter  # a draft model, run after the target (spec_decode/draft_model.py)
         self.input_batch = input_batch
         self.is_driver = is_driver
@@ -57,7 +59,15 @@ class ModelRunner:
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
-        hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        embeds = None
+        if self.mm_embedder is not None:
+            self.mm_embedder.forget([*step.finished_req_ids, *step.preempted_req_ids])
+            embeds = self.mm_embedder.inputs_embeds(self.model.embed_tokens, inputs.input_ids, prepared.states,
+                                                    prepared.num_scheduled)
+        if embeds is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
+        else:  # image features at their placeholders
+            hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata, inputs_embeds=embeds)
         if hidden is None:  # a pipeline stage before the last: it sent its output on (parallel/pipeline.py)
             return None
         if self.drafter is not None:  # rows gone or new: the draft's cache holds nothing of them yet

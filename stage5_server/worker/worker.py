@@ -1,5 +1,6 @@
 """One worker per rank: its device, its model (whole, or its tensor-parallel shard), its KV cache,
-the attention backend over that cache, and the model runner; with a draft model
+the attention backend over that cache, and the model runner; with a vision-language model, its
+vision tower and projector; with a draft model
 (``speculative_config``'s ``draft_model``), that model and its own KV cache too. The same class on one device and on
 every rank of a split model; the executor decides only where each worker lives.
 
@@ -29,6 +30,8 @@ from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
 from stage5_server.model import compile_model, fuse_projections
+from stage5_server.multimodal.encoder import MultiModalEmbedder
+from stage5_server.multimodal.vision import load_vision_model
 from stage5_server.parallel.parallel_state import RankPlace
 from stage5_server.parallel.pipeline import PipelineStage, load_stage_model
 from stage5_server.parallel.sharded_model import load_sharded_model
@@ -68,6 +71,9 @@ class Worker:
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
             self.draft_model = fuse_projections(load_model(resolve_model(spec.model), config.dtype, self.device)[0])
+        self.vision = None  # a vision-language model's tower and projector (multimodal/vision.py)
+        if self.model.config.vision is not None:  # one rank: EngineConfig refuses a split one
+            self.vision = load_vision_model(config.model_path, self.model.config, config.dtype, self.device)
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
         self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
@@ -104,8 +110,9 @@ class Worker:
             drafter = DraftModelProposer(self.draft_model, config.speculative.num_speculative_tokens, num_blocks,
                                          block_size, config.scheduler.max_num_seqs, config.dtype, self.device,
                                          ATTENTION_BACKENDS[config.attention_backend])
+        mm_embedder = None if self.vision is None else MultiModalEmbedder(self.vision, self.device, config.dtype)
         self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.place.is_driver,
-                                        drafter=drafter)
+                                        drafter=drafter, mm_embedder=mm_embedder)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         if self.timeline is None:

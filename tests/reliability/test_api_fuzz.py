@@ -236,6 +236,9 @@ def _schema_with(place: str) -> dict:
             "enum": {"type": "object", "properties": {"a": {"enum": [CONTROL]}}}}[place]
 
 
+IMAGE_URLS = ["http://169.254.169.254/latest/meta-data/", "http://127.0.0.1:1/x.png", "http://[::1]/x.png",
+              "file:///etc/passwd", "gopher://example.com/", "data:image/png;base64,!!", "data:,", "data:text/html,<b>",
+              "http://localhost/" + "a" * 5000]
 HOSTILE = st.one_of(
     # a lone surrogate in a text field
     st.tuples(st.sampled_from([
@@ -258,6 +261,12 @@ HOSTILE = st.one_of(
               st.sampled_from(["none", "required"])).map(lambda t: _chat(
         [{"role": "user", "content": "hi"}], tool_choice=t[1],
         tools=[{"type": "function", "function": {"name": "f", "parameters": _schema_with(t[0])}}])),
+    # image content parts a server must never fetch: cloud metadata, loopback, other schemes, bad data URLs,
+    # many of them (the fuzzed model takes no images: each is a 400 before anything is loaded)
+    st.tuples(st.sampled_from(IMAGE_URLS), st.integers(1, 64), st.sampled_from(["chat", "responses"])).map(
+        lambda t: _chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": t[0]}}] * t[1]}])
+        if t[2] == "chat" else ("/v1/responses", {"model": MODEL, "max_output_tokens": 2, "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": t[0]}] * t[1]}]})),
     # grammars that fail while generating, and constraints past the size cap
     st.sampled_from([
         {"json": {"$ref": "#/$defs/A", "$defs": {"A": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
