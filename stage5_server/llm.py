@@ -9,8 +9,9 @@ The engine-core process and every data-parallel rank build their core with the s
 New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA by default when
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
 model rearranged for speed (``model/``), one torch thread per physical core on a CPU with
-``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``), and a
-pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``).
+``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``),
+LoRA adapters (``enable_lora=True``, ``generate(..., lora_request=LoRARequest(name, id, path))``,
+``lora/``), and a pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``.
 """
@@ -23,6 +24,7 @@ from shared.llm_base import BaseLLM
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.lora import LoRARequest, load_adapter
 from stage5_server.pooling.offline import PoolingAPI
 
 
@@ -41,7 +43,20 @@ class LLM(PoolingAPI, BaseLLM):
         self.tensor_parallel_size = config.parallel.tensor_parallel_size
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
         self.tokenizer = Tokenizer(config.tokenizer_path)
+        self._checked_adapters: set[tuple[int, str]] = set()
         self._start_frontend()  # the builder has logged the configuration
+
+    def check_lora_request(self, lora_request: object) -> None:
+        """An adapter is served only with ``enable_lora``, and only once its directory passed the checks
+        the workers will make (``lora/adapter.py``): a bad one fails here, before any request is queued."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("lora_request: this engine serves no adapters; build it with enable_lora=True")
+        if lora_request.key not in self._checked_adapters:
+            load_adapter(lora_request.lora_path, self.model_config, lora.max_lora_rank)
+            self._checked_adapters.add(lora_request.key)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""

@@ -23,6 +23,7 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.core.messages import EngineCoreRequest
+from stage5_server.lora.request import LoRARequest
 
 
 class InputProcessor:
@@ -35,7 +36,8 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                       cache_salt: str | None = None) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
         """The checked engine requests for one prompt: ``(None, [request])``, or ``(parent, its n children)``.
         ``prompt``: text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, or
         ``{"messages": [...], **apply_chat_template's keyword arguments}``."""
@@ -50,7 +52,8 @@ class InputProcessor:
         def make(rid: str, child_params: SamplingParams) -> EngineCoreRequest:
             return EngineCoreRequest(request_id=rid, prompt_token_ids=token_ids, sampling_params=child_params,
                                      arrival_time=now, priority=priority, cache_salt=cache_salt,
-                                     eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words)
+                                     eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words,
+                                     lora_request=lora_request)
 
         if params.n == 1:
             return None, [make(request_id, params)]

@@ -1,9 +1,10 @@
 """The model runner: one step's forward pass over the persistent input batch, then sampling.
 
 ``execute_model(step)`` brings the ``InputBatch`` up to date with the step's ``ModelRunnerInput``,
-gathers the inputs, runs the model, scores prompt positions for requests that asked for
-``prompt_logprobs``, and computes logits at every position that samples: a request's last
-position, plus one per draft token under verification. The same code runs on every rank; only
+gathers the inputs, maps each token row to its request's LoRA adapter slot (``lora/``), runs the
+model, scores prompt positions for requests that asked for ``prompt_logprobs``, and computes logits
+at every position that samples: a request's last position, plus one per draft token under
+verification. The same code runs on every rank; only
 the driver (rank 0) samples and answers, the other ranks' logits go unused.
 
 Sampling gives each request a *list* of tokens. Without draft tokens that list has one token.
@@ -36,6 +37,7 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import gather_logprobs, sample, target_probs
 from shared.structured_output import unpack_bitmask
+from stage5_server.lora import LoRAModelManager
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep
@@ -44,8 +46,9 @@ from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True,
-                 drafter: DraftModelProposer | None = None):
+                 drafter: DraftModelProposer | None = None, lora_manager: LoRAModelManager | None = None):
         self.model = model
+        self.lora_manager = lora_manager  # adapter slots and the step's token-to-slot map (lora/)
         self.drafter = drafter  # a draft model, run after the target (spec_decode/draft_model.py)
         self.input_batch = input_batch
         self.is_driver = is_driver
@@ -56,6 +59,9 @@ class ModelRunner:
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_loras([state.lora_request for state in prepared.states],
+                                               prepared.num_scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, prepared.attn_metadata)
         if self.drafter is not None:  # rows gone or new: the draft's cache holds nothing of them yet
             gone = [*step.finished_req_ids, *step.preempted_req_ids, *(r.req_id for r in step.new_reqs)]

@@ -34,6 +34,7 @@ import torch
 
 from shared.outputs import Logprob
 from shared.sampling_params import SamplingParams
+from stage5_server.lora.request import LoRARequest
 
 
 @dataclass
@@ -47,6 +48,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_logprobs_done: int  # prompt positions already scored (a resumed request keeps them)
+    lora_request: LoRARequest | None = None  # its adapter (lora/); None: the base model
 
 
 @dataclass

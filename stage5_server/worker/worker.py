@@ -25,6 +25,7 @@ from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
+from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.parallel.sharded_model import load_sharded_model
 from stage5_server.quantization import install_linear_methods
@@ -51,6 +52,9 @@ class Worker:
         self.model = fuse_projections(model, step_rope=not self.compiled)
         if world_size == 1:  # packed or quantized linears (quantization/config.py); plain under TP
             logger.info(install_linear_methods(self.model, config.linear))
+        # LoRA slots over every projection's own method (lora/manager.py); EngineConfig keeps it to one rank
+        self.lora_manager = None if config.lora is None else LoRAModelManager(self.model, config.model_config,
+                                                                              config.lora)
         spec = config.speculative
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
@@ -90,7 +94,7 @@ class Worker:
                                          block_size, config.scheduler.max_num_seqs, config.dtype, self.device,
                                          ATTENTION_BACKENDS[config.attention_backend])
         self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.rank == 0,
-                                        drafter=drafter)
+                                        drafter=drafter, lora_manager=self.lora_manager)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(step)
