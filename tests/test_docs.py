@@ -101,6 +101,7 @@ SNIPPETS = [
     ("docs/snippets/prefix_cache_demo.py", [], "docs/snippets/prefix_cache_demo.txt"),
     ("docs/snippets/parallel_sampling_cache.py", [], "docs/snippets/parallel_sampling_cache.txt"),
     ("docs/snippets/spec_decode_trace.py", [], "docs/snippets/spec_decode_trace.txt"),
+    ("docs/snippets/lora_cache_key.py", [], "docs/snippets/lora_cache_key.txt"),
 ]
 
 

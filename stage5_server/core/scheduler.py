@@ -87,10 +87,6 @@ class Scheduler(_PrefixCachingScheduler):
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
         return next(ready, None)
 
-    def adapters_in_use(self) -> set:
-        """The adapters of every request not yet finished (running, preempted or waiting)."""
-        return {r.lora_request for r in self.requests.values() if r.lora_request is not None}
-
     # ---- several tokens per step -------------------------------------------------------------
     def _num_tokens_to_compute(self, request: Request) -> int:
         num_new = len(request.all_token_ids) - request.num_computed_tokens

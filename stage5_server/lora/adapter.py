@@ -58,8 +58,12 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def read_adapter_config(path: str | Path) -> dict:
-    file = Path(path) / "adapter_config.json"
-    if not file.is_file():
+    try:
+        file = Path(path) / "adapter_config.json"
+        found = file.is_file()
+    except (OSError, ValueError):  # a path no file system takes (a NUL byte, too long)
+        found = False
+    if not found:
         raise LoRALoadError(f"lora_path: {str(path)!r} holds no adapter_config.json (a PEFT adapter directory)")
     try:
         config = json.loads(file.read_text())
@@ -103,7 +107,7 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_lora_rank: int
 
     rank, scaling = check_adapter_config(read_adapter_config(path), max_lora_rank)
     file = Path(path) / "adapter_model.safetensors"
-    if not file.is_file():
+    if not file.is_file():  # the directory exists: read_adapter_config found it
         raise LoRALoadError(f"lora_path: {str(path)!r} holds no adapter_model.safetensors")
     shapes = projection_shapes(model_config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
