@@ -145,3 +145,26 @@ def test_lora_requests_need_enable_lora_and_lora_needs_one_rank(tiny_llama, adap
         LLM(str(tiny_llama), **{**ENGINE, "max_loras": 0})
     with pytest.raises(ValueError, match="draft model has no adapters"):
         LLM(str(tiny_llama), **ENGINE, speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_the_default_model_gives_peft_tokens_for_two_adapters_and_the_base_in_one_batch(tmp_path):
+    from shared import default_model
+
+    base = Path(default_model())
+    adapters = {"qv": make_adapter(base, tmp_path / "qv", seed=1, r=8, target_modules=("q_proj", "v_proj"),
+                                   scale=0.3),
+                "mlp": make_adapter(base, tmp_path / "mlp", seed=2, r=4, alpha=8,
+                                    target_modules=("gate_proj", "up_proj", "down_proj"), scale=0.3)}
+    tok = Tokenizer(base)
+    prompts = ["def fibonacci(n):"]
+    loras = [None, *lora_requests(adapters).values()]
+    llm = LLM(str(base), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8, enable_lora=True,
+              max_loras=2)
+    per_prompt = [lora for _ in prompts for lora in loras]
+    outs = llm.generate([p for p in prompts for _ in loras], GREEDY, use_tqdm=False, lora_request=per_prompt)
+    got = [out.outputs[0].token_ids for out in outs]
+    for (prompt, lora), tokens in zip([(p, lora) for p in prompts for lora in loras], got):
+        adapter = None if lora is None else adapters[lora.lora_name]
+        assert tokens == peft_greedy(base, adapter, tok.encode(prompt), MAX_TOKENS), (prompt, lora)
+    assert len({tuple(tokens) for tokens in got}) == 3  # each adapter changes the base model's answer
