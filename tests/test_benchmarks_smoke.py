@@ -114,3 +114,16 @@ def test_spec_decode_smoke(tmp_path, tiny_llama):
         (s, w, b) for s in ("off", "ngram-fixed", "ngram", "draft") for w in ("copy", "chat") for b in (1, 2)}
     assert all(r["same_tokens_as_off"] and r["tpot_s"] > 0 and r["mean_acceptance_length"] >= 1 for r in rows)
     assert all(r["drafts"] == 0 for r in rows if r["speculation"] == "off")
+
+
+def test_lora_smoke(tmp_path, tiny_llama):
+    from benchmarks import lora
+
+    lora.main(["--model", str(tiny_llama), "--batch-size", "4", "--adapters", "0", "1", "2", "--output-len", "4",
+               "--rank", "4", "--repeats", "1", "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "lora.md")])
+    data = json.loads((tmp_path / "lora.json").read_text())
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    assert "python -m benchmarks.lora" in (tmp_path / "lora.md").read_text()
+    assert [(r["engine"], r["adapters"]) for r in data["rows"]] == [
+        ("base model", 0), ("enable_lora", 0), ("enable_lora", 1), ("enable_lora", 2)]
+    assert all(r["step_s"] > 0 and r["output_tokens"] == 4 * 4 for r in data["rows"])

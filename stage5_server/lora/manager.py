@@ -26,7 +26,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from stage5_server.lora.adapter import LoRAModel, load_adapter
-from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping, SlotWeights
+from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping, SlotWeights, block_diagonal_b
 from stage5_server.lora.request import LoRAConfig, LoRARequest
 from stage5_server.model.linear import Linear
 
@@ -44,7 +44,7 @@ class LoRAModelManager:
             for (parent, name), projections in ADAPTED_LAYERS.items():
                 layer: Linear = getattr(getattr(decoder_layer, parent), name)
                 sizes = _slice_sizes(layer, projections, model_config)
-                method = LoRALinearMethod(layer.method, sizes, self.mapping, config.max_loras)
+                method = LoRALinearMethod(layer.method, sizes, self.mapping, config.max_loras, config.max_lora_rank)
                 layer.method = method
                 self.layers[(index, projections)] = method
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -66,13 +66,29 @@ class LoRAModelManager:
         start, total = 0, sum(num_scheduled)
         for lora, count in zip(requests, num_scheduled):
             if lora is not None:
-                rows.setdefault(slot_of[lora], []).append(torch.arange(start, start + count))
+                rows.setdefault(slot_of[lora], []).append(torch.arange(start, start + count))  # on the CPU
             start += count
         segments = []
-        for slot, parts in rows.items():
+        for slot, parts in sorted(rows.items()):
             index = torch.cat(parts) if len(parts) > 1 else parts[0]
             segments.append((slot, None if len(index) == total else index.to(self.device)))
         self.mapping.segments = segments
+        self._pad(segments)
+
+    def _pad(self, segments: list[tuple[int, torch.Tensor | None]]) -> None:
+        """With several segments, their rows as one ``[adapters, longest]`` batch (``layers.py``)."""
+        mapping = self.mapping
+        if len(segments) < 2:
+            mapping.slots = mapping.padded_rows = mapping.padded_scaling = None
+            return
+        longest = max(len(rows) for _, rows in segments)
+        padded = torch.stack([torch.cat([rows, rows[:1].expand(longest - len(rows))]) for _, rows in segments])
+        scaling = torch.zeros(len(segments), longest, 1)
+        for i, (slot, rows) in enumerate(segments):
+            scaling[i, :len(rows)] = mapping.scalings[slot]
+        mapping.slots = torch.tensor([slot for slot, _ in segments], device=self.device)
+        mapping.padded_rows = padded.reshape(-1).to(self.device)
+        mapping.padded_scaling = scaling.to(self.device, self.dtype)
 
     def _slot_for(self, lora: LoRARequest, wanted: list[LoRARequest]) -> int:
         if lora in self.slots:
@@ -95,9 +111,9 @@ class LoRAModelManager:
                 continue
             in_features = next(pair[0].shape[1] for pair in pairs if pair is not None)
             a = torch.cat([torch.zeros(adapter.rank, in_features) if pair is None else pair[0] for pair in pairs])
-            method.set_slot(slot, SlotWeights(a.to(device, dtype),
-                                              [None if pair is None else pair[1].to(device, dtype) for pair in pairs],
-                                              adapter.rank))
+            b = block_diagonal_b([None if pair is None else pair[1] for pair in pairs], method.slice_sizes,
+                                 adapter.rank)
+            method.set_slot(slot, SlotWeights(a.to(device, dtype), b.to(device, dtype), adapter.rank))
         self.mapping.scalings[slot] = adapter.scaling
         self.slots[slot] = lora
 
