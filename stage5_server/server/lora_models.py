@@ -66,7 +66,7 @@ class ServedModels:
     def __init__(self, base_name: str, engine: Any):
         self.base_name = base_name
         self.engine = engine
-        args = engine.engine_args
+        args = getattr(engine, "engine_args", {})
         self.enabled = bool(args.get("enable_lora"))
         self.max_lora_rank = args.get("max_lora_rank", 16)
         self.adapters: dict[str, LoRARequest] = {}
