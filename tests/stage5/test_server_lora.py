@@ -13,7 +13,7 @@ from shared import SamplingParams
 from stage5_server import LLM, LoRARequest
 from stage5_server.server import create_app
 from tests.stage5.lora_adapters import make_adapter
-from tests.stage5.server_fixtures import auth, make_llm, running_server
+from tests.stage5.server_fixtures import auth, make_llm, metric, running_server, wait_until
 
 KEY = "lora-key"
 BASE = "tiny-base"
@@ -122,14 +122,32 @@ def test_a_busy_adapter_is_not_unloaded_under_its_requests(served, client):
     assert "every" in {m.id for m in client.models.list().data}
 
 
-def test_the_same_prompt_shares_cached_blocks_under_one_adapter_and_none_across_adapters(client):
+def test_the_same_prompt_shares_cached_blocks_under_one_adapter_and_none_across_adapters(served, client):
+    def hits() -> float:
+        text = requests.get(f"{served['url']}/metrics", headers=auth(KEY), timeout=30).text
+        return metric(text, "vllm:prefix_cache_hits_total") or 0.0
+
     def cached(model: str) -> int:
+        before = hits()
         usage = complete(client, model, prompt=PROMPT, max_tokens=1).usage
-        return usage.prompt_tokens_details.cached_tokens
+        tokens = usage.prompt_tokens_details.cached_tokens
+        assert wait_until(lambda: hits() - before == tokens, timeout=5), (hits() - before, tokens)  # /metrics agrees
+        return tokens
 
     assert cached("every") == 0
     assert cached("every") > 0  # the same adapter: the prompt's blocks again
     assert cached(BASE) == 0  # the base model: none of the adapter's
+
+
+def test_an_adapter_loads_while_requests_run_and_both_finish(served, client):
+    stream = client.completions.create(model="every", prompt="x", max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # in flight
+    body = {"lora_name": "q-v-late", "lora_path": str(served["paths"]["q-v"])}
+    assert post(served, "/v1/load_lora_adapter", body).status_code == 200
+    assert complete(client, "q-v-late").choices[0].text
+    assert "".join(chunk.choices[0].text for chunk in stream)
+    assert post(served, "/v1/unload_lora_adapter", {"lora_name": "q-v-late"}).status_code == 200
 
 
 def test_a_bad_load_body_is_a_400(served):
