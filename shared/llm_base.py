@@ -146,11 +146,12 @@ class BaseLLM:
         return cache_config_info(self.args, self.dtype, getattr(self, "kv_cache_capacity", None))
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: object | None = None) -> str:
         if request_id is not None and self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
-                                                           priority, cache_salt)
+                                                           priority, cache_salt, lora_request)
         self._add(prompt, parent, requests)
         return request_id
 
@@ -198,13 +199,18 @@ class BaseLLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: object | list | None = None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or a list with one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
-        groups = [self._make_requests(p, sp) for p, sp in zip(prompts, params)]  # check all before adding any
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        groups = [self._make_requests(p, sp, lora_request=lora)  # check all before adding any
+                  for p, sp, lora in zip(prompts, params, loras)]
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(groups), use_tqdm)
         try:
@@ -238,8 +244,13 @@ class BaseLLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
+    def check_lora_request(self, lora_request: object) -> None:
+        """Refuse an adapter this engine cannot serve (only stage 5 serves adapters, with ``enable_lora``)."""
+        raise ValueError(f"lora_request: {self.stage} serves no LoRA adapters (stage5_server does, with "
+                         f"enable_lora=True)")
+
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, lora_request: object | None = None,
                        ) -> tuple[str, ParentRequest | None, list[Request]]:
         """Checked engine requests for one prompt: ``(the caller's id, the parent if n > 1, requests)``.
 
@@ -247,6 +258,8 @@ class BaseLLM:
         """
         token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.model_config.vocab_size,
                                             self.max_model_len)
+        if lora_request is not None:
+            self.check_lora_request(lora_request)
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
@@ -254,7 +267,8 @@ class BaseLLM:
 
         def make(rid: str, child_params: SamplingParams) -> Request:
             request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
-                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words,
+                              lora_request=lora_request)
             if request.structured_output_request is not None:
                 self.structured_output_manager.grammar_init(request)  # built in the background
             return request

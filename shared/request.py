@@ -47,13 +47,14 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None,
-                 mm_features: list | None = None):
+                 mm_features: list | None = None, lora_request: object | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs under (stage 5's ``LoRARequest``); None: the base model
         self.eos_token_ids = tuple(eos_token_ids)
         # Images in the prompt (stage 5's ``multimodal/inputs.py``): each names its placeholder span and hash.
         self.mm_features = list(mm_features or ())
@@ -76,6 +77,15 @@ class Request:
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         structured = sampling_params.structured_outputs
         self.structured_output_request = None if structured is None else StructuredOutputRequest(structured)
+
+    @property
+    def lora_name(self) -> str | None:
+        """Its adapter's name, for the prefix-cache key (with ``lora_path``); None: the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def lora_path(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_path
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -202,7 +202,8 @@ def hash_block_tokens(
 
 
 def request_extra_keys(request: object) -> tuple[ExtraKey, ...]:
-    """The extra keys of a request: its LoRA adapter, then its cache salt.
+    """The extra keys of a request: its LoRA adapter (name, then the path its
+    weights came from, when the request says), then its cache salt.
 
     Every block of the request gets the same extra keys here. (vLLM adds the
     salt only to the first block; chaining carries it into every later hash,
@@ -214,6 +215,9 @@ def request_extra_keys(request: object) -> tuple[ExtraKey, ...]:
     lora_name = getattr(request, "lora_name", None)
     if lora_name is not None:
         keys.append(("lora", lora_name))
+        lora_path = getattr(request, "lora_path", None)
+        if lora_path is not None:  # the same name reloaded from elsewhere is another adapter
+            keys.append(("lora", lora_path))
     cache_salt = getattr(request, "cache_salt", None)
     if cache_salt is not None:
         keys.append(("salt", cache_salt))

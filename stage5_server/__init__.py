@@ -10,7 +10,8 @@ the workers live, and each rank's ``Worker``, ``ModelRunner`` and ``InputBatch``
 backend registry, KV sizing; ``vllm/v1/attention/``), ``kernels/`` (the Triton kernels),
 ``model/`` (the model rearranged for speed), ``engine/`` (the async engine on a thread or over
 ZeroMQ; ``vllm/v1/engine/``), ``server/`` (the OpenAI-compatible app, keys and trust groups,
-metrics; ``vllm/entrypoints/openai/``), ``parallel/`` (tensor parallelism; ``vllm/distributed/``),
+metrics; ``vllm/entrypoints/openai/``), ``lora/`` (LoRA adapters side by side; ``vllm/lora/``),
+``parallel/`` (tensor parallelism; ``vllm/distributed/``),
 ``cli/`` and ``bench/`` (the ``stagedserve`` command and its load benchmark;
 ``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
 
@@ -34,6 +35,7 @@ _EXPORTS = {
     "AsyncEngine": "stage5_server.engine", "AsyncLLM": "stage5_server.engine", "MPAsyncLLM": "stage5_server.engine",
     "make_async_llm": "stage5_server.engine", "EngineError": "stage5_server.engine",
     "EngineDeadError": "stage5_server.engine", "RequestAborted": "stage5_server.engine",
+    "LoRARequest": "stage5_server.lora",
     "create_app": "stage5_server.server", "ServerThread": "stage5_server.server",
 }
 

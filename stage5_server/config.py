@@ -28,6 +28,7 @@ from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
+from stage5_server.lora.request import LoRAConfig
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
@@ -49,7 +50,10 @@ SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_mem
                       "runner": "auto",  # "generate" | "pooling"; auto: pooling for an encoder (pooling/config.py)
                       "convert": "auto",  # "embed": a decoder pools (its last token)
                       "quantization": None,  # gguf, int8, int4 (quantization/config.py); None: as measured
-                      "prepack_linear": None}  # float linears on oneDNN-packed weights; None: as measured
+                      "prepack_linear": None,  # float linears on oneDNN-packed weights; None: as measured
+                      "enable_lora": False,  # serve LoRA adapters beside the base model (lora/)
+                      "max_loras": 1,  # adapter slots: distinct adapters in one step
+                      "max_lora_rank": 16}  # the largest adapter rank a slot holds
 ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
 # bfloat16 pays on a CPU with native bf16 (AMX, AVX512-BF16) once the GEMMs are wide enough:
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
@@ -103,6 +107,7 @@ class EngineConfig:
     runner: str = "generate"  # "generate" | "pooling" (pooling/)
     pooler: PoolerConfig | None = None  # how the pooling runner pools; None when generating
     linear: LinearConfig = LinearConfig(None, False, None)  # each linear layer's method: quantization/
+    lora: LoRAConfig | None = None  # None: no adapters (lora/)
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -167,6 +172,9 @@ class EngineConfig:
         linear = resolve_linear_config(args["quantization"], args["prepack_linear"],
                                        source_gguf_file(model, default_model_file), device, dtype, model_config,
                                        world_size)
+        lora = LoRAConfig.create(args["enable_lora"], args["max_loras"], args["max_lora_rank"])
+        if lora is not None:
+            check_lora_support(runner, world_size, speculative, args["enforce_eager"])
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
@@ -174,10 +182,24 @@ class EngineConfig:
                    attention_backend=resolve_attention_backend(args["attention_backend"], device),
                    enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
-                   pooler=pooler, linear=linear, args=args)
+                   pooler=pooler, linear=linear, lora=lora, args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
+
+
+def check_lora_support(runner: str, num_ranks: int, speculative: SpeculativeConfig | None,
+                       enforce_eager: bool | None) -> None:
+    """What ``enable_lora`` does not combine with here, refused before anything loads."""
+    if runner != "generate":
+        raise ValueError("enable_lora: adapters are served by the generate runner only, not runner='pooling'")
+    if num_ranks > 1:
+        raise ValueError("enable_lora: adapters are not split across ranks here; use tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1")
+    if speculative is not None and speculative.method == "draft_model":
+        raise ValueError("enable_lora: a draft model has no adapters; use ngram drafts or none")
+    if enforce_eager is False:
+        raise ValueError("enable_lora: the compiled forward has no adapter deltas; leave enforce_eager unset")
 
 
 def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: PoolerConfig) -> dict[str, Any]:

@@ -9,11 +9,12 @@ The engine-core process and every data-parallel rank build their core with the s
 New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA by default when
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
 model rearranged for speed (``model/``), one torch thread per physical core on a CPU with
-``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``), and a
-pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``), and images in a
-prompt for a vision-language model (``multimodal/``): ``generate({"prompt": ..., "multi_modal_data":
-{"image": image}})`` as vLLM takes them, and ``chat`` with image content parts (``image_pil``, or an
-``image_url`` holding a ``data:`` URL).
+``dtype="auto"`` bfloat16 where it wins, ``tensor_parallel_size=N`` (``executor/``, ``parallel/``),
+LoRA adapters (``enable_lora=True``, ``generate(..., lora_request=LoRARequest(name, id, path))``,
+``lora/``), a pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``), and
+images in a prompt for a vision-language model (``multimodal/``): ``generate({"prompt": ...,
+"multi_modal_data": {"image": image}})`` as vLLM takes them, and ``chat`` with image content parts
+(``image_pil``, or an ``image_url`` holding a ``data:`` URL).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``.
 """
@@ -29,6 +30,7 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.lora import LoRARequest, load_adapter
 from stage5_server.multimodal.image_io import decode_data_url, load_image
 from stage5_server.multimodal.processor import ImageProcessor, has_image_parts, images_of, split_image_parts
 from stage5_server.pooling.offline import PoolingAPI
@@ -52,19 +54,33 @@ class LLM(PoolingAPI, BaseLLM):
         self.tokenizer = Tokenizer(config.tokenizer_path)
         self.image_processor = None if config.model_config.vision is None else \
             ImageProcessor(config.model_path, config.model_config)
+        self._checked_adapters: set[tuple[int, str]] = set()
         self._start_frontend()  # the builder has logged the configuration
 
+    def check_lora_request(self, lora_request: object) -> None:
+        """An adapter is served only with ``enable_lora``, and only once its directory passed the checks
+        the workers will make (``lora/adapter.py``): a bad one fails here, before any request is queued."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("lora_request: this engine serves no adapters; build it with enable_lora=True")
+        if lora_request.key not in self._checked_adapters:
+            load_adapter(lora_request.lora_path, self.model_config, lora.max_lora_rank)
+            self._checked_adapters.add(lora_request.key)
+
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, lora_request: object | None = None,
                        ) -> tuple[str, ParentRequest | None, list[Request]]:
         if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
-            return super()._make_requests(prompt, params, request_id, priority, cache_salt)
+            return super()._make_requests(prompt, params, request_id, priority, cache_salt, lora_request)
         if self.image_processor is None:
             raise ValueError("multi_modal_data: this model takes no images (it is not a vision-language model)")
         text = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
         token_ids = prompt_token_ids(text, self.tokenizer, self.model_config.vocab_size, max_model_len=None)
         token_ids, features = self.image_processor.process(token_ids, images_of(prompt["multi_modal_data"]))
-        request_id, parent, requests = super()._make_requests(token_ids, params, request_id, priority, cache_salt)
+        request_id, parent, requests = super()._make_requests(token_ids, params, request_id, priority, cache_salt,
+                                                              lora_request)
         for request in requests:
             request.mm_features = features
         return request_id, parent, requests

@@ -134,3 +134,16 @@ def test_pipeline_parallel_smoke(tmp_path):
         (tp, pp, c) for tp, pp in pipeline_parallel.LAYOUTS for c in (1, 3)}
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_s"] > 0 for r in data["rows"])
     assert all(len(busy) == 2 and all(0 < b <= 1 for b in busy) for busy in data["busy"].values())
+
+
+def test_lora_smoke(tmp_path, tiny_llama):
+    from benchmarks import lora
+
+    lora.main(["--model", str(tiny_llama), "--batch-size", "4", "--adapters", "0", "1", "2", "--output-len", "4",
+               "--rank", "4", "--repeats", "1", "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "lora.md")])
+    data = json.loads((tmp_path / "lora.json").read_text())
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    assert "python -m benchmarks.lora" in (tmp_path / "lora.md").read_text()
+    assert [(r["engine"], r["adapters"]) for r in data["rows"]] == [
+        ("base model", 0), ("enable_lora", 0), ("enable_lora", 1), ("enable_lora", 2)]
+    assert all(r["step_s"] > 0 and r["output_tokens"] == 4 * 4 for r in data["rows"])

@@ -102,6 +102,7 @@ SNIPPETS = [
     ("docs/snippets/parallel_sampling_cache.py", [], "docs/snippets/parallel_sampling_cache.txt"),
     ("docs/snippets/spec_decode_trace.py", [], "docs/snippets/spec_decode_trace.txt"),
     ("docs/snippets/mm_block_hashes.py", [], "docs/snippets/mm_block_hashes.txt"),
+    ("docs/snippets/lora_cache_key.py", [], "docs/snippets/lora_cache_key.txt"),
 ]
 
 

@@ -46,6 +46,7 @@ from stage5_server.data_parallel.launcher import CoreEngineProcManager, EngineTo
 from stage5_server.processes import configure_child, set_process_name, stop_processes
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.limits import RequestLimits
+from stage5_server.server.lora_models import parse_lora_modules
 from stage5_server.server.media import MediaOptions
 
 logger = logging.getLogger("stagedserve")
@@ -72,6 +73,7 @@ class APIServerConfig:
     chat_options: ChatOptions = ChatOptions()
     limits: RequestLimits = RequestLimits()
     media: MediaOptions = MediaOptions()
+    lora_modules: tuple[tuple[str, str], ...] = ()  # every API server lists the same adapters at start
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -98,7 +100,8 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
                      trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
                      max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret,
-                     chat_options=config.chat_options, limits=config.limits, media=config.media)
+                     chat_options=config.chat_options, limits=config.limits, media=config.media,
+                     lora_modules=config.lora_modules)
     # log_config=None: uvicorn's own lines go through the format above, so each names its API server.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, log_config=None, lifespan="on",
                                            timeout_graceful_shutdown=config.shutdown_timeout))
@@ -210,7 +213,8 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
                                  args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
                                  args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout,
-                                 chat_options, request_limits_from(args), media_options_from(args))
+                                 chat_options, request_limits_from(args), media_options_from(args),
+                                 tuple(parse_lora_modules(args.lora_modules)))
         api_servers = APIServerProcessManager(args.api_server_count, config, sock)
         logger.info("serving on http://%s:%d: %d API server(s) (pids %s) over %d engine core(s)", args.host,
                     args.port, args.api_server_count, ", ".join(map(str, api_servers.pids)),

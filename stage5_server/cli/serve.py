@@ -50,8 +50,15 @@ ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block
                "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
                "attention_backend", "seed", "tensor_parallel_size", "pipeline_parallel_size", "distributed_interface",
                "distributed_executor_backend", "enforce_eager",
-               "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear")
+               "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear",
+               "enable_lora", "max_loras", "max_lora_rank")
 QUANTIZATION_CHOICES = ("gguf", "int8", "int4")  # stage5_server.quantization.QUANTIZATION_METHODS
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    from stage5_server.server.lora_models import parse_lora_modules as parse
+
+    return parse(values)
 
 
 def add_serve_subcommand(subparsers) -> None:
@@ -121,6 +128,15 @@ def add_serve_subcommand(subparsers) -> None:
                           "quantized at load (CPU; default: as measured, docs/performance.md)")
     eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
                      help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
+    eng.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                     help="serve LoRA adapters beside the base model (the request's model field names one)")
+    eng.add_argument("--max-loras", type=positive_int, default=None,
+                     help="distinct adapters in one step: the adapter slots (default: 1)")
+    eng.add_argument("--max-lora-rank", type=positive_int, default=None,
+                     help="the largest adapter rank a slot holds (default: 16)")
+    net.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                     help="LoRA adapters served from the start (PEFT directories; needs --enable-lora); run-time "
+                          "loading also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     eng.add_argument("--seed", type=int, default=None)
     eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                      help="split each layer over N devices")
@@ -218,6 +234,9 @@ def serve(args: argparse.Namespace) -> int:
         engine_kwargs = build_engine_kwargs(args)
         api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
         resolve_topology(args)
+        parse_lora_modules(args.lora_modules)
+        if args.lora_modules and not engine_kwargs.get("enable_lora"):
+            raise ValueError("lora_modules: adapters are served only with --enable-lora")
     except ValueError as exc:
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -248,6 +267,7 @@ def serve(args: argparse.Namespace) -> int:
                                 log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
         app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
                          limits=request_limits_from(args), media=media_options_from(args),
+                         lora_modules=parse_lora_modules(args.lora_modules),
                          trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     except ValueError as exc:

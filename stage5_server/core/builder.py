@@ -55,8 +55,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
-        scheduler_class = PoolingScheduler if config.runner == "pooling" else Scheduler
-        scheduler = scheduler_class(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
+        if config.runner == "pooling":
+            scheduler = PoolingScheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
+        else:
+            scheduler = Scheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
+                                  max_loras=None if config.lora is None else config.lora.max_loras)
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()

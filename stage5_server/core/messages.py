@@ -23,6 +23,7 @@ from shared.metrics import SchedulerStats
 from shared.output_processor import OutputDelta
 from shared.request import Request
 from shared.sampling_params import SamplingParams
+from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
 
 # ---- front end -> engine core --------------------------------------------------------------------
@@ -40,11 +41,13 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
     mm_features: list[MultiModalFeature] = []  # the prompt's images, prepared by the front end
+    lora_request: LoRARequest | None = None  # the adapter it runs under (lora/)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
                        priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids,
-                       bad_words_token_ids=self.bad_words_token_ids, mm_features=self.mm_features)
+                       bad_words_token_ids=self.bad_words_token_ids, mm_features=self.mm_features,
+                       lora_request=self.lora_request)
 
 
 class AddRequest(msgspec.Struct, tag="add"):

@@ -1,4 +1,4 @@
-"""stage 4's scheduler, with two additions for an engine whose workers may live in other processes.
+"""stage 4's scheduler, with three additions for an engine whose workers may live in other processes.
 
 1. **Several new tokens per request per step.** A running request may carry draft tokens
    (``Request.spec_token_ids``): a decode then asks for ``1 + k`` positions inside the same token
@@ -16,9 +16,14 @@
 3. **Batches in flight.** Under pipeline parallelism the core schedules the next batch before the
    last one's tokens are back; a request in a batch still in flight (``in_flight``) sits that
    batch out, so a request is never in two batches at once and never preempted under one.
+4. **At most ``max_loras`` adapters at once.** The workers hold that many LoRA adapters in slots
+   (``lora/``): a waiting request whose adapter would be one too many among the running requests
+   waits, and the requests behind it go first, as vLLM's scheduler skips it. Every step's requests are
+   running ones, so no step needs more slots than there are.
 
 vLLM: ``vllm/v1/core/sched/scheduler.py`` (``num_tokens_with_spec``, the rejected-token rollback in
-``update_from_output``, ``get_grammar_bitmask``) and ``vllm/v1/core/sched/output.py``.
+``update_from_output``, ``get_grammar_bitmask``, the ``max_loras`` check in ``schedule``) and
+``vllm/v1/core/sched/output.py``.
 """
 
 from __future__ import annotations
@@ -65,8 +70,9 @@ class SchedulerOutput(_SchedulerOutput):
 
 class Scheduler(_PrefixCachingScheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int = 1 << 30,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, max_loras: int | None = None):
         super().__init__(scheduler_config, cache_config, max_model_len)
+        self.max_loras = max_loras  # None: no adapters served
         self.vocab_size = vocab_size  # the width of a structured-output mask (the builder passes the model's)
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
@@ -85,6 +91,19 @@ class Scheduler(_PrefixCachingScheduler):
 
     def _block_tables(self, request_ids) -> BlockTables:
         return BlockTables(self.kv_cache_manager, dict.fromkeys(request_ids))
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def _peek_waiting(self) -> Request | None:
+        """Stage 3's choice among the waiting requests whose adapter fits beside the running ones'."""
+        if self.max_loras is None:
+            return super()._peek_waiting()
+        running = {r.lora_request for r in self.running if r.lora_request is not None}
+        room = len(running) < self.max_loras
+        ready = (r for r in self.waiting if not r.waiting_for_grammar
+                 and (r.lora_request is None or room or r.lora_request in running))
+        if self.config.policy == "priority":
+            return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
+        return next(ready, None)
 
     # ---- several tokens per step -------------------------------------------------------------
     def _num_tokens_to_compute(self, request: Request) -> int:
@@ -178,7 +197,8 @@ class Scheduler(_PrefixCachingScheduler):
                 new_reqs.append(NewRequestData(
                     request_id, request.prompt_token_ids, request.output_token_ids, request.sampling_params,
                     request.eos_token_ids, request.bad_words_token_ids, [b.block_id for b in blocks],
-                    request.num_computed_tokens, len(request.prompt_logprobs), request.mm_features))
+                    request.num_computed_tokens, len(request.prompt_logprobs), request.mm_features,
+                    request.lora_request))
                 new_counts.append(num_scheduled[request_id])
                 sent[request_id] = [request.num_tokens, len(blocks)]
             else:

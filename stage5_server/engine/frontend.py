@@ -34,6 +34,7 @@ from stage5_server.core.errors import EngineDeadError, EngineError, RequestAbort
 from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.stream import RequestStream
+from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor
 from stage5_server.spec_decode.metrics import LoggingStatLogger
 
@@ -138,7 +139,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
                           priority: int = 0, cache_salt: str | None = None, received_time: float | None = None,
-                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestStream:
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Check the request (a ``ValueError`` names the field; ``InputProcessor`` takes every prompt form)
         and send it, or its ``n`` children, to the core; return its stream. ``received_time``
         (``time.monotonic``): when the server got it, for its timeline."""
@@ -148,7 +150,7 @@ class AsyncEngine:
         # Rendering and tokenizing run on a worker thread, so the loop serves everyone else meanwhile.
         added = loop.run_in_executor(None, functools.partial(
             self._add_request, loop, prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-            received_time=received_time, output_kind=output_kind))
+            received_time=received_time, output_kind=output_kind, lora_request=lora_request))
         try:
             return await asyncio.shield(added)
         except asyncio.CancelledError:  # nobody will read it: abort it once it is in
@@ -157,10 +159,12 @@ class AsyncEngine:
 
     def _add_request(self, loop: asyncio.AbstractEventLoop, prompt: PromptType, params: SamplingParams,
                      request_id: str, *, priority: int, cache_salt: str | None, received_time: float | None,
-                     output_kind: RequestOutputKind) -> RequestStream:
+                     output_kind: RequestOutputKind, lora_request: LoRARequest | None) -> RequestStream:
+        if lora_request is not None and not self.engine_args.get("enable_lora"):
+            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True")
         with self._lock:
             parent, requests = _guarded(self.input_processor.process_inputs, request_id, prompt, params,
-                                        priority=priority, cache_salt=cache_salt)
+                                        priority=priority, cache_salt=cache_salt, lora_request=lora_request)
             if any(map(self.output_processor.has_request, {request_id, *(r.request_id for r in requests)})):
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             stream = RequestStream(request_id, loop, output_kind is RequestOutputKind.DELTA)
@@ -171,6 +175,11 @@ class AsyncEngine:
                                                   received=received_time)
         self._send_requests(requests, request_id)
         return stream
+
+    def is_in_flight(self, request_id: str) -> bool:
+        """Whether ``request_id`` (a request or a parallel-sampling parent) still has outputs to come."""
+        with self._lock:
+            return self.output_processor.has_request(request_id)
 
     @property
     def is_pooling(self) -> bool:
@@ -219,9 +228,11 @@ class AsyncEngine:
             self._deliver_errors(streams, lambda rid: RequestAborted(f"request {rid} was aborted"), "abort")
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative ``RequestOutput``s until the final one; closing the generator early aborts."""
-        stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+        stream = await self.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                        lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

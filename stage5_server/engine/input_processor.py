@@ -27,6 +27,7 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.core.messages import EngineCoreRequest
+from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor, images_of
 
 
@@ -42,7 +43,8 @@ class InputProcessor:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                       cache_salt: str | None = None) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
         """The checked engine requests for one prompt: ``(None, [request])``, or ``(parent, its n children)``.
         ``prompt``: text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, or
         ``{"messages": [...], **apply_chat_template's keyword arguments}``; any of the dicts may add
@@ -70,7 +72,7 @@ class InputProcessor:
             return EngineCoreRequest(request_id=rid, prompt_token_ids=token_ids, sampling_params=child_params,
                                      arrival_time=now, priority=priority, cache_salt=cache_salt,
                                      eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words,
-                                     mm_features=features)
+                                     mm_features=features, lora_request=lora_request)
 
         if params.n == 1:
             return None, [make(request_id, params)]

@@ -3,7 +3,7 @@
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
          -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
             parse strictly (protocol.py, 400)
-         -> completions.py | chat.py | models.py | pooling.py -> serving.py -> the AsyncEngine
+         -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
 Errors are OpenAI error objects (errors.py); ``/metrics`` (metrics.py); the schema (openapi.py).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.server import chat, completions, models, pooling, responses
+from stage5_server.server import chat, completions, lora_models, models, pooling, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, install_error_handlers
@@ -52,11 +52,12 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
                chat_options: ChatOptions | None = None, limits: RequestLimits | None = None,
-               media: MediaOptions | None = None) -> FastAPI:
+               media: MediaOptions | None = None, lora_modules: Sequence[tuple[str, str]] = ()) -> FastAPI:
     """The OpenAI-compatible app over an ``AsyncEngine`` or an ``LLM`` (wrapped, and shut down with the app).
     ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only).
     ``limits``: what one request may ask for (``limits.py``; the defaults unless given). ``media``: where
-    images may come from and how large they may be (``media.py``; safe defaults and vLLM's variables)."""
+    images may come from and how large they may be (``media.py``; safe defaults and vLLM's variables).
+    ``lora_modules``: ``(name, path)`` of each LoRA adapter served from the start (``lora_models.py``)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
         engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
@@ -69,6 +70,11 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
                             version(), metrics, chat_options, limits, media)
+    for name, path in lora_modules:  # a bad adapter stops the start, with the 400's reason
+        try:
+            serving.models.load(name, path)
+        except APIError as exc:
+            raise ValueError(f"lora_modules: {name}={path}: {exc.message}") from None
     public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
 
     @asynccontextmanager
@@ -104,6 +110,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
         return {"version": version()}
 
     models.add_routes(app, serving)
+    lora_models.add_routes(app, serving.models)  # load/unload, with --enable-lora and the runtime switch
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)

@@ -215,10 +215,11 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     tool_calls, structured = tool_plan(serving, body)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, structured)
     prompt = await conversation_prompt(serving, body)
-    responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", serving.served_model_name, request, body.include_usage,
-                              body.continuous_usage, n=params.n, top_logprobs=body.top_logprobs or 0,
-                              tool_calls=tool_calls)
-    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "messages")
+    responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", body.model or serving.served_model_name, request,
+                              body.include_usage, body.continuous_usage, n=params.n,
+                              top_logprobs=body.top_logprobs or 0, tool_calls=tool_calls)
+    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "messages",
+                                  lora_request=serving.check_model(body.model))
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

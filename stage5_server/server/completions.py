@@ -144,11 +144,12 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
                                   body.requested_structured_outputs())
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=body.logprobs)  # vLLM: echo scores the prompt too
-    responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", serving.served_model_name, request,
+    responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", body.model or serving.served_model_name, request,
                                     body.include_usage, body.continuous_usage, n=params.n,
                                     echo=body.echo, generate=generate,
                                     special_token_ids=serving.engine.tokenizer.special_token_ids)
-    return await serving.generate(request, list(body.prompts), params, salt, responder, body.stream)
+    return await serving.generate(request, list(body.prompts), params, salt, responder, body.stream,
+                                  lora_request=serving.check_model(body.model))
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -1,4 +1,5 @@
-"""The routes around generation: ``/v1/models`` (what is served) and vLLM's ``/tokenize`` and
+"""The routes around generation: ``/v1/models`` (what is served: the base model and its LoRA
+adapters, ``lora_models.py``) and vLLM's ``/tokenize`` and
 ``/detokenize`` (the exact token ids a prompt or a conversation becomes, and back).
 
 vLLM: ``vllm/entrypoints/openai/serving_models.py`` and ``serving_tokenization.py``.
@@ -34,12 +35,12 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": serving.models.cards(model_card())}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
         serving.check_model(model)
-        return model_card()
+        return next(card for card in serving.models.cards(model_card()) if card["id"] == model)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -386,9 +386,10 @@ async def create_response(serving: OpenAIServing, request: Request, body: Respon
     tool_calls, structured = tool_plan(serving, chat_body)
     params = chat_body.sampling_params(chat_body.requested_max_tokens, None, structured)
     prompt = await conversation_prompt(serving, chat_body)
-    responder = ResponsesResponder(f"resp_{uuid.uuid4().hex}", serving.served_model_name, request, False,
+    responder = ResponsesResponder(f"resp_{uuid.uuid4().hex}", body.model or serving.served_model_name, request, False,
                                    body=body, tool_calls=tool_calls)
-    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "input")
+    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "input",
+                                  lora_request=serving.check_model(body.model))
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -31,10 +31,12 @@ from shared.sampling_params import SamplingParams
 from stage5_server.core.errors import EngineError, RequestAborted
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.stream import RequestStream
+from stage5_server.lora.request import LoRARequest
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
 from stage5_server.server.limits import RequestLimits, longest_token_chars
+from stage5_server.server.lora_models import ServedModels
 from stage5_server.server.media import MediaConnector, MediaOptions
 from stage5_server.server.metrics import PrometheusStatLogger, request_phases
 from stage5_server.server.sse import (
@@ -185,6 +187,7 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self.media = MediaConnector(media or MediaOptions.from_env())  # images named by URL (media.py)
         self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
+        self.models = ServedModels(served_model_name, engine)  # the base model and its LoRA adapters
 
     def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
@@ -202,9 +205,9 @@ class OpenAIServing:
         self.check_model(model)
         return self.cache_salt(request, client_salt)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """404 unless ``model`` names the base model or a loaded adapter; returns the adapter, if one."""
+        return self.models.resolve(model)
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str:
         if client_salt is not None and not self.trust_client_cache_salt:
@@ -221,9 +224,11 @@ class OpenAIServing:
             return await self.engine.call(fn, *args)
 
     async def generate(self, request: Request, prompts: list[PromptType], params: SamplingParams, salt: str,
-                       responder: Responder, stream: bool, prompt_param: str = "prompt") -> Response:
+                       responder: Responder, stream: bool, prompt_param: str = "prompt",
+                       lora_request: LoRARequest | None = None) -> Response:
         """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
-        stream. ``prompt_param``: the field a prompt too long for the context is blamed on."""
+        stream. ``prompt_param``: the field a prompt too long for the context is blamed on; ``lora_request``:
+        the adapter the request's ``model`` named (``lora_models.py``)."""
         if self.engine.is_pooling:  # vLLM's answer when the model lacks the task
             raise APIError(400, f"The model does not support {GENERATION_APIS.get(responder.object, 'this')} API")
         self.check_limits(prompts, params, prompt_param)
@@ -236,10 +241,13 @@ class OpenAIServing:
                 request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
                 with engine_errors(prompt_param):
                     streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
-                                                                 received_time=received, output_kind=kind))
+                                                                 received_time=received, output_kind=kind,
+                                                                 lora_request=lora_request))
         except BaseException:
             self.engine.abort([s.request_id for s in streams])
             raise
+        finally:
+            self.models.track(lora_request, [s.request_id for s in streams])
         return await self.respond(request, streams, params, responder, stream)
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,

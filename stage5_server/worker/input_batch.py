@@ -37,6 +37,7 @@ from shared.outputs import Logprob
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
+from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
 from stage5_server.worker.runner_io import ModelRunnerInput, NewRequestData
 
@@ -57,6 +58,7 @@ class CachedRequestState:
     bad_words_token_ids: list[list[int]]
     num_computed_tokens: int = 0
     generator: torch.Generator | None = None
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # filled by the sampler, sent back
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
@@ -76,7 +78,7 @@ class CachedRequestState:
         state = cls(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
                     tuple(new.eos_token_ids), [list(w) for w in new.bad_words_token_ids],
                     generator=None if seed is None else torch.Generator().manual_seed(seed),
-                    mm_features=list(new.mm_features))
+                    mm_features=list(new.mm_features), lora_request=new.lora_request)
         state.prompt_logprobs = [None] * new.num_prompt_logprobs_done
         return state
 

@@ -1,11 +1,12 @@
 """The model runner: one step's forward pass over the persistent input batch, then sampling.
 
 ``execute_model(step)`` brings the ``InputBatch`` up to date with the step's ``ModelRunnerInput``,
-gathers the inputs, runs the model, scores prompt positions for requests that asked for
-``prompt_logprobs``, and computes logits at every position that samples: a request's last
-position, plus one per draft token under verification. The same code runs on every rank; only
-the driver (TP rank 0 of the last pipeline stage) samples and answers, the other ranks' logits go
-unused, and a pipeline stage before the last stops once it has sent its hidden states on.
+gathers the inputs, maps each token row to its request's LoRA adapter slot (``lora/``), runs the
+model, scores prompt positions for requests that asked for ``prompt_logprobs``, and computes logits
+at every position that samples: a request's last position, plus one per draft token under
+verification. The same code runs on every rank; only the driver (TP rank 0 of the last pipeline
+stage) samples and answers, the other ranks' logits go unused, and a pipeline stage before the
+last stops once it has sent its hidden states on.
 
 Sampling gives each request a *list* of tokens. Without draft tokens that list has one token.
 With drafts ``d_1 .. d_k`` (scheduled as ``k`` extra positions after the last known token) the
@@ -37,6 +38,7 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import gather_logprobs, sample, target_probs
 from shared.structured_output import unpack_bitmask
+from stage5_server.lora import LoRAModelManager
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.spec_decode.rejection_sampler import rejection_sample
@@ -46,9 +48,11 @@ from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, input_batch: InputBatch, seed: int = 0, is_driver: bool = True,
-                 drafter: DraftModelProposer | None = None, mm_embedder: MultiModalEmbedder | None = None):
+                 drafter: DraftModelProposer | None = None, mm_embedder: MultiModalEmbedder | None = None,
+                 lora_manager: LoRAModelManager | None = None):
         self.model = model
         self.mm_embedder = mm_embedder  # a vision-language model's image features (multimodal/encoder.py)
+        self.lora_manager = lora_manager  # adapter slots and the step's token-to-slot map (lora/)
         self.drafter = drafter  # a draft model, run after the target (spec_decode/draft_model.py)
         self.input_batch = input_batch
         self.is_driver = is_driver
@@ -59,6 +63,9 @@ class ModelRunner:
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         prepared = self.input_batch.prepare(step)
         inputs = prepared.inputs
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_loras([state.lora_request for state in prepared.states],
+                                               prepared.num_scheduled)
         embeds = None
         if self.mm_embedder is not None:
             self.mm_embedder.forget([*step.finished_req_ids, *step.preempted_req_ids])

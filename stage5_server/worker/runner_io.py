@@ -34,6 +34,7 @@ import torch
 
 from shared.outputs import Logprob
 from shared.sampling_params import SamplingParams
+from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
 
 
@@ -49,6 +50,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_prompt_logprobs_done: int  # prompt positions already scored (a resumed request keeps them)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
+    lora_request: LoRARequest | None = None  # its adapter (lora/); None: the base model
 
 
 @dataclass

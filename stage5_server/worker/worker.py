@@ -29,6 +29,7 @@ from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
+from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_model, fuse_projections
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_model
@@ -65,6 +66,9 @@ class Worker:
         self.model = fuse_projections(model, step_rope=not self.compiled)
         if world_size == 1:  # packed or quantized linears (quantization/config.py); plain when split
             logger.info(install_linear_methods(self.model, config.linear))
+        # LoRA slots over every projection's own method (lora/manager.py); EngineConfig keeps it to one rank
+        self.lora_manager = None if config.lora is None else LoRAModelManager(self.model, config.model_config,
+                                                                              config.lora)
         if parallel.pipeline_parallel_size > 1:  # receives its input from the stage before, or sends it on
             self.model = PipelineStage(self.model, place, config.dtype, self.device)
         spec = config.speculative
@@ -112,7 +116,7 @@ class Worker:
                                          ATTENTION_BACKENDS[config.attention_backend])
         mm_embedder = None if self.vision is None else MultiModalEmbedder(self.vision, self.device, config.dtype)
         self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.place.is_driver,
-                                        drafter=drafter, mm_embedder=mm_embedder)
+                                        drafter=drafter, mm_embedder=mm_embedder, lora_manager=self.lora_manager)
 
     def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
         if self.timeline is None:

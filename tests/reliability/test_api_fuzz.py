@@ -32,16 +32,20 @@ from stage5_server.server.protocol import NOOP_VALUES
 from tests.reliability.figures import count
 from tests.reliability.modes import make_engine, mode_params, shutdown
 from tests.reliability.settings import DERANDOMIZE
+from tests.stage5.lora_adapters import make_adapter
 from tests.stage5.server_fixtures import auth, metric, running_server, wait_until
 
 KEY = "fuzz-key-0123456789"
 MODEL = "tiny"
+ADAPTER = "fuzz-lora"
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/metrics"), ("POST", "/v1/responses"),
               # the pooling routes and vLLM's aliases (a generating model answers them with a 400)
               ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/score"), ("POST", "/v1/rerank"),
-              ("POST", "/rerank"), ("POST", "/v2/rerank")]
+              ("POST", "/rerank"), ("POST", "/v2/rerank"),
+              # LoRA adapters loaded and unloaded at run time (the fuzzed server serves one from the start)
+              ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
 # Generating requests run the model, so they get fewer examples than the cheap routes.
 EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40, "/v1/responses": 20}
 # Constraints and tool choices the steered bodies get, so that structured output runs in the engine.
@@ -56,9 +60,14 @@ CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemat
 
 
 @pytest.fixture(scope="module", params=mode_params("fuzz", ("in-process",)))
-def server(request, tiny_llama):
-    engine = make_engine(request.param, tiny_llama, max_model_len=64, num_kv_blocks=16)
-    app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None)
+def server(request, tiny_llama, tmp_path_factory):
+    adapter = make_adapter(tiny_llama, tmp_path_factory.mktemp("fuzz-adapter") / ADAPTER, seed=1, r=4,
+                           target_modules=("q_proj", "v_proj"))
+    engine = make_engine(request.param, tiny_llama, max_model_len=64, num_kv_blocks=16, enable_lora=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None,
+                         lora_modules=[(ADAPTER, str(adapter))])
     try:
         with running_server(app) as running:
             raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
@@ -96,7 +105,7 @@ def test_the_schema_documents_the_errors_the_server_answers(server):
 def make_it_reach_the_engine(body: dict) -> None:
     """Half the valid-by-schema bodies are steered past the checks the schema cannot express (the
     served model's name, the fields accepted only when off, the prompt length), so the engine runs them."""
-    body["model"] = MODEL
+    body["model"] = (MODEL, ADAPTER)[len(json.dumps(body, default=str)) % 2]  # the base model or its adapter
     for name in [*NOOP_VALUES, "cache_salt", "chat_template", "chat_template_kwargs", "store", "previous_response_id",
                  "reasoning", "text", "tool_choice", "parallel_tool_calls"]:
         body.pop(name, None)

@@ -37,8 +37,11 @@ def test_serve_passes_exactly_the_engine_flags_given():
                  "--distributed-executor-backend", "ray", "--no-enforce-eager",
                  "--cpu-threads", "3", "--served-model-name", "m", "--log-stats-interval", "5", "--metrics-public",
                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
-                 "--runner", "generate", "--convert", "none", "--quantization", "int8", "--no-prepack-linear")
+                 "--runner", "generate", "--convert", "none", "--quantization", "int8", "--no-prepack-linear",
+                 "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--lora-modules", "a=/adapters/a",
+                 "b=/adapters/b")
     assert args.model == "/models/m"
+    assert args.lora_modules == ["a=/adapters/a", "b=/adapters/b"]  # a server flag, not the engine's
     assert build_engine_kwargs(args) == {
         "max_model_len": 2048, "max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 32,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.8, "kv_cache_memory": 1 << 30,
@@ -46,7 +49,8 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_interface": "lo",
         "distributed_executor_backend": "ray", "enforce_eager": False, "cpu_threads": 3,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "runner": "generate",
-        "convert": "none", "quantization": "int8", "prepack_linear": False}
+        "convert": "none", "quantization": "int8", "prepack_linear": False, "enable_lora": True, "max_loras": 4,
+        "max_lora_rank": 32}
     assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
 

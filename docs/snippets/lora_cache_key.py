@@ -1,0 +1,48 @@
+"""The seeds' cache-key paragraph, worked from the real hash: a LoRA named tenant-A and a cache salt
+tenant-A name different blocks here, and the same prompt under two adapters shares no block.
+
+Calls stage4_prefix_cache.kv_cache_utils (encode_block, hash_block_tokens, request_extra_keys) on
+real Requests carrying stage 5's LoRARequest. No model runs.
+
+Run: .venv/bin/python docs/snippets/lora_cache_key.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
+
+from shared import Request, SamplingParams  # noqa: E402
+from stage4_prefix_cache.kv_cache_utils import (  # noqa: E402
+    encode_block,
+    hash_block_tokens,
+    hash_request_tokens,
+    request_extra_keys,
+)
+from stage5_server.lora import LoRARequest  # noqa: E402
+
+ABCD = [1, 2, 3, 4]  # the block A B C D
+as_lora = (("lora", "tenant-A"),)
+as_salt = (("salt", "tenant-A"),)
+untagged = ("tenant-A",)  # old vLLM: one tuple of every extra key's value, no source
+
+print("the values alone, as old vLLM mixed them:", untagged, "==", untagged, "-> one hash for both")
+print()
+for label, keys in (("LoRA tenant-A", as_lora), ("salt tenant-A", as_salt)):
+    encoded = encode_block(None, ABCD, keys)
+    print(f"{label}: extra-key bytes {encoded[-22:].hex(' ')}")
+    print(f"{' ' * len(label)}  H = {hash_block_tokens(None, ABCD, keys).hex()[:32]}...")
+print()
+
+prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # A B C D E F G H: two full blocks
+greedy = SamplingParams(temperature=0)
+sql = LoRARequest("sql", 1, "/adapters/sql")
+chat = LoRARequest("chat", 2, "/adapters/chat")
+requests = {"base": Request("r0", prompt, greedy), "sql": Request("r1", prompt, greedy, lora_request=sql),
+            "sql again": Request("r2", prompt, greedy, lora_request=sql),
+            "chat": Request("r3", prompt, greedy, lora_request=chat)}
+for label, request in requests.items():
+    keys = request_extra_keys(request)
+    hashes = hash_request_tokens(4, request.all_token_ids, keys)
+    print(f"{label:>9}: extra keys {keys}")
+    print(f"{'':>9}  blocks {' '.join(h.hex()[:12] for h in hashes)}")

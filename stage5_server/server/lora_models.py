@@ -1,0 +1,153 @@
+"""The models a request's ``model`` field may name: the base model, and each LoRA adapter by its name.
+
+``ServedModels`` maps a name to the ``LoRARequest`` the engine runs it with (None for the base
+model) and answers an unknown name with OpenAI's 404 ``model_not_found``. Adapters come from
+``--lora-modules name=path`` at start, or, with ``--enable-lora`` and the runtime-update switch
+(vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, or ``STAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING``),
+from ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API key, as every
+route but ``/health``). A load reads and checks the whole adapter first (``lora/adapter.py``: its
+rank against ``--max-lora-rank``, its target modules and shapes against the model) and lists it only
+if every check passed: a failed load is a 400 and leaves nothing behind. Each load gets a new
+``lora_int_id``, so an adapter unloaded and loaded again from another path never reuses the old
+weights or the old cached blocks. An adapter with requests still in flight is not unloaded: the
+route refuses with a 400 saying so (its requests keep their ``LoRARequest`` and run to the end).
+
+vLLM: ``OpenAIServingModels`` in ``vllm/entrypoints/openai/serving_models.py`` (``load_lora_adapter``,
+``unload_lora_adapter``, ``show_available_models``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from shared.config import ModelConfig
+from stage5_server.lora import LoRALoadError, LoRARequest, load_adapter
+from stage5_server.server.errors import APIError
+
+RUNTIME_UPDATE_SWITCHES = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "STAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def runtime_lora_updating_allowed(environ=os.environ) -> bool:
+    return any(environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_UPDATE_SWITCHES)
+
+
+def parse_lora_modules(values: Sequence[str]) -> list[tuple[str, str]]:
+    """``--lora-modules name=path ...`` as ``(name, path)`` pairs (a ValueError names a bad one)."""
+    pairs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: expected name=path, got {value!r}")
+        pairs.append((name.strip(), path.strip()))
+    return pairs
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class ServedModels:
+    def __init__(self, base_name: str, engine: Any):
+        self.base_name = base_name
+        self.engine = engine
+        args = getattr(engine, "engine_args", {})
+        self.enabled = bool(args.get("enable_lora"))
+        self.max_lora_rank = args.get("max_lora_rank", 16)
+        self.adapters: dict[str, LoRARequest] = {}
+        self.in_flight: dict[str, list[str]] = {}  # adapter name -> request ids sent with it
+        self._ids = itertools.count(1)
+        self._model_config: ModelConfig | None = None
+
+    # ---- what a request's ``model`` means ---------------------------------------------------------
+    def resolve(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names; None for the base model (or no name); 404 for anything else."""
+        if model is None or model == self.base_name:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return lora
+
+    def track(self, lora: LoRARequest | None, request_ids: list[str]) -> None:
+        if lora is not None:
+            self.in_flight.setdefault(lora.lora_name, []).extend(request_ids)
+
+    def busy(self, name: str) -> int:
+        """How many requests sent with adapter ``name`` are still in flight."""
+        running = [rid for rid in self.in_flight.get(name, []) if self.engine.is_in_flight(rid)]
+        self.in_flight[name] = running
+        return len(running)
+
+    # ---- load and unload ------------------------------------------------------------------------
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Check the adapter at ``path`` whole, then list it as ``name`` (module docstring)."""
+        if not self.enabled:
+            raise APIError(400, "LoRA adapters are not served: start the server with --enable-lora",
+                           param="lora_name")
+        if not name or name == self.base_name:
+            raise APIError(400, f"lora_name: {name!r} cannot name an adapter", param="lora_name")
+        if name in self.adapters:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                           code="lora_already_loaded")
+        if self._model_config is None:
+            self._model_config = ModelConfig.from_pretrained(self.engine.model_path)
+        try:
+            load_adapter(path, self._model_config, self.max_lora_rank)
+        except LoRALoadError as exc:
+            raise APIError(400, str(exc), param="lora_path") from None
+        if name in self.adapters:  # loaded by another call meanwhile
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                           code="lora_already_loaded")
+        lora = LoRARequest(name, next(self._ids), os.path.abspath(path))
+        self.adapters[name] = lora
+        return lora
+
+    def unload(self, name: str) -> None:
+        if name not in self.adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        busy = self.busy(name)
+        if busy:
+            raise APIError(400, f"The lora adapter '{name}' has {busy} request(s) in flight; unload it once they "
+                           f"finish", param="lora_name", code="lora_in_use")
+        del self.adapters[name]
+        self.in_flight.pop(name, None)
+
+    def cards(self, base_card: dict[str, Any]) -> list[dict[str, Any]]:
+        """``/v1/models``' entries: the base model, then each adapter with the base model as ``parent``."""
+        return [base_card, *({**base_card, "id": lora.lora_name, "root": lora.lora_path, "parent": self.base_name,
+                              "permission": [{**p, "id": f"modelperm-{lora.lora_name}"}
+                                             for p in base_card.get("permission", [])]}
+                             for lora in self.adapters.values())]
+
+
+def add_routes(app: FastAPI, models: ServedModels) -> None:
+    """The runtime routes, only with ``--enable-lora`` and the runtime-update switch (as in vLLM)."""
+    if not (models.enabled and runtime_lora_updating_allowed()):
+        return
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
+        await asyncio.to_thread(models.load, body.lora_name, body.lora_path)  # reads the files off the loop
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
+        models.unload(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
