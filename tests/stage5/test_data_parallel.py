@@ -161,7 +161,9 @@ def test_each_cuda_rank_gets_its_own_gpus_and_too_few_are_refused(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6")
     assert plan_devices({"device": "cuda", "tensor_parallel_size": 2}, 2) == \
         [{"CUDA_VISIBLE_DEVICES": "3,4"}, {"CUDA_VISIBLE_DEVICES": "5,6"}]
-    with pytest.raises(ValueError, match="^data_parallel_size: 3 ranks x tensor_parallel_size 2 need 6 GPUs; 4"):
+    assert plan_devices({"device": "cuda", "pipeline_parallel_size": 2}, 2) == \
+        [{"CUDA_VISIBLE_DEVICES": "3,4"}, {"CUDA_VISIBLE_DEVICES": "5,6"}]  # a stage per GPU
+    with pytest.raises(ValueError, match="^data_parallel_size: 3 ranks x 2 model-parallel ranks need 6 GPUs; 4"):
         plan_devices({"device": "cuda", "tensor_parallel_size": 2}, 3)
     with pytest.raises(ValueError, match="^device: "):
         plan_devices({"device": "cuda:1"}, 2)
