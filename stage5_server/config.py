@@ -174,7 +174,7 @@ class EngineConfig:
                                        world_size)
         lora = LoRAConfig.create(args["enable_lora"], args["max_loras"], args["max_lora_rank"])
         if lora is not None:
-            check_lora_support(runner, world_size, speculative, args["enforce_eager"])
+            check_lora_support(runner, pipeline_parallel_size, speculative, args["enforce_eager"])
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
@@ -188,14 +188,14 @@ class EngineConfig:
         return replace(self, max_model_len=max_model_len)
 
 
-def check_lora_support(runner: str, num_ranks: int, speculative: SpeculativeConfig | None,
+def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: SpeculativeConfig | None,
                        enforce_eager: bool | None) -> None:
     """What ``enable_lora`` does not combine with here, refused before anything loads."""
     if runner != "generate":
         raise ValueError("enable_lora: adapters are served by the generate runner only, not runner='pooling'")
-    if num_ranks > 1:
-        raise ValueError("enable_lora: adapters are not split across ranks here; use tensor_parallel_size=1 and "
-                         "pipeline_parallel_size=1")
+    if pipeline_parallel_size > 1:
+        raise ValueError("enable_lora: adapters are not split into pipeline stages here; use "
+                         "pipeline_parallel_size=1 (tensor_parallel_size may be more)")
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("enable_lora: a draft model has no adapters; use ngram drafts or none")
     if enforce_eager is False:

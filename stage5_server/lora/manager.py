@@ -11,9 +11,13 @@ fused model (over whatever method the layer had). Before each forward the model 
    ``max_cpu_loras`` adapters used last;
 2. the step's ``LoRAMapping`` is rebuilt: per slot, the token rows of the requests that use it.
 
+Under tensor parallelism each rank holds its part of every adapter, cut as the layer's weight is
+(``rank_shards``): B by rows in a layer whose outputs are split, A by columns in one whose inputs are.
+
 vLLM: ``LRUCacheWorkerLoRAManager`` in ``vllm/lora/worker_manager.py`` (``set_active_adapters``),
 ``LoRAModelManager`` in ``vllm/lora/model_manager.py``, the mapping in ``vllm/lora/layers/utils.py``
-and ``PunicaWrapperBase.update_metadata``.
+and ``PunicaWrapperBase.update_metadata``; the cuts are ``slice_lora_a`` / ``slice_lora_b`` of
+``vllm/lora/layers/column_parallel_linear.py`` and ``row_parallel_linear.py``.
 """
 
 from __future__ import annotations
@@ -29,21 +33,32 @@ from stage5_server.lora.adapter import LoRAModel, load_adapter
 from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping, SlotWeights, block_diagonal_b
 from stage5_server.lora.request import LoRAConfig, LoRARequest
 from stage5_server.model.linear import Linear
+from stage5_server.parallel.parallel_state import tensor_parallel_shape
 
 # The fused model's adapted layers: attribute path under a decoder layer -> the projections it holds.
 ADAPTED_LAYERS = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),
                   ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"), ("mlp", "down_proj"): ("down_proj",)}
 
 
+# Under tensor parallelism, the layers whose *input* features are split (RowParallelLinear): their A is
+# cut by columns and their partial deltas are summed by the layer's own all-reduce. The others split
+# their output features: their B is cut by rows, each rank adding its own slice of the delta.
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+
+
 class LoRAModelManager:
-    def __init__(self, model: nn.Module, model_config: ModelConfig, config: LoRAConfig, max_cpu_loras: int = 8):
+    def __init__(self, model: nn.Module, model_config: ModelConfig, config: LoRAConfig, max_cpu_loras: int = 8,
+                 tp_rank: int = 0, tp_size: int = 1):
         self.config, self.model_config = config, model_config
         self.mapping = LoRAMapping(scalings=[0.0] * config.max_loras)
         self.layers: dict[tuple[int, tuple[str, ...]], LoRALinearMethod] = {}
+        self.shards = rank_shards(model_config, tp_rank, tp_size)  # projection -> (start, size); {} on one rank
         for index, decoder_layer in enumerate(model.layers):
             for (parent, name), projections in ADAPTED_LAYERS.items():
                 layer: Linear = getattr(getattr(decoder_layer, parent), name)
                 sizes = _slice_sizes(layer, projections, model_config)
+                if self.shards and projections[0] not in ROW_PARALLEL:
+                    sizes = [self.shards[p][1] for p in projections]
                 method = LoRALinearMethod(layer.method, sizes, self.mapping, config.max_loras, config.max_lora_rank)
                 layer.method = method
                 self.layers[(index, projections)] = method
@@ -105,7 +120,7 @@ class LoRAModelManager:
         adapter = self.load(lora)
         device, dtype = self.device, self.dtype
         for (index, projections), method in self.layers.items():
-            pairs = [adapter.weights.get((index, p)) for p in projections]
+            pairs = [self._rank_part(p, adapter.weights.get((index, p))) for p in projections]
             if all(pair is None for pair in pairs):
                 method.set_slot(slot, None)
                 continue
@@ -116,6 +131,17 @@ class LoRAModelManager:
             method.set_slot(slot, SlotWeights(a.to(device, dtype), b.to(device, dtype), adapter.rank))
         self.mapping.scalings[slot] = adapter.scaling
         self.slots[slot] = lora
+
+    def _rank_part(self, projection: str, pair: tuple[torch.Tensor, torch.Tensor] | None):
+        """This rank's part of one projection's ``(A, B)``: A's columns of its input slice for a
+        row-parallel layer, B's rows of its output slice for the others; all of it on one rank."""
+        if pair is None or not self.shards:
+            return pair
+        a, b = pair
+        start, size = self.shards[projection]
+        if projection in ROW_PARALLEL:
+            return a[:, start:start + size], b
+        return a, b[start:start + size]
 
     def load(self, lora: LoRARequest) -> LoRAModel:
         """The CPU copy of ``lora``'s weights, read from its path once (LRU over ``max_cpu_loras``)."""
@@ -136,3 +162,17 @@ def _slice_sizes(layer: Linear, projections: tuple[str, ...], config: ModelConfi
         kv = config.num_key_value_heads * config.head_dim
         return [config.num_attention_heads * config.head_dim, kv, kv]
     return [config.intermediate_size, config.intermediate_size]
+
+
+def rank_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """Where rank ``rank``'s slice of each projection starts and how wide it is (output features, or input
+    features for ``ROW_PARALLEL`` layers), as ``parallel/sharded_model.py`` splits the weights."""
+    if world_size == 1:
+        return {}
+    shape = tensor_parallel_shape(config, world_size)
+    head_dim, columns = config.head_dim, shape.intermediate_size
+    q = (rank * shape.num_heads * head_dim, shape.num_heads * head_dim)
+    kv = (shape.kv_head_start(rank) * head_dim, shape.num_kv_heads * head_dim)
+    mlp = (rank * columns, columns)
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q, "gate_proj": mlp, "up_proj": mlp,
+            "down_proj": mlp}

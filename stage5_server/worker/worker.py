@@ -66,9 +66,9 @@ class Worker:
         self.model = fuse_projections(model, step_rope=not self.compiled)
         if world_size == 1:  # packed or quantized linears (quantization/config.py); plain when split
             logger.info(install_linear_methods(self.model, config.linear))
-        # LoRA slots over every projection's own method (lora/manager.py); EngineConfig keeps it to one rank
-        self.lora_manager = None if config.lora is None else LoRAModelManager(self.model, config.model_config,
-                                                                              config.lora)
+        # LoRA slots over every projection's own method, each rank holding its part (lora/manager.py)
+        self.lora_manager = None if config.lora is None else LoRAModelManager(
+            self.model, config.model_config, config.lora, tp_rank=place.tp_rank, tp_size=parallel.tensor_parallel_size)
         if parallel.pipeline_parallel_size > 1:  # receives its input from the stage before, or sends it on
             self.model = PipelineStage(self.model, place, config.dtype, self.device)
         spec = config.speculative

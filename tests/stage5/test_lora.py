@@ -137,7 +137,24 @@ def test_target_modules_the_model_lacks_are_refused(tiny_llama, adapters, tmp_pa
         load_adapter(tmp_path, llm_config, 16)
 
 
-def test_lora_requests_need_enable_lora_and_lora_needs_one_rank(tiny_llama, adapters):
+def test_two_tensor_parallel_ranks_each_holding_their_cut_of_every_adapter_give_peft_tokens(tiny_llama, adapters):
+    """q/k/v and gate/up split their outputs (B cut by rows), o and down their inputs (A cut by columns,
+    the partial deltas summed by the layer's all-reduce): every adapter and the base model in one batch."""
+    tok = Tokenizer(tiny_llama)
+    loras = [None, *lora_requests(adapters).values()]
+    prompts = [p for p in PROMPTS[:2] for _ in loras]
+    per_prompt = [lora for _ in PROMPTS[:2] for lora in loras]
+    llm = LLM(str(tiny_llama), **ENGINE, tensor_parallel_size=2, attention_backend="torch")
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)
+    finally:
+        llm.shutdown()
+    for prompt, lora, out in zip(prompts, per_prompt, outs):
+        adapter = None if lora is None else adapters[lora.lora_name]
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama, adapter, tok.encode(prompt), MAX_TOKENS), lora
+
+
+def test_lora_requests_need_enable_lora_and_lora_is_refused_where_it_does_not_run(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), **{**ENGINE, "enable_lora": False})
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("every", 1, str(adapters["every"])))
@@ -145,6 +162,8 @@ def test_lora_requests_need_enable_lora_and_lora_needs_one_rank(tiny_llama, adap
         LLM(str(tiny_llama), **{**ENGINE, "max_loras": 0})
     with pytest.raises(ValueError, match="draft model has no adapters"):
         LLM(str(tiny_llama), **ENGINE, speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="adapters are not split into pipeline stages"):
+        LLM(str(tiny_llama), **ENGINE, pipeline_parallel_size=2)
 
 
 @pytest.mark.slow
