@@ -26,11 +26,13 @@ as_lora = (("lora", "tenant-A"),)
 as_salt = (("salt", "tenant-A"),)
 untagged = ("tenant-A",)  # old vLLM: one tuple of every extra key's value, no source
 
-print("the values alone, as old vLLM mixed them:", untagged, "==", untagged, "-> one hash for both")
+print("the values alone, as old vLLM mixed them:")
+print(f"  {untagged} == {untagged} -> one hash for both")
 print()
 for label, keys in (("LoRA tenant-A", as_lora), ("salt tenant-A", as_salt)):
     encoded = encode_block(None, ABCD, keys)
-    print(f"{label}: extra-key bytes {encoded[-22:].hex(' ')}")
+    print(f"{label}: extra-key bytes {encoded[-22:-11].hex(' ')}")
+    print(f"{' ' * len(label)}                  {encoded[-11:].hex(' ')}")
     print(f"{' ' * len(label)}  H = {hash_block_tokens(None, ABCD, keys).hex()[:32]}...")
 print()
 
