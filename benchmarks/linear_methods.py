@@ -4,7 +4,9 @@ The same engine (``LLM(device="cpu", dtype="bfloat16")``) with each way its line
 run (``stage5_server/quantization/``): the dequantized bfloat16 weights through ``F.linear``,
 the same weights packed once for oneDNN (``prepack_linear=True``), weight-only int8 quantized
 from them (``quantization="int8"``), and the GGUF file's own Q4_1 blocks as int4
-(``quantization="gguf"``; its Q8_0 embedding, which the LM head shares, as per-row int8). Per row:
+(``quantization="gguf"``; its Q8_0 embedding, which the LM head shares, as per-row int8), and those
+blocks for products of a few rows beside the packed weights for the rest (both arguments; the
+default on a CPU in bfloat16). Per row:
 
 - batch 1: one request, a prompt of ``--prompt-len`` random tokens, ``--output-len`` tokens out
   (greedy, EOS ignored): output tokens/s, and TPOT (that run's time less a one-token run's time,
@@ -31,12 +33,13 @@ from shared import SamplingParams
 from shared.closeness import as_token_logprobs, first_divergences
 
 ROWS = {  # label -> engine arguments
-    "bf16 plain": dict(dtype="bfloat16", prepack_linear=False),
-    "bf16 packed": dict(dtype="bfloat16", prepack_linear=True),
+    "bf16 plain": dict(dtype="bfloat16", quantization="none", prepack_linear=False),
+    "bf16 packed": dict(dtype="bfloat16", quantization="none", prepack_linear=True),
     "int8 (from bf16)": dict(dtype="bfloat16", quantization="int8", prepack_linear=False),
     "int4 (GGUF Q4_1)": dict(dtype="bfloat16", quantization="gguf", prepack_linear=False),
+    "int4 (GGUF) + packed": dict(dtype="bfloat16", quantization="gguf", prepack_linear=True),
 }
-REFERENCE = dict(dtype="float32", prepack_linear=False)
+REFERENCE = dict(dtype="float32", quantization="none", prepack_linear=False)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of", "My favourite book is"]
 

@@ -52,7 +52,7 @@ ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block
                "distributed_executor_backend", "enforce_eager",
                "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear",
                "enable_lora", "max_loras", "max_lora_rank")
-QUANTIZATION_CHOICES = ("gguf", "int8", "int4")  # stage5_server.quantization.QUANTIZATION_METHODS
+QUANTIZATION_CHOICES = ("gguf", "int8", "int4", "none")  # stage5_server.quantization's methods, and none
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
@@ -125,7 +125,8 @@ def add_serve_subcommand(subparsers) -> None:
                      help="embed: serve a decoder as an embedding model (its last token, normalized)")
     eng.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
                      help="gguf: a .gguf model's Q4_0/Q4_1 blocks as int4 linears; int8/int4: weight-only, "
-                          "quantized at load (CPU; default: as measured, docs/performance.md)")
+                          "quantized at load; none: the float weights (CPU; default: as measured, "
+                          "docs/performance.md)")
     eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
                      help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
     eng.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,

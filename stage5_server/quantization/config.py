@@ -2,11 +2,13 @@
 arguments, checked once (``EngineConfig``), and installed on the loaded model (``Worker``).
 
 ``quantization``: ``gguf`` (a GGUF file's Q4_0/Q4_1 blocks as int4 linears, ``gguf.py``), ``int8``
-or ``int4`` (weight-only, quantized from the loaded float weights, ``weight_only.py``), or None.
+or ``int4`` (weight-only, quantized from the loaded float weights, ``weight_only.py``), ``none``
+(the float weights), or None (as measured).
 ``prepack_linear``: the layers left in floating point run a weight packed once for oneDNN
-(``packed.py``). Left unset, each is chosen as measured on a CPU (``docs/performance.md``):
-see ``AUTO_QUANTIZE_GGUF`` and ``AUTO_PREPACK``. Neither applies by default in float32, the
-correctness reference.
+(``packed.py``); a quantized layer keeps a packed copy beside its quantized one and runs it for
+products of more than a few rows (``dispatch.py``). Left unset, each is chosen as measured on a
+CPU (``docs/performance.md``): see ``AUTO_QUANTIZE_GGUF`` and ``AUTO_PREPACK``. Neither applies by
+default in float32, the correctness reference.
 
 vLLM: ``QuantizationConfig`` and ``get_quantization_config`` in
 ``vllm/model_executor/layers/quantization/__init__.py`` (``--quantization``).
@@ -24,6 +26,7 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.gguf import is_gguf
 from stage5_server.model.linear import Linear
+from stage5_server.quantization.dispatch import RowDispatchLinearMethod
 from stage5_server.quantization.gguf import gguf_linear_methods
 from stage5_server.quantization.packed import PackedLinearMethod, packing_available
 from stage5_server.quantization.weight_only import (
@@ -34,9 +37,12 @@ from stage5_server.quantization.weight_only import (
 )
 
 QUANTIZATION_METHODS = ("gguf", "int8", "int4")
-# Defaults on a CPU in bfloat16 (set from benchmarks/linear_methods.py; False: not measured faster).
-AUTO_QUANTIZE_GGUF = False  # a quantized GGUF file runs its own blocks (quantization="gguf")
-AUTO_PREPACK = False  # float layers run oneDNN-packed weights
+NO_QUANTIZATION = "none"  # the float weights, whatever the measured default
+# Defaults on a CPU in bfloat16, set from benchmarks/linear_methods.py on the default model: packed
+# weights were faster than F.linear at every batch size, and the GGUF file's 4-bit blocks faster
+# still for decode rows (with the packed copy for prefill and large batches).
+AUTO_QUANTIZE_GGUF = True  # a quantized GGUF file runs its own blocks (quantization="gguf")
+AUTO_PREPACK = True  # float products run oneDNN-packed weights
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,9 @@ def resolve_linear_config(quantization: str | None, prepack: bool | None, gguf_f
                           num_ranks: int) -> LinearConfig:
     """Check the two arguments against the model and the machine (``num_ranks``: TP x PP); fill in the
     measured defaults."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization: unknown method {quantization!r}; choose one of {list(QUANTIZATION_METHODS)}")
+    if quantization is not None and quantization not in (*QUANTIZATION_METHODS, NO_QUANTIZATION):
+        raise ValueError(f"quantization: unknown method {quantization!r}; choose one of "
+                         f"{[*QUANTIZATION_METHODS, NO_QUANTIZATION]}")
     if prepack not in (None, True, False):
         raise ValueError(f"prepack_linear: must be a bool, got {prepack!r}")
     fast_path = device.type == "cpu" and dtype == torch.bfloat16 and num_ranks == 1
@@ -75,6 +82,8 @@ def resolve_linear_config(quantization: str | None, prepack: bool | None, gguf_f
         if AUTO_QUANTIZE_GGUF and fast_path and gguf_file is not None and kernel_available("int4") \
                 and kernel_available("int8"):
             quantization = "gguf"
+    elif quantization == NO_QUANTIZATION:
+        quantization = None
     else:
         _check_quantization(quantization, gguf_file, device, model_config, num_ranks)
     if prepack is None:
@@ -118,10 +127,13 @@ def install_linear_methods(model: nn.Module, linear: LinearConfig) -> str:
         methods = {name: cls() for name in layers}  # one each: a method may hold its layer's source
     else:
         methods = {}
-    packed = PackedLinearMethod() if linear.prepack else None
+    packed = PackedLinearMethod() if linear.prepack else None  # holds nothing itself: one serves all
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for name, layer in layers.items():
-        method = methods.get(name) or packed
+        method = methods.get(name)
+        if method is not None and packed is not None:
+            method = RowDispatchLinearMethod(method, packed)
+        method = method or packed
         if method is not None:
             layer.method = method
             method.process_weights_after_loading(layer)

@@ -24,8 +24,10 @@ from stage5_server.config import EngineConfig
 from stage5_server.model import Linear
 from stage5_server.quantization import QUANTIZATION_METHODS, PackedLinearMethod, resolve_linear_config, weight_only
 from stage5_server.quantization import config as linear_config
+from stage5_server.quantization.dispatch import RowDispatchLinearMethod
 from stage5_server.quantization.gguf import dequantize_q8_0, int4_groups
 from stage5_server.quantization.packed import pack_weight
+from stage5_server.quantization.weight_only import Int4LinearMethod, Int8LinearMethod
 from tests.shared.gguf_files import write_gguf
 
 ENGINE = dict(device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, seed=0)
@@ -76,9 +78,11 @@ def test_a_q4_1_block_is_one_int4_group_whose_zero_is_the_minimum_plus_eight_sca
     assert (groups.dequantize() - weight).abs().max() <= groups.scale.max() / 2 + 1e-6
 
 
-@pytest.mark.parametrize("engine_args", [dict(quantization="int8"), dict(quantization="int4"),
+@pytest.mark.parametrize("engine_args", [dict(quantization="int8", prepack_linear=False),
+                                         dict(quantization="int4", prepack_linear=False),
+                                         dict(quantization="int8", prepack_linear=True),
                                          dict(prepack_linear=True), dict(prepack_linear=False)],
-                         ids=["int8", "int4", "packed", "plain"])
+                         ids=["int8", "int4", "int8+packed", "packed", "plain"])
 def test_each_linear_method_is_close_to_the_float32_model(tiny_llama, engine_args, caplog):
     reference_llm = LLM(str(tiny_llama), dtype="float32", **ENGINE)
     if engine_args.get("quantization") == "int4":  # 4 bits move a random model's near-flat logits:
@@ -88,19 +92,22 @@ def test_each_linear_method_is_close_to_the_float32_model(tiny_llama, engine_arg
     reference = greedy_with_logprobs(reference_llm)
     with caplog.at_level(logging.INFO, logger="stagedserve"):
         llm = LLM(str(tiny_llama), dtype="bfloat16", **engine_args, **ENGINE)
-    kind = engine_args.get("quantization") or ("plain" if not engine_args["prepack_linear"] else
-                                                "packed" if bf16_packs() else "plain (could not pack)")
+    float_kind = "plain" if not engine_args["prepack_linear"] else packed_kind()
+    kind = float_kind if "quantization" not in engine_args else engine_args["quantization"] + (
+        f" up to 8 rows, else {float_kind}" if engine_args["prepack_linear"] else "")
     assert {layer.method.describe(layer) for layer in served_layers(llm).values()} == {kind}
     assert any(r.message.startswith(f"linear layers: 9 {kind}: ") for r in caplog.records)
     assert_close(reference, greedy_with_logprobs(llm))
 
 
+@pytest.mark.parametrize("prepack", [False, True], ids=["blocks", "blocks+packed"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
-def test_a_gguf_file_runs_its_own_blocks_close_to_its_dequantized_model(tiny_ggufs, kind):
+def test_a_gguf_file_runs_its_own_blocks_close_to_its_dequantized_model(tiny_ggufs, kind, prepack):
     path = str(tiny_ggufs[kind])
     reference = greedy_with_logprobs(LLM(path, dtype="float32", **ENGINE))
-    llm = LLM(path, dtype="bfloat16", quantization="gguf", **ENGINE)
+    llm = LLM(path, dtype="bfloat16", quantization="gguf", prepack_linear=prepack, **ENGINE)
     want = f"int4 (GGUF {kind} blocks)" if kind != "Q8_0" else "int8 (GGUF Q8_0 requantized per row)"
+    want += f" up to 8 rows, else {packed_kind()}" if prepack else ""
     layers = served_layers(llm)
     assert {layer.method.describe(layer) for layer in layers.values()} == {want}
     assert layers["lm_head"].weight.numel() == 0  # the tied LM head holds only its quantized copy ...
@@ -109,9 +116,9 @@ def test_a_gguf_file_runs_its_own_blocks_close_to_its_dequantized_model(tiny_ggu
 
 
 def test_quantization_accepts_its_methods_and_names_the_argument_otherwise(tiny_llama):
-    assert QUANTIZATION_CHOICES == QUANTIZATION_METHODS
+    assert QUANTIZATION_CHOICES == (*QUANTIZATION_METHODS, "none")
     assert make_parser().parse_args(["serve", "-q", "gguf"]).quantization == "gguf"
-    with pytest.raises(ValueError, match=r"quantization: unknown method 'awq'.*'gguf', 'int8', 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization: unknown method 'awq'.*'gguf', 'int8', 'int4', 'none'"):
         EngineConfig.create(str(tiny_llama), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="quantization: 'gguf' .* not a .gguf file"):
         EngineConfig.create(str(tiny_llama), device="cpu", quantization="gguf")
@@ -152,6 +159,8 @@ def test_measured_defaults_never_apply_in_float32(tiny_ggufs, monkeypatch):
         None, False, None)
     assert EngineConfig.create(path, device="cpu", dtype="bfloat16").linear == linear_config.LinearConfig(
         "gguf", True, path)
+    assert EngineConfig.create(path, device="cpu", dtype="bfloat16", quantization="none").linear == \
+        linear_config.LinearConfig(None, True, None)  # "none": the float weights, still packed
 
 
 def test_a_layer_whose_weight_cannot_be_packed_keeps_f_linear(monkeypatch):
@@ -169,6 +178,30 @@ def test_a_layer_whose_weight_cannot_be_packed_keeps_f_linear(monkeypatch):
 def bf16_packs() -> bool:
     """oneDNN packs bfloat16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT."""
     return pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+
+
+def packed_kind() -> str:
+    """What a packed bfloat16 layer runs on this CPU."""
+    return "packed" if bf16_packs() else "plain (could not pack)"
+
+
+@pytest.mark.parametrize("quantized", [Int8LinearMethod, Int4LinearMethod])
+def test_a_quantized_layer_with_a_packed_copy_runs_each_by_the_rows_of_the_product(quantized):
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    alone = {name: Linear.sharing(layer) for name in ("few", "many")}
+    for name, method in (("few", quantized()), ("many", PackedLinearMethod())):
+        alone[name].method = method
+        method.process_weights_after_loading(alone[name])
+    both = RowDispatchLinearMethod(quantized(), PackedLinearMethod(), max_rows=4)
+    layer.method = both
+    both.process_weights_after_loading(layer)
+    for rows, side in ((1, "few"), (4, "few"), (5, "many"), (64, "many")):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), alone[side](x)), (rows, side)
+    assert layer(torch.randn(2, 3, 64, dtype=torch.bfloat16)).shape == (2, 3, 48)  # 6 rows, as a batch
+    assert both.weight_bytes(layer) == sum(a.method.weight_bytes(a) for a in alone.values())
+    assert both.describe(layer) == f"{quantized.name} up to 4 rows, else {packed_kind()}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,7 +222,8 @@ def test_a_packed_layer_holds_only_its_packed_weight_and_gives_the_same_product(
 @pytest.mark.slow
 def test_the_default_model_runs_its_q4_1_blocks_close_to_its_float32_model():
     reference = greedy_with_logprobs(LLM(dtype="float32", **ENGINE))
-    llm = LLM(dtype="bfloat16", quantization="gguf", **ENGINE)
+    llm = LLM(dtype="bfloat16", quantization="gguf", prepack_linear=True, **ENGINE)  # the default with AMX
     kinds = {layer.method.describe(layer) for layer in served_layers(llm).values()}
-    assert kinds == {"int4 (GGUF Q4_1 blocks)", "int8 (GGUF Q8_0 requantized per row)"}
+    assert kinds == {f"int4 (GGUF Q4_1 blocks) up to 8 rows, else {packed_kind()}",
+                     f"int8 (GGUF Q8_0 requantized per row) up to 8 rows, else {packed_kind()}"}
     assert_close(reference, greedy_with_logprobs(llm))
