@@ -185,7 +185,8 @@ def _raise_stop(signum, frame) -> None:
 
 
 def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
-                         api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int) -> int:
+                         api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int,
+                         batch_defaults: dict[str, int] | None = None) -> int:
     from stage5_server.server.auth import APIKeys
 
     try:  # refuse bad keys here, before any process starts
@@ -202,7 +203,7 @@ def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: di
         sock = bind_listening_socket(args.host, args.port)
         try:
             chat_options = chat_options_from(args)
-            manager = CoreEngineProcManager(model, engine_kwargs, args.data_parallel_size,
+            manager = CoreEngineProcManager(model, {**(batch_defaults or {}), **engine_kwargs}, args.data_parallel_size,
                                             api_server_count=args.api_server_count, routing=args.dp_routing)
         except ValueError as exc:
             print(f"stagedserve serve: error: {exc}", flush=True)

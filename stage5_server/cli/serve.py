@@ -169,6 +169,25 @@ def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
 
 
+# A server is sized for many clients at once, the offline ``LLM`` for a course's small runs (16
+# sequences, 512 tokens a step). vLLM's own split: ``EngineArgs.get_batch_defaults`` in
+# ``vllm/engine/arg_utils.py``, per usage context (``OPENAI_API_SERVER``) and device; on a CPU
+# both are per rank (x tensor- and pipeline-parallel ranks).
+SERVER_BATCH_DEFAULTS = {"cpu": {"max_num_seqs": 128, "max_num_batched_tokens": 2048},
+                         "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 2048}}
+
+
+def server_batch_defaults(engine_kwargs: dict[str, Any]) -> dict[str, int]:
+    """The batch limits a server gets where the user set none (the flags given win)."""
+    import torch
+
+    device = str(engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    ranks = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+    scale = ranks if kind == "cpu" else 1
+    return {name: value * scale for name, value in SERVER_BATCH_DEFAULTS[kind].items() if name not in engine_kwargs}
+
+
 GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
 
 
@@ -233,6 +252,7 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(args.uvicorn_log_level)
     try:
         engine_kwargs = build_engine_kwargs(args)
+        batch_defaults = server_batch_defaults(engine_kwargs)
         api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
         resolve_topology(args)
         parse_lora_modules(args.lora_modules)
@@ -242,6 +262,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
         return 2
     _log_topology(args, engine_kwargs)
+    if batch_defaults:
+        logger.info("server batch defaults: %s (the flags override them)",
+                    " ".join(f"{name}={value}" for name, value in batch_defaults.items()))
     from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
 
     served_model_name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
@@ -251,7 +274,7 @@ def serve(args: argparse.Namespace) -> int:
 
         model = resolve_model(args.model) if args.model else default_model()
         return run_multi_api_server(args, model, engine_kwargs, api_keys, served_model_name,
-                                    args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                                    args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, batch_defaults)
     import uvicorn
 
     from stage5_server.core.cpu_threads import configure_frontend_threads
@@ -265,7 +288,8 @@ def serve(args: argparse.Namespace) -> int:
         chat_options = chat_options_from(args)
         engine = make_async_llm(args.model, engine_process=args.engine_process,
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
-                                log_stats_interval=args.log_stats_interval or None, **engine_kwargs)
+                                log_stats_interval=args.log_stats_interval or None, **batch_defaults,
+                                **engine_kwargs)
         app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
                          limits=request_limits_from(args), media=media_options_from(args),
                          lora_modules=parse_lora_modules(args.lora_modules),

@@ -12,7 +12,7 @@ import pytest
 
 from stage5_server.cli import main, make_parser
 from stage5_server.cli.args import parse_size
-from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys
+from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys, server_batch_defaults
 from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, stop_serve, wait_until
 
 
@@ -53,6 +53,16 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "max_lora_rank": 32}
     assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
+
+
+def test_a_server_gets_vllms_batch_limits_for_its_device_unless_the_flags_set_them():
+    assert server_batch_defaults({"device": "cpu"}) == {"max_num_seqs": 128, "max_num_batched_tokens": 2048}
+    assert server_batch_defaults({"device": "cpu", "max_num_seqs": 8}) == {"max_num_batched_tokens": 2048}
+    assert server_batch_defaults({"device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}) == {
+        "max_num_seqs": 512, "max_num_batched_tokens": 8192}  # per rank on a CPU, as vLLM sizes it
+    assert server_batch_defaults({"device": "cuda:1", "tensor_parallel_size": 2}) == {
+        "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    assert server_batch_defaults({"device": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": 64}) == {}
 
 
 @pytest.mark.parametrize("argv", [["serve", "--max-model-len", "abc"], ["serve", "--max-num-seqs", "0"],
@@ -116,6 +126,8 @@ def test_serve_builds_the_app_logs_its_configuration_and_runs_uvicorn(tiny_llama
     assert app.state.engine.llm.max_model_len == 128
     log = caplog.text
     assert "engine arguments from the command line: {'max_model_len': 128, 'num_kv_blocks': 16}" in log
+    assert "server batch defaults: max_num_seqs=128 max_num_batched_tokens=2048" in log
+    assert "max_num_seqs=128" in log.split("resolved engine configuration", 1)[1]
     assert "route: POST       /v1/completions  (API key)" in log and "/metrics  (public)" in log
     assert "k1" not in log and "ignored-because" not in log
     app.state.engine.shutdown()
