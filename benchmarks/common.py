@@ -12,13 +12,31 @@ import sys
 from pathlib import Path
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the matrix extensions it has (what decides a CPU run's speed)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    extensions = [label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"),
+                                            ("avx512f", "AVX-512")) if flag in flags]
+    return f"{name} with {extensions[0]}" if extensions else name
+
+
 def run_info(module: str, argv: list[str] | None) -> dict:
     """Date, machine and the exact command line (no absolute paths)."""
     args = sys.argv[1:] if argv is None else argv
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"system": platform.system(), "machine": platform.machine(),
-                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                    "processor": cpu_model(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version()},
         "command": " ".join(["python", "-m", module, *map(shlex.quote, args)]),
     }
