@@ -21,6 +21,7 @@ import torch
 from stage2_paged.attention import PagedAttentionBackend
 from stage5_server.attention.cpu_attn import CPUAttentionBackend
 from stage5_server.attention.triton_backend import TritonAttentionBackend
+from stage5_server.cpu_kernels.paged_decode import load_cpu_kernels
 
 ATTENTION_BACKENDS = {"torch": PagedAttentionBackend, "triton": TritonAttentionBackend, "cpu": CPUAttentionBackend}
 
@@ -51,5 +52,14 @@ def resolve_attention_backend(name: str | None, device: torch.device) -> str:
     return name
 
 
-__all__ = ["ATTENTION_BACKENDS", "CPUAttentionBackend", "TritonAttentionBackend", "resolve_attention_backend",
-           "triton_unavailable_reason"]
+def describe_attention_backend(name: str) -> str:
+    """The start-up log's words for a backend; for ``cpu``, which path its decodes take."""
+    if name != "cpu":
+        return name
+    problem = load_cpu_kernels()  # built here, before the workers load it
+    return "cpu (decodes: the C++ operator, K/V read in place)" if problem is None else \
+        f"cpu (decodes: SDPA over gathered blocks, because {problem})"
+
+
+__all__ = ["ATTENTION_BACKENDS", "CPUAttentionBackend", "TritonAttentionBackend", "describe_attention_backend",
+           "resolve_attention_backend", "triton_unavailable_reason"]

@@ -1,11 +1,13 @@
-"""Paged attention for a CPU: one batched SDPA call per layer for the decodes and one for the prefills.
+"""Paged attention for a CPU: one call per layer for the decodes and one for the prefills.
 
 stage2's torch reference loops over prefills in Python, copies K/V per query head for GQA and
 writes K/V by advanced indexing; on a CPU those cost more than the math. This backend keeps its
 KV layout and metadata, and: plans once per step (the blocks each sequence reads, the masks,
-where each query row goes), not per layer; runs one ``scaled_dot_product_attention`` for the
-decodes and one for the prefills over whole blocks gathered by ``index_select``; and folds the
-query heads that share a KV head into the query-length axis, so K/V is never copied.
+where each query row goes), not per layer; attends all the decodes in one call of a C++ operator
+that reads each sequence's blocks in place (``cpu_kernels/``); and all the prefills
+in one ``scaled_dot_product_attention`` over whole blocks gathered by ``index_select``, the query
+heads that share a KV head folded into the query-length axis, so K/V is never copied. Where the
+operator cannot be built, the decodes take the SDPA path too, as one more group.
 
 vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (C++ kernels in ``csrc/cpu/``) and
 ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stage2_paged.attention import PagedAttentionMetadata
+from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention, load_cpu_kernels
 
 
 @dataclass
@@ -33,33 +36,55 @@ class _Group:
     q_len: int  # Q: the group's longest query
 
 
+@dataclass
+class _InPlaceDecodes:
+    """The step's decodes, for the C++ operator: it reads the block tables itself."""
+
+    seq_index: torch.Tensor  # [B] int64: each decode's row of block_tables and seq_lens
+    query_rows: torch.Tensor  # [B] int64: its query row
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class CPUAttentionBackend:
     """Writes this step's K/V, then attends each group of sequences in one call."""
 
-    def __init__(self, kv_cache):
+    def __init__(self, kv_cache, in_place_decodes: bool | None = None):
         self.kv_cache = kv_cache
+        # None: the C++ operator where it builds (decode_path says which path runs, and why)
+        self.in_place_decodes = load_cpu_kernels() is None if in_place_decodes is None else in_place_decodes
         self._plan_for: PagedAttentionMetadata | None = None
-        self._plan: list[_Group] = []
+        self._plan: list[_Group | _InPlaceDecodes] = []
 
     def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
         self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
         key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
         num_kv_heads = key_cache.shape[2]
         if meta is not self._plan_for:  # the first layer of a step
-            self._plan = plan_groups(meta, key_cache.shape[1], query.shape[1] // num_kv_heads, query.dtype)
+            self._plan = plan_groups(meta, key_cache.shape[1], query.shape[1] // num_kv_heads, query.dtype,
+                                     self.in_place_decodes)
             self._plan_for = meta
         return grouped_paged_attention(query, key_cache, value_cache, self._plan, scale)
 
 
-def plan_groups(meta: PagedAttentionMetadata, block_size: int, group: int, dtype: torch.dtype) -> list[_Group]:
-    """The step's decodes and prefills as (at most) two padded groups."""
+def plan_groups(meta: PagedAttentionMetadata, block_size: int, group: int, dtype: torch.dtype,
+                in_place_decodes: bool = False) -> list[_Group | _InPlaceDecodes]:
+    """The step's decodes and prefills as (at most) two groups: padded for SDPA, or the decodes as
+    they are for the C++ operator."""
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     prefills = [i for i, n in enumerate(q_lens) if n > 1]
-    return [_plan_group(rows, starts, q_lens, seq_lens, meta.block_tables, block_size, group, dtype)
-            for rows in (decodes, prefills) if rows]
+    plan: list[_Group | _InPlaceDecodes] = []
+    if decodes and in_place_decodes:
+        plan.append(_InPlaceDecodes(torch.tensor(decodes), torch.tensor([starts[i] for i in decodes]),
+                                    meta.block_tables, meta.seq_lens.contiguous()))
+    elif decodes:
+        plan.append(_plan_group(decodes, starts, q_lens, seq_lens, meta.block_tables, block_size, group, dtype))
+    if prefills:
+        plan.append(_plan_group(prefills, starts, q_lens, seq_lens, meta.block_tables, block_size, group, dtype))
+    return plan
 
 
 def _plan_group(rows, starts, q_lens, seq_lens, block_tables, block_size, group, dtype) -> _Group:
@@ -90,13 +115,17 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def grouped_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            plan: list[_Group], scale: float) -> torch.Tensor:
+                            plan: list[_Group | _InPlaceDecodes], scale: float) -> torch.Tensor:
     """``query [T, H, D]`` over ``key_cache/value_cache [num_blocks, block_size, Hkv, D]``, as planned."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype)
     for g in plan:
+        if isinstance(g, _InPlaceDecodes):
+            cpu_paged_decode_attention(out, query, key_cache, value_cache, g.block_tables, g.seq_lens, g.seq_index,
+                                       g.query_rows, scale)
+            continue
         batch, length = g.blocks.numel() // g.num_blocks, g.num_blocks * block_size
         key = key_cache.index_select(0, g.blocks).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
         value = value_cache.index_select(0, g.blocks).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)

@@ -22,6 +22,7 @@ from shared.llm_base import automatic_kv_cache_tokens, fit_max_model_len
 from stage2_paged.llm import check_num_blocks, pool_too_small
 from stage3_continuous.llm import check_budget_takes_a_whole_prompt
 from stage4_prefix_cache.scheduler import CacheConfig
+from stage5_server.attention import describe_attention_backend
 from stage5_server.config import EngineConfig
 from stage5_server.core.cpu_threads import configure_engine_threads
 from stage5_server.core.engine_core import EngineCore
@@ -37,7 +38,8 @@ logger = logging.getLogger("stagedserve")
 def build_engine_core(config: EngineConfig) -> EngineCore:
     if config.device.type == "cpu" and config.parallel.world_size == 1:
         configure_engine_threads(config.cpu_threads)  # the ranks of a split model share the cores instead
-    logger.info("attention backend: %s (device %s)", config.attention_backend, config.device)
+    logger.info("attention backend: %s (device %s)", describe_attention_backend(config.attention_backend),
+                config.device)
     executor = make_executor(config)
     try:
         block_size = config.cache.block_size

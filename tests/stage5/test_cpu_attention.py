@@ -2,7 +2,9 @@
 
 Ragged batches with blocks scattered through a shuffled pool (garbage in the unused ones):
 decodes only, prefills only, prefill chunks over cached context, and all of them mixed; MHA
-and GQA; float32 to 1e-5 and bfloat16 to the Triton tests' 2e-2.
+and GQA; float32 to 1e-5 and bfloat16 to the Triton tests' 2e-2; the decodes both ways, by the C++
+operator reading the blocks in place (built here as in ``make``'s set-up) and by SDPA over gathered
+blocks, the path taken where the operator cannot be built.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import torch
 from stage2_paged.attention import PagedAttentionBackend, paged_attention
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention.cpu_attn import CPUAttentionBackend, grouped_paged_attention, plan_groups
+from stage5_server.cpu_kernels.paged_decode import load_cpu_kernels
+
+IN_PLACE = [False, pytest.param(True, marks=pytest.mark.skipif(
+    load_cpu_kernels() is not None, reason=f"the C++ decode operator did not build: {load_cpu_kernels()}"))]
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -48,31 +54,35 @@ def _metadata(block_tables, seq_lens, query_start_loc, q_lens):
                                   max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()))
 
 
+@pytest.mark.parametrize("in_place_decodes", IN_PLACE)
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype", [
     (16, 4, 4, 32, torch.float32),
     (8, 9, 3, 64, torch.float32),  # SmolLM2's GQA ratio
     (16, 8, 2, 32, torch.bfloat16),
 ])
-def test_grouped_attention_matches_reference(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
+def test_grouped_attention_matches_reference(batch, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                             in_place_decodes):
     seq_lens, q_lens = BATCHES[batch]
     query, key_cache, value_cache, tables, seq_lens_t, qsl = make_paged_batch(
         seq_lens, q_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, dtype=dtype)
     expected = paged_attention(query, key_cache, value_cache, tables, seq_lens_t, qsl, 0.3)
-    plan = plan_groups(_metadata(tables, seq_lens_t, qsl, q_lens), block_size, num_heads // num_kv_heads, dtype)
+    plan = plan_groups(_metadata(tables, seq_lens_t, qsl, q_lens), block_size, num_heads // num_kv_heads, dtype,
+                       in_place_decodes)
     assert len(plan) == len({n == 1 for n in q_lens})  # one call for the decodes, one for the rest
     actual = grouped_paged_attention(query, key_cache, value_cache, plan, 0.3)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def test_backend_writes_the_same_cache_and_output_as_the_reference_backend_over_layers_and_steps():
+@pytest.mark.parametrize("in_place_decodes", IN_PLACE)
+def test_backend_writes_the_same_cache_and_output_as_the_reference_backend_over_layers_and_steps(in_place_decodes):
     """Two layers, two steps: the plan made by a step's first layer must not leak into the next step."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 8
     caches = [PagedKVCache(12, block_size, 2, num_kv_heads, head_dim) for _ in range(2)]
-    backends = [PagedAttentionBackend(caches[0]), CPUAttentionBackend(caches[1])]
+    backends = [PagedAttentionBackend(caches[0]), CPUAttentionBackend(caches[1], in_place_decodes)]
     from stage2_paged.attention import build_paged_metadata
 
     tables = [[5, 2, 9], [7, 0]]
@@ -94,3 +104,44 @@ def test_backend_writes_the_same_cache_and_output_as_the_reference_backend_over_
     for layer in range(2):
         torch.testing.assert_close(caches[1].key[layer], caches[0].key[layer], atol=0, rtol=0)
         torch.testing.assert_close(caches[1].value[layer], caches[0].value[layer], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
+def test_the_decode_operator_reads_strided_queries_and_rejects_mismatched_inputs():
+    """The model's queries are a view into the fused QKV projection: every row strided, as here."""
+    from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention
+
+    seq_lens, q_lens = BATCHES["decodes"]
+    query, key_cache, value_cache, tables, seq_lens_t, qsl = make_paged_batch(
+        seq_lens, q_lens, block_size=8, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    fused = torch.cat([query, torch.randn_like(query)], dim=-1)  # [T, H, 2D]: the query is its first half
+    strided = fused[..., :64]
+    assert not strided.is_contiguous()
+    expected = paged_attention(query, key_cache, value_cache, tables, seq_lens_t, qsl, 0.3)
+    out = torch.full_like(query, float("nan"))
+    rows = torch.arange(len(seq_lens))
+    cpu_paged_decode_attention(out, strided, key_cache, value_cache, tables, seq_lens_t, rows, rows, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_paged_decode_attention(out, strided.double(), key_cache, value_cache, tables, seq_lens_t, rows, rows, 0.3)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_paged_decode_attention(out, strided, key_cache, value_cache, tables.long(), seq_lens_t, rows, rows, 0.3)
+
+
+def test_without_a_compiler_the_decodes_take_the_sdpa_path(tmp_path):
+    """A machine that cannot build the operator (here: no such compiler) gets the reason and SDPA."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from stage5_server.cpu_kernels.paged_decode import load_cpu_kernels\n"
+            "from stage2_paged.kv_cache import PagedKVCache\n"
+            "from stage5_server.attention.cpu_attn import CPUAttentionBackend\n"
+            "print(load_cpu_kernels())\n"
+            "print(CPUAttentionBackend(PagedKVCache(4, 8, 1, 2, 16)).in_place_decodes)\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "STAGEDSERVE_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    reason, in_place = run.stdout.strip().splitlines()
+    assert reason.startswith("the C++ decode kernel did not build"), reason
+    assert in_place == "False"

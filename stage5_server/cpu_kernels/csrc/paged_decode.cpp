@@ -1,0 +1,135 @@
+// Decode attention on a CPU, reading K/V in place through the block tables.
+//
+// One query token per sequence (a decode): for each (sequence, KV head) the query heads that share
+// the KV head are scored against the sequence's keys block by block, soft-maxed, and summed over the
+// values, in float32 whatever the cache's dtype. Nothing is gathered or padded: a sequence reads its
+// own blocks and stops at its own length. The (sequence, KV head) pairs run in parallel on ATen's
+// thread pool.
+//
+// vLLM: csrc/cpu/attention.cpp (paged_attention_v1) behind vllm/v1/attention/backends/cpu_attn.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, const at::Tensor& seq_index,
+                      const at::Tensor& query_rows, double scale) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_decodes = seq_index.size(0);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t table_row = block_tables.stride(0);
+
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* seqs = seq_index.data_ptr<int64_t>();
+  const int64_t* rows = query_rows.data_ptr<int64_t>();
+  const float scale_f = static_cast<float>(scale);
+
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row_f(head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq = seqs[i], len = lens[seq], row = rows[i];
+      const int32_t* table = tables + seq * table_row;
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* q_head_row = q + row * q_row + (kv_head * group + g) * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(q_head_row[d]) * scale_f;
+      }
+      scores.resize(group * len);
+
+      for (int64_t t = 0; t < len; ++t) {  // scores: every query head of the group against key t
+        const scalar_t* key = k + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                              kv_head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row_f[d] = static_cast<float>(key[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row_f[d];
+          scores[g * len + t] = dot;
+        }
+      }
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {  // softmax over the keys, per query head
+        float* s = scores.data() + g * len;
+        const float top = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - top);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {  // the weighted sum of the values
+        const scalar_t* value = v + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                                kv_head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row_f[d] = static_cast<float>(value[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* o_head_row = o + row * o_row + (kv_head * group + g) * o_head;
+        for (int64_t d = 0; d < head_dim; ++d)
+          o_head_row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& seq_index,
+                            const at::Tensor& query_rows, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && seq_lens.is_contiguous() &&
+                  seq_index.is_contiguous() && query_rows.is_contiguous(),
+              "paged_decode_attention: contiguous caches and index tensors");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && block_tables.stride(1) == 1,
+              "paged_decode_attention: query, out and block_tables contiguous in their last dimension");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && query.size(2) == key_cache.size(3) &&
+                  out.sizes() == query.sizes() && seq_index.sizes() == query_rows.sizes(),
+              "paged_decode_attention: mismatched shapes");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query, cache and out share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  seq_index.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong,
+              "block_tables and seq_lens int32, seq_index and query_rows int64");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, seq_index, query_rows,
+                               scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stagedserve_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor seq_index, Tensor query_rows, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(stagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
