@@ -24,7 +24,7 @@ import torch
 from shared.tiny_model import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 logger = logging.getLogger(__name__)
 
 
@@ -39,8 +39,9 @@ def _cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """Source, torch version and CPU in one name: a change to any of them builds afresh."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode())
+    """Source, flags, torch version and CPU in one name: a change to any of them builds afresh."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+                            + _cpu_flags().encode())
     return f"stagedserve_cpu_{digest.hexdigest()[:12]}"
 
 

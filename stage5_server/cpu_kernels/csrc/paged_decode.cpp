@@ -14,10 +14,39 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+// One cache row (head_dim elements) as float32.
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);  // bfloat16: float32's upper half
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &word, sizeof(value));
+    dst[i] = value;
+  }
+}
+
+// fn(t, row) for each token t < len of a sequence, walking its block table block by block.
+template <typename scalar_t, typename Fn>
+inline void for_each_token(const scalar_t* cache, const int32_t* table, int64_t len, int64_t block_size,
+                           int64_t block_stride, int64_t token_stride, Fn&& fn) {
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const scalar_t* block = cache + static_cast<int64_t>(table[b]) * block_stride;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t offset = 0; offset < n; ++offset) fn(start + offset, block + offset * token_stride);
+  }
+}
 
 template <typename scalar_t>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -43,7 +72,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const float scale_f = static_cast<float>(scale);
 
   at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row_f(head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row_f(head_dim), inv_sum(group), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq = seqs[i], len = lens[seq], row = rows[i];
@@ -54,10 +83,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
       scores.resize(group * len);
 
-      for (int64_t t = 0; t < len; ++t) {  // scores: every query head of the group against key t
-        const scalar_t* key = k + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                              kv_head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row_f[d] = static_cast<float>(key[d]);
+      const scalar_t* k_head = k + kv_head * head_dim;  // scores: each query head of the group against each key
+      for_each_token(k_head, table, len, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* key) {
+        to_float(key, row_f.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.f;
@@ -65,8 +93,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row_f[d];
           scores[g * len + t] = dot;
         }
-      }
-      std::vector<float> inv_sum(group);
+      });
       for (int64_t g = 0; g < group; ++g) {  // softmax over the keys, per query head
         float* s = scores.data() + g * len;
         const float top = *std::max_element(s, s + len);
@@ -79,17 +106,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {  // the weighted sum of the values
-        const scalar_t* value = v + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                                kv_head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row_f[d] = static_cast<float>(value[d]);
+      const scalar_t* v_head = v + kv_head * head_dim;  // the weighted sum of the values
+      for_each_token(v_head, table, len, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* value) {
+        to_float(value, row_f.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* a = acc.data() + g * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* o_head_row = o + row * o_row + (kv_head * group + g) * o_head;
         for (int64_t d = 0; d < head_dim; ++d)
