@@ -147,3 +147,19 @@ def test_lora_smoke(tmp_path, tiny_llama):
     assert [(r["engine"], r["adapters"]) for r in data["rows"]] == [
         ("base model", 0), ("enable_lora", 0), ("enable_lora", 1), ("enable_lora", 2)]
     assert all(r["step_s"] > 0 and r["output_tokens"] == 4 * 4 for r in data["rows"])
+
+
+@pytest.mark.slow
+def test_cpu_peers_smoke(tmp_path):
+    """stage5's rows on the default model with a tiny workload; the peers, not given, are reported skipped."""
+    from benchmarks import cpu_peers
+
+    cpu_peers.main(["--rows", "stage5 defaults", "stage5 float32", "--prompt-len", "24", "--output-len", "6",
+                    "--num-requests", "3", "--llama-server", "", "--vllm-python", "", *_outputs(tmp_path, "cpu_peers")])
+    data = _check_files(tmp_path, "cpu_peers")
+    rows = data["rows"]
+    assert set(rows) == {"stage5 defaults", "stage5 float32"} and set(data["skipped"]) == {"llama.cpp", "vLLM"}
+    assert rows["stage5 float32"]["dtype"] == "float32" and rows["stage5 float32"]["matching_prefix"] == 6
+    assert all(r["batch1_tokens_per_s"] > 0 and r["batch_tokens_per_s"] > 0 and r["of_roofline"] > 0
+               for r in rows.values())
+    assert data["ratios"] == {} and set(data["roofline"]) == {"float32", "bfloat16"}
