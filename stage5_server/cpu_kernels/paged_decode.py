@@ -4,9 +4,10 @@
 each decoding sequence it walks the sequence's blocks through its block table, with no gather, no
 padding to the batch's longest sequence and no mask. ``load_cpu_kernels`` compiles it once per
 machine (``torch.utils.cpp_extension``, gcc, ``-O3 -march=native``: a build is tied to the CPU it was
-made on, so the CPU's flags are part of its name) into the stagedserve cache, and says why not where
-it cannot (no compiler, no ninja): the ``cpu`` backend then keeps its SDPA path. ``make demo`` and
-``make test`` build it in their set-up.
+made on, so the CPU's flags are part of its name) into the stagedserve cache, and loads that build
+afterwards without a compiler; it says why not where it cannot (no compiler, no ninja): the ``cpu``
+backend then keeps its SDPA path. ``make demo`` and ``make test`` build it in their set-up, the CPU
+image while it is built.
 
 vLLM: ``csrc/cpu/attention.cpp`` (``paged_attention_v1``) and its build in ``cmake/cpu_extension.cmake``.
 """
@@ -56,6 +57,10 @@ def load_cpu_kernels() -> str | None:
 
         name = extension_name()
         build = cache_dir() / "torch_extensions" / name
+        library = build / f"{name}.so"
+        if library.is_file():  # built before for this source, torch and CPU: no compiler needed
+            torch.ops.load_library(str(library))
+            return None
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
