@@ -1,6 +1,7 @@
 """The routes around generation: ``/v1/models`` (what is served: the base model and its LoRA
 adapters, ``lora_models.py``) and vLLM's ``/tokenize`` and
-``/detokenize`` (the exact token ids a prompt or a conversation becomes, and back).
+``/detokenize`` (the exact token ids a prompt or a conversation becomes, and back), with their
+two request models.
 
 vLLM: ``vllm/entrypoints/openai/serving_models.py`` and ``serving_tokenization.py``.
 """
@@ -11,11 +12,37 @@ import time
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic import model_validator
 
 from stage5_server.multimodal.processor import has_image_parts, split_image_parts
 from stage5_server.server.errors import APIError
-from stage5_server.server.protocol import DetokenizeRequest, TokenizeRequest
+from stage5_server.server.protocol import ChatMessage, StrictModel
 from stage5_server.server.serving import OpenAIServing
+from stage5_server.server.tool_protocol import ChatTool
+
+
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize`` (vLLM's): either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # shown by the chat template, as a chat request's would be
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("prompt: send exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only with messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

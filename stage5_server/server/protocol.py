@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutputsParams
 from stage5_server.server.errors import bad_request_from_value_error
-from stage5_server.server.tool_protocol import AssistantToolCall, ChatTool, ToolChoiceFields, arguments_object
+from stage5_server.server.tool_protocol import AssistantToolCall, ToolChoiceFields, arguments_object
 
 logger = logging.getLogger("stagedserve")
 
@@ -435,26 +435,3 @@ class ChatCompletionRequest(_GenerationRequest, ToolChoiceFields):
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "chat_template",
                                          "tokenize", "documents"})
 
-
-class TokenizeRequest(StrictModel):
-    """``POST /tokenize`` (vLLM's): either ``prompt`` or chat ``messages``."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[ChatTool] | None = None  # shown by the chat template, as a chat request's would be
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _one_of(self) -> TokenizeRequest:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("prompt: send exactly one of prompt and messages")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools: only with messages")
-        return self
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
-    tokens: list[int]
