@@ -51,7 +51,7 @@ class CPUAttentionBackend:
 
     def __init__(self, kv_cache, in_place_decodes: bool | None = None):
         self.kv_cache = kv_cache
-        # None: the C++ operator where it builds (decode_path says which path runs, and why)
+        # None: the C++ operator where it builds (describe_attention_backend logs which path runs)
         self.in_place_decodes = load_cpu_kernels() is None if in_place_decodes is None else in_place_decodes
         self._plan_for: PagedAttentionMetadata | None = None
         self._plan: list[_Group | _InPlaceDecodes] = []

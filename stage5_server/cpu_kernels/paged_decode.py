@@ -3,11 +3,12 @@
 ``csrc/paged_decode.cpp`` registers ``torch.ops.stagedserve_cpu.paged_decode_attention``: for
 each decoding sequence it walks the sequence's blocks through its block table, with no gather, no
 padding to the batch's longest sequence and no mask. ``load_cpu_kernels`` compiles it once per
-machine (``torch.utils.cpp_extension``, gcc, ``-O3 -march=native``: a build is tied to the CPU it was
-made on, so the CPU's flags are part of its name) into the stagedserve cache, and loads that build
-afterwards without a compiler; it says why not where it cannot (no compiler, no ninja): the ``cpu``
-backend then keeps its SDPA path. ``make demo`` and ``make test`` build it in their set-up, the CPU
-image while it is built.
+machine (``torch.utils.cpp_extension``, gcc, ``FLAGS``; ``-march=native`` ties a build to the CPU it
+was made on, so the CPU's flags are part of its name; ``-ffast-math`` is for compiling only, never
+linking, so loading it leaves the process's floating-point mode alone) into the stagedserve cache,
+and loads that build afterwards without a compiler; it says why not where it cannot (no compiler,
+no ninja): the ``cpu`` backend then keeps its SDPA path. ``make demo`` and ``make test`` build it
+in their set-up, the CPU image while it is built.
 
 vLLM: ``csrc/cpu/attention.cpp`` (``paged_attention_v1``) and its build in ``cmake/cpu_extension.cmake``.
 """
