@@ -26,6 +26,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -225,12 +226,16 @@ def free_port() -> int:
 
 @contextmanager
 def server(cmd: list[str], url: str, env: dict, timeout_s: float):
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Run ``cmd`` until the ``with`` ends, once ``url/health`` answers 200. Its stderr goes to a file,
+    not a pipe, so a server that logs every request never blocks on a full pipe."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:3]} exited: {proc.stderr.read().decode()[-3000:]}")
+                log.seek(0)
+                raise RuntimeError(f"{cmd[:3]} exited: {log.read().decode(errors='replace')[-3000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                     break
@@ -246,6 +251,7 @@ def server(cmd: list[str], url: str, env: dict, timeout_s: float):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def send(client: httpx.Client, url: str, key: str, method: str, path: str, body: dict | None) -> httpx.Response:

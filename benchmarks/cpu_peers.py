@@ -30,9 +30,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
-import subprocess
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.api_oracle import free_port, server
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
 from benchmarks.cpu_roofline import gemm_times, ideal_schedule, make_workload, roofline_seconds, run_vllm
 from shared import SamplingParams
@@ -89,12 +87,6 @@ def run_stage5(engine_args: dict, one: list[int], output_len: int, prompts, outp
             "batch_s": batch, "tokens": list(out.outputs[0].token_ids)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=3600) as response:
@@ -106,51 +98,28 @@ def _completion(url: str, prompt: list[int], n: int) -> dict:
                                        "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
 
 
-class LlamaServer:
-    """``llama-server`` on the GGUF file, ``slots`` requests at once, until the ``with`` ends."""
-
-    def __init__(self, binary: str, gguf: str, slots: int, context_per_slot: int, threads: int):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
-        self.command = [binary, "-m", gguf, "--port", str(self.port), "--host", "127.0.0.1", "-t", str(threads),
-                        "-tb", str(threads), "-np", str(slots), "-c", str(slots * context_per_slot)]
-
-    def __enter__(self) -> LlamaServer:
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"llama-server exited {self.process.returncode}: "
-                                   f"{self.log.read()[-1500:].decode(errors='replace')}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy in 300 s")
-
-    def __exit__(self, *exc) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+def llama_server(binary: str, gguf: str, slots: int, context_per_slot: int, threads: int) -> tuple[list[str], str]:
+    """``llama-server`` on the GGUF file, ``slots`` requests at once: its command and its URL."""
+    port = free_port()
+    return [binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+            "-np", str(slots), "-c", str(slots * context_per_slot)], f"http://127.0.0.1:{port}"
 
 
 def run_llama_cpp(binary: str, gguf: str, one: list[int], output_len: int, prompts, outputs, threads: int) -> dict:
-    with LlamaServer(binary, gguf, 1, len(one) + output_len + 16, threads) as server:
-        _completion(server.url, one[:16], 4)  # warm-up
+    command, url = llama_server(binary, gguf, 1, len(one) + output_len + 16, threads)
+    with server(command, url, dict(os.environ), 300):
+        _completion(url, one[:16], 4)  # warm-up
         start = time.perf_counter()
-        reply = _completion(server.url, one, output_len)
+        reply = _completion(url, one, output_len)
         whole = time.perf_counter() - start
     timings = reply["timings"]
     longest = max(len(p) + n for p, n in zip(prompts, outputs))
-    with LlamaServer(binary, gguf, len(prompts), longest + 16, threads) as server:
-        _completion(server.url, prompts[0][:16], 4)
+    command, url = llama_server(binary, gguf, len(prompts), longest + 16, threads)
+    with server(command, url, dict(os.environ), 300):
+        _completion(url, prompts[0][:16], 4)
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            replies = list(pool.map(lambda pn: _completion(server.url, *pn), zip(prompts, outputs)))
+            replies = list(pool.map(lambda pn: _completion(url, *pn), zip(prompts, outputs)))
         batch = time.perf_counter() - start
     if sum(r["timings"]["predicted_n"] for r in replies) != sum(outputs):
         raise RuntimeError("llama-server generated a different number of tokens than asked")
