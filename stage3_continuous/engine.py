@@ -119,7 +119,7 @@ class LoggingStatLogger:
 
     def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
-        if now - self.last_time < self.interval:
+        if now < self.last_time + self.interval:  # not now - last_time: that difference can round below it
             return None
         line = self.format_line(self.last, stats, now - self.last_time)
         idle = (stats.num_running == stats.num_waiting == 0
