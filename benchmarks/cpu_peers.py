@@ -9,8 +9,9 @@
 Engines, one after the other:
 
 - stage5 on its defaults (``LLM()``: on a CPU with native bfloat16, the GGUF file's 4-bit blocks
-  for a few rows and packed bfloat16 weights for the rest), stage5 bfloat16 on packed float
-  weights (``quantization="none"``), and stage5 float32, the reference;
+  for a few rows and packed bfloat16 weights for the rest, decode steps of up to 8 rows compiled),
+  the same with every step eager (``enforce_eager=True``), stage5 bfloat16 on packed float weights
+  (``quantization="none"``, eager: packed weights do not compile), and stage5 float32, the reference;
 - llama.cpp's ``llama-server`` on the same ``.gguf`` file (``STAGEDSERVE_LLAMA_SERVER=<path>``), one
   slot for batch 1 and 64 for batch 64, requests of token ids sent to ``/completion``;
 - vLLM's CPU build (``STAGEDSERVE_VLLM_PYTHON=<venv>/bin/python``, ``benchmarks/vllm_peer.py``) on the
@@ -45,6 +46,7 @@ from shared.tokenizer import Tokenizer
 
 STAGE5_ROWS = {  # label -> engine arguments
     "stage5 defaults": {},
+    "stage5 defaults, eager": dict(enforce_eager=True),
     "stage5 bf16 packed": dict(dtype="bfloat16", quantization="none"),
     "stage5 float32": dict(dtype="float32"),
 }

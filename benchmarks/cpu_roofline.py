@@ -24,8 +24,9 @@ and where tokens first differ each engine's token must be in the other's top 5.
     STAGEDSERVE_VLLM_PYTHON=<vllm venv>/bin/python python -m benchmarks.cpu_roofline --models default small
 
 The stage5 rows include ``cpu:float32:compile``: the same engine with ``enforce_eager=False``
-(torch.compile of the forward). Each stage5 row states its load time and, apart from it, its
-warm-up (two tiny generations before the timed run), which for the compiled row is the compile.
+(decode steps of up to 8 rows compiled, ``stage5_server/model/compile.py``; compiled at start-up,
+so inside the load time). Each stage5 row states its load time and, apart from it, its warm-up
+(two tiny generations before the timed run).
 
 The load average (``uptime``) is recorded before and after: numbers from a loaded machine
 are not worth much. ``--smoke`` checks in a few minutes that the rows run (small model, 4
@@ -174,8 +175,8 @@ def run_stage5(model: str, backend: str, dtype: str, prompts, max_tokens, args, 
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, kv_cache_memory=kv_memory, seed=0, **extra)
     load = time.perf_counter() - start
-    # The warm-up runs a batch of one token, and of several, in prefill and in decode: a compiled
-    # forward compiles its graphs here (a batch of one is a graph of its own), not in the timed run.
+    # The warm-up runs a batch of one token, and of several, in prefill and in decode, so that
+    # nothing done once (a first call's allocations, caches) lands in the timed run.
     start = time.perf_counter()
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([prompts[0][:8]], warm, use_tqdm=False)

@@ -44,7 +44,8 @@ SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_mem
                       "distributed_executor_backend": None,  # "mp" (worker processes here) | "ray"; None: mp
                       # network interface of the ranks' traffic; None: the one with VLLM_HOST_IP, or loopback
                       "distributed_interface": None,
-                      "enforce_eager": None,  # None: eager (compiling was not measured faster); False: torch.compile
+                      # None: a compiled decode step on the CPU fast path (model/compile.py); True: eager; False: compiled
+                      "enforce_eager": None,
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
                       "speculative_config": None,  # a dict (or its JSON): spec_decode/config.py; None: off
                       "runner": "auto",  # "generate" | "pooling"; auto: pooling for an encoder (pooling/config.py)
@@ -101,6 +102,7 @@ class EngineConfig:
     parallel: ParallelConfig
     attention_backend: str  # a name in ATTENTION_BACKENDS
     enforce_eager: bool | None
+    compile_decode: bool  # decode steps of a few rows run one compiled graph (model/compile.py)
     cpu_threads: int | None
     log_stats_interval: float | None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -175,12 +177,15 @@ class EngineConfig:
         lora = LoRAConfig.create(args["enable_lora"], args["max_loras"], args["max_lora_rank"])
         if lora is not None:
             check_lora_support(runner, pipeline_parallel_size, speculative, args["enforce_eager"])
+        attention_backend = resolve_attention_backend(args["attention_backend"], device)
+        compile_decode = resolve_compile_decode(args["enforce_eager"], device, dtype, attention_backend,
+                                                world_size, runner, lora)
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                    parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size, backend),
-                   attention_backend=resolve_attention_backend(args["attention_backend"], device),
-                   enforce_eager=args["enforce_eager"], cpu_threads=cpu_threads,
+                   attention_backend=attention_backend, enforce_eager=args["enforce_eager"],
+                   compile_decode=compile_decode, cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, args=args)
 
@@ -199,7 +204,23 @@ def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: Sp
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("enable_lora: a draft model has no adapters; use ngram drafts or none")
     if enforce_eager is False:
-        raise ValueError("enable_lora: the compiled forward has no adapter deltas; leave enforce_eager unset")
+        raise ValueError("enable_lora: the compiled decode step has no adapter deltas; leave enforce_eager unset")
+
+
+def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,
+                           attention_backend: str, world_size: int, runner: str, lora: LoRAConfig | None) -> bool:
+    """Whether decode steps of a few rows run a compiled graph (``model/compile.py``). It needs the
+    ``cpu`` attention backend's operator, one rank and the generate runner. Left unset: on the CPU
+    fast path (bfloat16) and without adapters; float32, the token-identical reference, stays eager
+    unless ``enforce_eager=False`` asks."""
+    if enforce_eager is True:
+        return False
+    supported = device.type == "cpu" and attention_backend == "cpu" and world_size == 1 and runner == "generate"
+    if enforce_eager is False and not supported:
+        raise ValueError("enforce_eager=False: the compiled decode step runs on a CPU with the cpu attention "
+                         f"backend, one rank and the generate runner (here: device {device.type}, attention "
+                         f"backend {attention_backend}, {world_size} rank(s), runner {runner}); leave it unset")
+    return supported and lora is None and (enforce_eager is False or dtype == torch.bfloat16)
 
 
 def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: PoolerConfig) -> dict[str, Any]:

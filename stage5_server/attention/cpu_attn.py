@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from stage2_paged.attention import PagedAttentionMetadata
-from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention, load_cpu_kernels
+from stage5_server.cpu_kernels.paged_decode import (
+    cpu_decode_step_attention,
+    cpu_paged_decode_attention,
+    load_cpu_kernels,
+)
 
 
 @dataclass
@@ -57,6 +61,10 @@ class CPUAttentionBackend:
         self._plan: list[_Group | _InPlaceDecodes] = []
 
     def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
+        if torch.compiler.is_compiling():  # a compiled decode step (model/compile.py): one operator per layer
+            return cpu_decode_step_attention(query, key, value, self.kv_cache.key[layer_idx],
+                                             self.kv_cache.value[layer_idx], meta.slot_mapping, meta.block_tables,
+                                             meta.seq_lens, scale)
         self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
         key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
         num_kv_heads = key_cache.shape[2]

@@ -7,6 +7,11 @@ Today one: decode attention that reads K/V in place through the block tables
 vLLM: ``csrc/cpu/`` (its CPU operators) and ``cmake/cpu_extension.cmake`` (their build).
 """
 
-from stage5_server.cpu_kernels.paged_decode import build_report, cpu_paged_decode_attention, load_cpu_kernels
+from stage5_server.cpu_kernels.paged_decode import (
+    build_report,
+    cpu_decode_step_attention,
+    cpu_paged_decode_attention,
+    load_cpu_kernels,
+)
 
-__all__ = ["build_report", "cpu_paged_decode_attention", "load_cpu_kernels"]
+__all__ = ["build_report", "cpu_decode_step_attention", "cpu_paged_decode_attention", "load_cpu_kernels"]

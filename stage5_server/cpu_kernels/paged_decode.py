@@ -61,10 +61,11 @@ def load_cpu_kernels() -> str | None:
         library = build / f"{name}.so"
         if library.is_file():  # built before for this source, torch and CPU: no compiler needed
             torch.ops.load_library(str(library))
-            return None
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False, verbose=False)
+        else:
+            build.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), is_python_module=False, verbose=False)
+        torch.library.register_fake("stagedserve_cpu::decode_step_attention", _decode_step_attention_shape)
     except Exception as exc:  # no compiler, no ninja, a failed build: the SDPA path stays
         last_lines = [line.strip() for line in str(exc).splitlines() if line.strip()][-2:]
         why = f"the C++ decode kernel did not build ({type(exc).__name__}: {' / '.join(last_lines)[-300:]})"
@@ -81,6 +82,23 @@ def cpu_paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache
     ``query``/``out`` ``[T, H, D]``; caches ``[num_blocks, block_size, Hkv, D]``."""
     torch.ops.stagedserve_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                      seq_index, query_rows, scale)
+
+
+def cpu_decode_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode-only step's attention for one layer, in one operator (what a compiled step holds):
+    write row ``i``'s ``key``/``value`` ``[T, Hkv, D]`` to cache slot ``slot_mapping[i]`` (a negative
+    slot is padding, not written), then attend query row ``i`` over sequence ``i``: the first
+    ``seq_lens[i]`` tokens of the blocks ``block_tables[i]`` lists. Returns ``[T, H, D]``."""
+    return torch.ops.stagedserve_cpu.decode_step_attention(query, key, value, key_cache, value_cache, slot_mapping,
+                                                           block_tables, seq_lens, scale)
+
+
+def _decode_step_attention_shape(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+                                 scale):
+    """The operator's output for a graph being traced: shapes only (torch.library's fake kernel)."""
+    return query.new_empty(query.shape)
 
 
 def build_report() -> str:

@@ -1,39 +1,137 @@
-"""torch.compile of the model forward on a CPU (inductor): the CPU counterpart of CUDA graphs.
+"""A compiled decode step on a CPU: what CUDA graphs are to a GPU.
 
-Inductor fuses each stretch between two attention calls into generated C++; attention stays
-eager (a graph break on purpose: it reads Python metadata and writes the KV cache in place).
-Shapes are dynamic, so one graph serves every step. Opt-in (``enforce_eager=False``): on the
-CPUs measured it has not beaten the eager fused model.
+A decode step at a small batch pushes a few rows through every layer. Each operator is tiny, so
+eager PyTorch spends more time walking modules and dispatching about 140 operators a layer from
+Python than computing them. ``CompiledDecodeForward`` compiles the whole forward once with
+inductor (``fullgraph=True``: no graph break) for decode-only steps of up to ``max_tokens`` rows.
+In that graph, attention is one operator a layer (``cpu_kernels``' ``decode_step_attention``: it
+writes the step's K/V and attends in place); RMSNorm, RoPE, SiLU-and-multiply and the residual
+adds become generated C++ loops; the linear layers' int4/packed kernels are called directly.
 
-vLLM: ``vllm/compilation/`` (its piecewise compile splits the graph at attention the same way).
+Two graphs serve every decode batch: one row, and 2 to ``max_tokens`` rows (dynamic sizes, so no
+padding). Both are compiled at start-up by ``capture`` on a dummy step that writes nothing, so no
+request waits for a compiler; inductor's on-disk cache (in the stagedserve cache) makes the next
+start-up quicker. Only the guards that tell the two graphs apart are checked per call, as vLLM
+does. Every other step (a prefill chunk, a mixed step, a larger batch, an image's embeddings) runs
+the eager forward.
+
+vLLM: ``vllm/compilation/`` (``VllmBackend``; ``cuda_graph.py``: graphs captured per batch size at
+start-up, ``cudagraph_capture_sizes``) and ``capture_model`` in ``vllm/v1/worker/gpu_model_runner.py``.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
+import os
+import time
+import types
 
 import torch
 
+from shared.tiny_model import cache_dir
+from stage2_paged.attention import PagedAttentionMetadata
+from stage5_server.model.linear import Linear
+
 logger = logging.getLogger("stagedserve")
 
-
-class EagerAttention:
-    """Runs a backend outside the compiled graph."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    @torch.compiler.disable
-    def forward(self, layer_idx, query, key, value, attn_metadata, scale):
-        return self.backend.forward(layer_idx, query, key, value, attn_metadata, scale)
+# decode batches up to this many rows run compiled: the rows the quantized kernels take
+# (quantization/dispatch.py's QUANTIZED_MAX_ROWS), so one graph never holds both of a layer's methods
+MAX_COMPILED_TOKENS = 8
 
 
-def compile_model(model, backend) -> None:
-    """Install ``backend`` behind a graph break and compile ``model.forward`` (on its first call)."""
-    model.set_attention_backend(EagerAttention(backend))
-    # The layers differ in their weights and their index: with the index a dynamic int, one graph
-    # serves every layer (a static one recompiles per layer, and past dynamo's limit of eight
-    # recompiles the rest run uncompiled).
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
-    model.forward = torch.compile(model.forward, dynamic=True)
-    logger.info("torch.compile: the model forward compiles on its first steps (inductor, dynamic shapes)")
+class CompiledDecodeForward:
+    """The model's forward: compiled for decode-only steps of at most ``max_tokens`` rows, eager
+    otherwise. Installed as ``model.forward``."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKENS):
+        self.eager = model.forward
+        self.max_tokens = max_tokens
+        # traced without the eager forward's inference_mode (dynamo traces no_grad, not inference tensors)
+        forward = types.MethodType(_own_code(inspect.unwrap(type(model).forward)), model)
+        self.graph = torch.compile(forward, fullgraph=True, dynamic=False)
+        self.compiled_steps = 0  # how many steps ran the graph (tests and the stats read it)
+
+    def runs_compiled(self, input_ids: torch.Tensor, attn_metadata, inputs_embeds) -> bool:
+        return (inputs_embeds is None and isinstance(attn_metadata, PagedAttentionMetadata)
+                and attn_metadata.max_query_len == 1 and input_ids.shape[0] <= self.max_tokens)
+
+    def __call__(self, input_ids, positions, attn_metadata, inputs_embeds=None):
+        if not self.runs_compiled(input_ids, attn_metadata, inputs_embeds):
+            return self.eager(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
+        self.compiled_steps += 1
+        with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.graph(input_ids, positions, _at_least_two_blocks(attn_metadata))
+
+    def capture(self) -> float:
+        """Compile both graphs now, on dummy steps (slots -1: nothing written); returns the seconds."""
+        if os.access(cache_dir(), os.W_OK):  # else inductor's own default, under the temp directory
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        start = time.perf_counter()
+        with torch.no_grad():
+            for num_tokens in (1, 2):
+                input_ids, positions, meta = _dummy_decode(num_tokens)
+                if num_tokens > 1:  # the second graph: any row count up to max_tokens
+                    for tensor in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables):
+                        torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.max_tokens)
+                torch._dynamo.mark_dynamic(meta.block_tables, 1)  # any context length (two blocks or more)
+                self.graph(input_ids, positions, meta)
+        return time.perf_counter() - start
+
+
+_copies = itertools.count()
+
+
+def _own_code(function):
+    """``function`` with a code object of its own (equal code objects count as one). Dynamo keeps
+    compiled graphs per code object and allows eight, so engines sharing the model class's one
+    would crowd each other out; this way each engine's graphs are its own, and go with it."""
+    code = function.__code__.replace(co_name=f"{function.__code__.co_name}_{next(_copies)}")
+    return types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+
+
+def _dummy_decode(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),
+        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32),
+        seq_lens=torch.ones(num_tokens, dtype=torch.int32), block_tables=torch.zeros(num_tokens, 2, dtype=torch.int32),
+        max_query_len=1, max_seq_len=1)
+    return torch.zeros(num_tokens, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long), meta
+
+
+def _at_least_two_blocks(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
+    """A block table one block wide, padded to two: the graphs were traced for two or more (a size of
+    one would be a new graph)."""
+    if meta.block_tables.shape[1] >= 2:
+        return meta
+    tables = torch.nn.functional.pad(meta.block_tables, (0, 1))
+    return PagedAttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, tables,
+                                  meta.max_query_len, meta.max_seq_len)
+
+
+def compile_problem(model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKENS) -> str | None:
+    """Why ``model``'s decode step cannot be compiled, or None."""
+    blocked = [name for name, layer in model.named_modules()
+               if isinstance(layer, Linear) and not layer.method.compiles(layer, max_tokens)]
+    if blocked:
+        return (f"{len(blocked)} linear layers (first: {blocked[0]}) multiply decode rows by weights packed for "
+                "oneDNN, which inductor does not compile; a quantized checkpoint (or prepack_linear=False) "
+                "compiles")
+    return None
+
+
+def compile_decode_step(model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKENS) -> str | None:
+    """Install a ``CompiledDecodeForward`` on ``model`` and compile it now (the time goes to the log);
+    where compiling fails (no C++ compiler, say), the eager forward stays: returns why, else None."""
+    compiled = CompiledDecodeForward(model, max_tokens)
+    try:
+        seconds = compiled.capture()
+    except Exception as exc:  # inductor needs a C++ compiler at run time, for one
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return f"compiling failed ({type(exc).__name__}: {(lines[0] if lines else '')[:300]})"
+    model.forward = compiled
+    logger.info("compiled decode step: decode batches of 1 to %d rows run inductor graphs (two, compiled in "
+                "%.1f s); other steps run eagerly", max_tokens, seconds)
+    return None

@@ -83,6 +83,8 @@ class StepRotaryEmbedding(RotaryEmbedding):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if torch.compiler.is_compiling():  # a compiled step computes the table once in its own graph
+            return super().forward(positions, q, k)
         if positions is not self._positions or self._cos_sin[0].dtype != q.dtype:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -98,13 +100,12 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def fuse_projections(model: DecoderModel, step_rope: bool = True) -> DecoderModel:
-    """Rearrange a loaded model in place (see the module docstring); returns it.
-    ``step_rope=False`` keeps the per-layer RoPE (a compiled forward fuses it into its loops)."""
+def fuse_projections(model: DecoderModel) -> DecoderModel:
+    """Rearrange a loaded model in place (see the module docstring); returns it."""
     for layer in model.layers:
         if not isinstance(layer.self_attn, FusedAttention):
             layer.self_attn = FusedAttention(layer.self_attn)
             layer.mlp = FusedMLP(layer.mlp)
-    if step_rope and not isinstance(model.rotary_emb, StepRotaryEmbedding):
+    if not isinstance(model.rotary_emb, StepRotaryEmbedding):
         model.rotary_emb = StepRotaryEmbedding(model.rotary_emb)
     return use_linear_method(model)  # every projection behind the one linear seam (``linear.py``)

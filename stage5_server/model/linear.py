@@ -37,6 +37,10 @@ class LinearMethod:
         """Bytes this layer's weight takes as the method holds it."""
         return layer.weight.numel() * layer.weight.element_size()
 
+    def compiles(self, layer: Linear, max_rows: int) -> bool:
+        """Whether inductor can compile this layer's products of up to ``max_rows`` rows (``compile.py``)."""
+        return True
+
 
 UNQUANTIZED = LinearMethod()
 

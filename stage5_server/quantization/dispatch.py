@@ -46,3 +46,8 @@ class RowDispatchLinearMethod(LinearMethod):
 
     def weight_bytes(self, layer: Linear) -> int:
         return self.few.weight_bytes(layer) + self.many.weight_bytes(layer)
+
+    def compiles(self, layer: Linear, max_rows: int) -> bool:
+        if max_rows > self.max_rows:  # a graph would take both methods
+            return self.few.compiles(layer, self.max_rows) and self.many.compiles(layer, max_rows)
+        return self.few.compiles(layer, max_rows)

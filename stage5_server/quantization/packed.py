@@ -56,6 +56,10 @@ class PackedLinearMethod(LinearMethod):
     def describe(self, layer: Linear) -> str:
         return "packed" if layer.packed_weight is not None else "plain (could not pack)"
 
+    def compiles(self, layer: Linear, max_rows: int) -> bool:
+        """Inductor lowers a packed product only for a weight it froze itself, not for one packed here."""
+        return layer.packed_weight is None
+
     def weight_bytes(self, layer: Linear) -> int:
         weight = layer.packed_weight if layer.packed_weight is not None else layer.weight
         return weight.numel() * weight.element_size()

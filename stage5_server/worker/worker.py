@@ -30,7 +30,8 @@ from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
 from stage5_server.lora import LoRAModelManager
-from stage5_server.model import compile_model, fuse_projections
+from stage5_server.cpu_kernels import load_cpu_kernels
+from stage5_server.model import compile_decode_step, compile_problem, fuse_projections
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_model
 from stage5_server.parallel.parallel_state import RankPlace
@@ -61,9 +62,7 @@ class Worker:
             model, _ = load_sharded_model(config.model_path, rank, world_size, config.dtype, self.device)
         else:
             model, _ = load_model(config.model_path, config.dtype, self.device)
-        # q/k/v (gate/up) fused into one GEMM each; a compiled forward fuses RoPE into its own loops.
-        self.compiled = config.enforce_eager is False and world_size == 1
-        self.model = fuse_projections(model, step_rope=not self.compiled)
+        self.model = fuse_projections(model)  # q/k/v (gate/up) fused into one GEMM each
         if world_size == 1:  # packed or quantized linears (quantization/config.py); plain when split
             logger.info(install_linear_methods(self.model, config.linear))
         # LoRA slots over every projection's own method, each rank holding its part (lora/manager.py)
@@ -104,10 +103,12 @@ class Worker:
                                      model_config.num_key_value_heads, model_config.head_dim, config.dtype,
                                      self.device)
         backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
-        if self.compiled:
-            compile_model(self.model, backend)
-        else:
-            self.model.set_attention_backend(backend)
+        self.model.set_attention_backend(backend)
+        if config.compile_decode:  # decode batches of a few rows: a compiled graph (model/compile.py)
+            problem = load_cpu_kernels() or compile_problem(self.model) or compile_decode_step(self.model)
+            if problem is not None:  # a warning where enforce_eager=False asked for it
+                logger.log(logging.WARNING if config.enforce_eager is False else logging.INFO,
+                           "decode steps run eagerly: %s", problem)
         input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, block_size, self.device)
         drafter = None
         if self.draft_model is not None:

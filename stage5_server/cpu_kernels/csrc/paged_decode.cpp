@@ -48,15 +48,15 @@ inline void for_each_token(const scalar_t* cache, const int32_t* table, int64_t 
   }
 }
 
+// seqs/rows: decode i is sequence seqs[i] at query row rows[i]; null: sequence i at row i.
 template <typename scalar_t>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, const at::Tensor& seq_index,
-                      const at::Tensor& query_rows, double scale) {
+                      const at::Tensor& seq_lens, const int64_t* seqs, const int64_t* rows,
+                      int64_t num_decodes, double scale) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_decodes = seq_index.size(0);
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
   const int64_t table_row = block_tables.stride(0);
@@ -67,15 +67,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   scalar_t* o = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* seqs = seq_index.data_ptr<int64_t>();
-  const int64_t* rows = query_rows.data_ptr<int64_t>();
   const float scale_f = static_cast<float>(scale);
 
   at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row_f(head_dim), inv_sum(group), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t seq = seqs[i], len = lens[seq], row = rows[i];
+      const int64_t seq = seqs ? seqs[i] : i, len = lens[seq], row = rows ? rows[i] : i;
       const int32_t* table = tables + seq * table_row;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* q_head_row = q + row * q_row + (kv_head * group + g) * q_head;
@@ -145,9 +143,60 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                   seq_index.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong,
               "block_tables and seq_lens int32, seq_index and query_rows int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, seq_index, query_rows,
+    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                               seq_index.data_ptr<int64_t>(), query_rows.data_ptr<int64_t>(), seq_index.size(0),
                                scale);
   });
+}
+
+// A decode-only step's attention for one layer, as one operator a compiled graph can hold: write
+// each row's K/V to its slot (a negative slot is padding: not written), then attend row i over
+// sequence i. The caches are declared mutated; the output is new.
+at::Tensor decode_step_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_tokens = query.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) == num_tokens && value.sizes() == key.sizes() &&
+                  key.size(1) == num_kv_heads && key.size(2) == head_dim,
+              "decode_step_attention: key and value [T, Hkv, D] matching the caches");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "decode_step_attention: key, value and caches share a dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "decode_step_attention: key and value rows contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == num_tokens && seq_lens.size(0) == num_tokens &&
+                  block_tables.size(0) == num_tokens,
+              "decode_step_attention: one int64 slot, one seq_len and one block-table row per query row");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && seq_lens.is_contiguous() &&
+                  query.stride(2) == 1 && block_tables.stride(1) == 1,
+              "decode_step_attention: contiguous caches, seq_lens and rows");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "decode_step_attention: block_tables and seq_lens int32");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t row_bytes = head_dim * key_cache.element_size();
+  auto* k_base = static_cast<char*>(key_cache.data_ptr());
+  auto* v_base = static_cast<char*>(value_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t item = key.element_size();
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    if (slots[i] < 0) continue;
+    TORCH_CHECK(slots[i] < num_slots, "decode_step_attention: slot ", slots[i], " past the cache");
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t offset = (slots[i] * num_kv_heads + h) * row_bytes;
+      std::memcpy(k_base + offset, k_src + (i * key.stride(0) + h * key.stride(1)) * item, row_bytes);
+      std::memcpy(v_base + offset, v_src + (i * value.stride(0) + h * value.stride(1)) * item, row_bytes);
+    }
+  }
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && query.size(2) == head_dim &&
+                  query.size(1) % num_kv_heads == 0,
+              "decode_step_attention: query [T, H, D] in the caches' dtype, H a multiple of Hkv");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_step_attention", [&] {
+    decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, nullptr,
+                               num_tokens, scale);
+  });
+  return out;
 }
 
 }  // namespace
@@ -156,6 +205,12 @@ TORCH_LIBRARY(stagedserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor seq_index, Tensor query_rows, float scale) -> ()");
+  m.def(
+      "decode_step_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(stagedserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_step_attention", &decode_step_attention);
+}

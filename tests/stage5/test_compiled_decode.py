@@ -1,0 +1,136 @@
+"""The compiled decode step (``model/compile.py``): which steps run it, that it compiles only at
+start-up, and that its tokens are logprob-close to the eager forward's; its attention operator
+against the reference; and when the engine arguments turn it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared import SamplingParams
+from shared.closeness import as_token_logprobs, first_divergences
+from stage2_paged.attention import paged_attention
+from stage5_server import LLM
+from stage5_server.config import EngineConfig
+from stage5_server.cpu_kernels import cpu_decode_step_attention, load_cpu_kernels
+from stage5_server.model import CompiledDecodeForward
+from tests.invariants.prompts import PROMPTS
+from tests.stage5.test_cpu_attention import make_paged_batch
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is not None,
+                                reason=f"the C++ decode operator did not build: {load_cpu_kernels()}")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_step_attention_writes_each_rows_kv_and_attends_like_the_reference(dtype, tolerance):
+    seq_lens = [1, 17, 70, 33]
+    query, key_cache, value_cache, tables, lens, starts = make_paged_batch(
+        seq_lens, [1] * 4, block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(4, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    positions = torch.tensor(seq_lens) - 1  # each row's token is its sequence's last
+    slots = (tables[torch.arange(4), positions // 16].long() * 16 + positions % 16)
+    slots[2] = -1  # padding: written nowhere, so row 2 attends the cache as it was
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    keep = slots >= 0
+    expected_k.view(-1, 2, 32)[slots[keep]] = key[keep]
+    expected_v.view(-1, 2, 32)[slots[keep]] = value[keep]
+
+    out = cpu_decode_step_attention(query, key, value, key_cache, value_cache, slots, tables, lens, 32 ** -0.5)
+
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    reference = paged_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens, starts,
+                                32 ** -0.5)
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_step_attention_refuses_a_slot_past_the_cache():
+    query, key_cache, value_cache, tables, lens, _ = make_paged_batch(
+        [5], [1], block_size=16, num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    kv = torch.zeros(1, 2, 16)
+    past = torch.tensor([key_cache.shape[0] * 16])
+    before = key_cache.clone()
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_decode_step_attention(query, kv, kv, key_cache, value_cache, past, tables, lens, 0.25)
+    assert torch.equal(key_cache, before)
+
+
+def _run(model, eager: bool, prompts, max_tokens=10, **args):
+    llm = LLM(model=str(model), device="cpu", dtype="bfloat16", max_model_len=256, block_size=8,
+              enforce_eager=eager, max_num_seqs=16, **{"prepack_linear": False, **args})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs], [as_token_logprobs(o.outputs[0].logprobs) for o in outs]
+
+
+def test_compiled_decode_is_logprob_close_to_eager_and_compiles_only_at_start_up(tiny_llama):
+    from torch._dynamo.utils import counters
+
+    _, ids_eager, lps_eager = _run(tiny_llama, True, list(PROMPTS))
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm, _, _ = _run(tiny_llama, False, list(PROMPTS)[:1], max_tokens=2)  # start-up compiles both graphs
+    compiled_at_start = counters["stats"]["unique_graphs"] - graphs_before
+    assert compiled_at_start == 2  # one row; two to eight rows
+    steps_before = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]
+    # 1 to len(PROMPTS) rows at once, over contexts one and several blocks wide: no new graph
+    outs = llm.generate(list(PROMPTS), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] - graphs_before == compiled_at_start
+    steps = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]
+    assert steps - steps_before >= 9  # every decode step of the batch
+    ids = [o.outputs[0].token_ids for o in outs]
+    divergences = first_divergences(ids, [as_token_logprobs(o.outputs[0].logprobs) for o in outs], ids_eager,
+                                    lps_eager)
+    assert all(d.close for d in divergences), divergences
+    assert len(divergences) < len(PROMPTS)  # most prompts agree all the way
+
+
+def test_a_prefill_or_a_batch_past_eight_rows_runs_eagerly(tiny_llama):
+    llm, _, _ = _run(tiny_llama, False, ["one prompt"] * 12, max_tokens=3)  # 12 decode rows a step
+    steps = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]
+    assert steps == 0
+
+
+def test_weights_packed_for_onednn_keep_decode_steps_eager_and_say_why(tiny_llama, caplog):
+    with caplog.at_level("INFO", logger="stagedserve"):
+        llm, _, _ = _run(tiny_llama, None, ["one prompt"], max_tokens=3, prepack_linear=True)
+    assert not isinstance(llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward)[0],
+                          CompiledDecodeForward)
+    assert "decode steps run eagerly" in caplog.text and "inductor does not compile" in caplog.text
+
+
+def test_enforce_eager_and_the_dtype_decide_when_decode_steps_compile(tiny_llama):
+    def compiles(**args):
+        return EngineConfig.create(str(tiny_llama), device="cpu", **args).compile_decode
+
+    assert compiles(dtype="bfloat16")  # the CPU fast path
+    assert not compiles(dtype="float32")  # the reference stays eager
+    assert compiles(dtype="float32", enforce_eager=False)
+    assert not compiles(dtype="bfloat16", enforce_eager=True)
+    assert not compiles(dtype="bfloat16", attention_backend="torch")
+    with pytest.raises(ValueError, match="enforce_eager=False: the compiled decode step runs on a CPU"):
+        compiles(dtype="bfloat16", attention_backend="torch", enforce_eager=False)
+    with pytest.raises(ValueError, match="enable_lora: the compiled decode step"):
+        compiles(dtype="bfloat16", enable_lora=True, enforce_eager=False)
+
+
+def test_where_inductor_cannot_compile_decode_steps_run_eagerly_and_say_why(tiny_llama, tmp_path):
+    """Inductor needs a C++ compiler when the engine starts (here: no such compiler, an empty cache)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "from shared import SamplingParams\n"
+            "from stage5_server import LLM\n"
+            f"llm = LLM(model={str(tiny_llama)!r}, device='cpu', dtype='bfloat16', prepack_linear=False,"
+            " max_model_len=128)\n"
+            "params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+            "print(len(llm.generate(['hello'], params, use_tqdm=False)[0].outputs[0].token_ids))\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "4"
+    assert "decode steps run eagerly: compiling failed" in run.stderr, run.stderr[-3000:]
