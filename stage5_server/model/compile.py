@@ -11,12 +11,14 @@ adds become generated C++ loops; the linear layers' int4/packed kernels are call
 Two graphs serve every decode batch: one row, and 2 to ``max_tokens`` rows (dynamic sizes, so no
 padding). Both are compiled at start-up by ``capture`` on a dummy step that writes nothing, so no
 request waits for a compiler; inductor's on-disk cache (in the stagedserve cache) makes the next
-start-up quicker. Only the guards that tell the two graphs apart are checked per call, as vLLM
-does. Every other step (a prefill chunk, a mixed step, a larger batch, an image's embeddings) runs
-the eager forward.
+start-up quicker. Per call, dynamo checks only its guards on the step's inputs, which tell the two
+graphs apart, not the thousands on the model's modules and weights (vLLM drops its guards too).
+Every other step (a prefill chunk, a mixed step, a larger batch, an image's embeddings) runs the
+eager forward.
 
-vLLM: ``vllm/compilation/`` (``VllmBackend``; ``cuda_graph.py``: graphs captured per batch size at
-start-up, ``cudagraph_capture_sizes``) and ``capture_model`` in ``vllm/v1/worker/gpu_model_runner.py``.
+vLLM: ``vllm/compilation/`` (``backends.py``'s ``VllmBackend``; ``cuda_graph.py``: graphs captured
+per batch size at start-up, ``cudagraph_capture_sizes``; ``wrapper.py``'s
+``TorchCompileGuardsStripWrapper``) and ``capture_model`` in ``vllm/v1/worker/gpu_model_runner.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import inspect
 import itertools
 import logging
 import os
+import re
 import time
 import types
 
@@ -50,7 +53,8 @@ class CompiledDecodeForward:
         self.max_tokens = max_tokens
         # traced without the eager forward's inference_mode (dynamo traces no_grad, not inference tensors)
         forward = types.MethodType(_own_code(inspect.unwrap(type(model).forward)), model)
-        self.graph = torch.compile(forward, fullgraph=True, dynamic=False)
+        self.graph = torch.compile(forward, fullgraph=True, dynamic=False,
+                                   options={"guard_filter_fn": step_input_guards})
         self.compiled_steps = 0  # how many steps ran the graph (tests and the stats read it)
 
     def runs_compiled(self, input_ids: torch.Tensor, attn_metadata, inputs_embeds) -> bool:
@@ -61,11 +65,15 @@ class CompiledDecodeForward:
         if not self.runs_compiled(input_ids, attn_metadata, inputs_embeds):
             return self.eager(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
         self.compiled_steps += 1
-        with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        with torch.no_grad():
             return self.graph(input_ids, positions, _at_least_two_blocks(attn_metadata))
 
-    def capture(self) -> float:
-        """Compile both graphs now, on dummy steps (slots -1: nothing written); returns the seconds."""
+    def capture(self, kv_caches: list[torch.Tensor] = ()) -> float:
+        """Compile both graphs now, on dummy steps (slots -1: nothing written); returns the seconds.
+        ``kv_caches``: the layers' K and V tensors, whose number of blocks the graphs leave open, so
+        that inductor's cache serves an engine with another KV cache size too."""
+        for cache in kv_caches:
+            torch._dynamo.mark_dynamic(cache, 0)
         if os.access(cache_dir(), os.W_OK):  # else inductor's own default, under the temp directory
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         start = time.perf_counter()
@@ -81,6 +89,21 @@ class CompiledDecodeForward:
 
 
 _copies = itertools.count()
+
+
+STEP_INPUTS = ("input_ids", "positions", "attn_metadata")
+
+
+def step_input_guards(guards) -> list[bool]:
+    """Which of dynamo's guards each call checks: those on the step's inputs (their sizes tell the
+    two graphs apart) and on shapes, not the thousands on the model's modules, weights and KV
+    cache, which stay as they were when the graphs were compiled (no adapters, no reloading)."""
+    return [guard.guard_type == "SHAPE_ENV" or _root_name(guard.name) in STEP_INPUTS for guard in guards]
+
+
+def _root_name(source: str) -> str:
+    """``attn_metadata`` of a guard on ``attn_metadata.seq_lens`` (or on ``L['attn_metadata']...``)."""
+    return re.match(r"(?:L\[')?(\w*)", source).group(1)
 
 
 def _own_code(function):
@@ -122,12 +145,13 @@ def compile_problem(model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKEN
     return None
 
 
-def compile_decode_step(model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKENS) -> str | None:
+def compile_decode_step(model: torch.nn.Module, kv_caches: list[torch.Tensor] = (),
+                        max_tokens: int = MAX_COMPILED_TOKENS) -> str | None:
     """Install a ``CompiledDecodeForward`` on ``model`` and compile it now (the time goes to the log);
     where compiling fails (no C++ compiler, say), the eager forward stays: returns why, else None."""
     compiled = CompiledDecodeForward(model, max_tokens)
     try:
-        seconds = compiled.capture()
+        seconds = compiled.capture(kv_caches)
     except Exception as exc:  # inductor needs a C++ compiler at run time, for one
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return f"compiling failed ({type(exc).__name__}: {(lines[0] if lines else '')[:300]})"

@@ -105,7 +105,8 @@ class Worker:
         backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
         self.model.set_attention_backend(backend)
         if config.compile_decode:  # decode batches of a few rows: a compiled graph (model/compile.py)
-            problem = load_cpu_kernels() or compile_problem(self.model) or compile_decode_step(self.model)
+            problem = load_cpu_kernels() or compile_problem(self.model) or \
+                compile_decode_step(self.model, [*self.kv_cache.key, *self.kv_cache.value])
             if problem is not None:  # a warning where enforce_eager=False asked for it
                 logger.log(logging.WARNING if config.enforce_eager is False else logging.INFO,
                            "decode steps run eagerly: %s", problem)

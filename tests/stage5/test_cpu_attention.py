@@ -107,6 +107,28 @@ def test_backend_writes_the_same_cache_and_output_as_the_reference_backend_over_
 
 
 @pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("seq_lens", [[700], [1000, 3], [64, 65, 129]])
+def test_fewer_sequences_than_threads_split_their_blocks_into_parts_and_merge_exactly(seq_lens, threads):
+    """One KV head and few sequences: each sequence's blocks run as parts on the threads (split-K)."""
+    from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention
+
+    query, key_cache, value_cache, tables, seq_lens_t, qsl = make_paged_batch(
+        seq_lens, [1] * len(seq_lens), block_size=16, num_heads=3, num_kv_heads=1, head_dim=64,
+        dtype=torch.float32)
+    expected = paged_attention(query, key_cache, value_cache, tables, seq_lens_t, qsl, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full_like(query, float("nan"))
+        rows = torch.arange(len(seq_lens))
+        cpu_paged_decode_attention(out, query, key_cache, value_cache, tables, seq_lens_t, rows, rows, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
 def test_the_decode_operator_reads_strided_queries_and_rejects_mismatched_inputs():
     """The model's queries are a view into the fused QKV projection: every row strided, as here."""
     from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention

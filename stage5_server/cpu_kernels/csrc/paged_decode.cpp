@@ -4,7 +4,8 @@
 // the KV head are scored against the sequence's keys block by block, soft-maxed, and summed over the
 // values, in float32 whatever the cache's dtype. Nothing is gathered or padded: a sequence reads its
 // own blocks and stops at its own length. The (sequence, KV head) pairs run in parallel on ATen's
-// thread pool.
+// thread pool; where there are fewer pairs than threads (one request has a few KV heads), each
+// pair's blocks are split into parts that run in parallel and merge at the end.
 //
 // vLLM: csrc/cpu/attention.cpp (paged_attention_v1) behind vllm/v1/attention/backends/cpu_attn.py.
 
@@ -48,6 +49,14 @@ inline void for_each_token(const scalar_t* cache, const int32_t* table, int64_t 
   }
 }
 
+// Parts per (decode, KV head) when there are fewer of those than threads: each part attends a
+// run of the sequence's blocks, and the parts merge as flash-decoding's split-K does. A part has
+// at least kMinPartTokens tokens, so a short sequence stays one part.
+constexpr int64_t kMinPartTokens = 64;
+constexpr int64_t kMaxHeadDim = 512;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // seqs/rows: decode i is sequence seqs[i] at query row rows[i]; null: sequence i at row i.
 template <typename scalar_t>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -69,58 +78,110 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float scale_f = static_cast<float>(scale);
 
-  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row_f(head_dim), inv_sum(group), scores;
-    for (int64_t item = begin; item < end; ++item) {
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "decode attention: head_dim up to ", kMaxHeadDim);
+  const int64_t items = num_decodes * num_kv_heads;
+  int64_t longest = 1;
+  for (int64_t i = 0; i < num_decodes; ++i) longest = std::max<int64_t>(longest, lens[seqs ? seqs[i] : i]);
+  int64_t num_parts = 1;
+  const int64_t threads = at::get_num_threads();
+  if (items < 2 * threads) {
+    num_parts = std::min(ceil_div(2 * threads, items), std::max<int64_t>(1, longest / kMinPartTokens));
+  }
+  // Per (item, part) and query head of the group: the part's max score, its sum of
+  // exp(score - max), and its values weighted by exp(score - max); a sum of 0 marks an empty part.
+  const int64_t part_floats = group * (head_dim + 2);
+  std::vector<float> parts(items * num_parts * part_floats);
+
+  at::parallel_for(0, items * num_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), row_f(head_dim), scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / num_parts, part = work % num_parts;
       const int64_t i = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq = seqs ? seqs[i] : i, len = lens[seq], row = rows ? rows[i] : i;
-      const int32_t* table = tables + seq * table_row;
+      float* max = parts.data() + work * part_floats;
+      float* sum = max + group;
+      float* acc = sum + group;
+      const int64_t num_blocks = ceil_div(len, block_size), per_part = ceil_div(num_blocks, num_parts);
+      const int64_t first_block = part * per_part;
+      const int64_t first = first_block * block_size, n = std::min(len, (first_block + per_part) * block_size) - first;
+      if (n <= 0) {
+        std::fill(max, max + part_floats, 0.f);
+        continue;
+      }
+      const int32_t* table = tables + seq * table_row + first_block;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* q_head_row = q + row * q_row + (kv_head * group + g) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(q_head_row[d]) * scale_f;
       }
-      scores.resize(group * len);
+      scores.resize(group * n);
 
       const scalar_t* k_head = k + kv_head * head_dim;  // scores: each query head of the group against each key
-      for_each_token(k_head, table, len, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* key) {
+      for_each_token(k_head, table, n, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* key) {
         to_float(key, row_f.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row_f[d];
-          scores[g * len + t] = dot;
+          scores[g * n + t] = dot;
         }
       });
-      for (int64_t g = 0; g < group; ++g) {  // softmax over the keys, per query head
-        float* s = scores.data() + g * len;
-        const float top = *std::max_element(s, s + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
+      for (int64_t g = 0; g < group; ++g) {  // exp(score - max) over the part's keys, per query head
+        float* s = scores.data() + g * n;
+        const float top = *std::max_element(s, s + n);
+        float total = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
           s[t] = std::exp(s[t] - top);
-          sum += s[t];
+          total += s[t];
         }
-        inv_sum[g] = 1.f / sum;
+        max[g] = top;
+        sum[g] = total;
       }
 
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc, acc + group * head_dim, 0.f);
       const scalar_t* v_head = v + kv_head * head_dim;  // the weighted sum of the values
-      for_each_token(v_head, table, len, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* value) {
+      for_each_token(v_head, table, n, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* value) {
         to_float(value, row_f.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
+          const float p = scores[g * n + t];
+          float* a = acc + g * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
         }
       });
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* o_head_row = o + row * o_row + (kv_head * group + g) * o_head;
-        for (int64_t d = 0; d < head_dim; ++d)
-          o_head_row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
-      }
     }
   });
+
+  // Merge each item's parts: rescale each to the largest max, then divide by the summed weights.
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t i = item / num_kv_heads, kv_head = item % num_kv_heads, row = rows ? rows[i] : i;
+    const float* first = parts.data() + item * num_parts * part_floats;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = 0.f;
+      bool any = false;
+      for (int64_t c = 0; c < num_parts; ++c) {
+        const float* part = first + c * part_floats;
+        if (part[group + g] > 0.f) {
+          top = any ? std::max(top, part[g]) : part[g];
+          any = true;
+        }
+      }
+      float total = 0.f;
+      float merged[kMaxHeadDim];
+      std::fill(merged, merged + head_dim, 0.f);
+      for (int64_t c = 0; c < num_parts; ++c) {
+        const float* part = first + c * part_floats;
+        if (part[group + g] <= 0.f) continue;
+        const float weight = std::exp(part[g] - top);
+        total += weight * part[group + g];
+        const float* acc = part + 2 * group + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
+      }
+      scalar_t* o_head_row = o + row * o_row + (kv_head * group + g) * o_head;
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < head_dim; ++d) o_head_row[d] = static_cast<scalar_t>(merged[d] * inv);
+    }
+  }
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
