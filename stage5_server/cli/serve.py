@@ -112,7 +112,8 @@ def add_serve_subcommand(subparsers) -> None:
     eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
     eng.add_argument("--attention-backend", default=None, help="torch, triton or cpu (default: the device's)")
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                     help="run the model eagerly (the default); --no-enforce-eager compiles it with torch.compile")
+                     help="run every step eagerly; default: on a CPU in bfloat16, decode batches of up to 8 rows "
+                          "run a graph compiled at start-up (--no-enforce-eager: in float32 too)")
     eng.add_argument("--cpu-threads", type=positive_int, default=None,
                      help="torch threads of the engine on a CPU (default: one per physical core)")
     eng.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
