@@ -44,7 +44,7 @@ SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_mem
                       "distributed_executor_backend": None,  # "mp" (worker processes here) | "ray"; None: mp
                       # network interface of the ranks' traffic; None: the one with VLLM_HOST_IP, or loopback
                       "distributed_interface": None,
-                      # None: a compiled decode step on the CPU fast path (model/compile.py); True: eager; False: compiled
+                      # None: the compiled decode step on the CPU fast path (model/compile.py); True: eager
                       "enforce_eager": None,
                       "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
                       "speculative_config": None,  # a dict (or its JSON): spec_decode/config.py; None: off

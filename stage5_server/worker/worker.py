@@ -29,8 +29,8 @@ from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
-from stage5_server.lora import LoRAModelManager
 from stage5_server.cpu_kernels import load_cpu_kernels
+from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_decode_step, compile_problem, fuse_projections
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_model
