@@ -184,7 +184,7 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop
 
 
-def run_multi_api_server(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
+def run_multi_api_server(args: argparse.Namespace, model: str | None, engine_kwargs: dict[str, Any],
                          api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int,
                          batch_defaults: dict[str, int] | None = None) -> int:
     from stage5_server.server.auth import APIKeys

@@ -273,8 +273,8 @@ def serve(args: argparse.Namespace) -> int:
         from shared.named_models import default_model, resolve_model
         from stage5_server.cli.api_servers import run_multi_api_server
 
-        model = resolve_model(args.model) if args.model else default_model()
-        return run_multi_api_server(args, model, engine_kwargs, api_keys, served_model_name,
+        resolve_model(args.model) if args.model else default_model()  # a .gguf converted once, before the cores
+        return run_multi_api_server(args, args.model, engine_kwargs, api_keys, served_model_name,
                                     args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, batch_defaults)
     import uvicorn
 

@@ -180,7 +180,7 @@ class ZmqCoreLoop(EngineCoreLoop):
         return not self.orphaned
 
 
-def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int):
+def _build_core(model: str | None, engine_args: dict[str, Any], engine_index: int):
     """``((EngineCore, its grammar manager), EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
         from shared.llm_base import cache_config_info
@@ -191,7 +191,7 @@ def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int)
         from stage5_server.core.plugins import load_engine_plugins
         from stage5_server.llm import LLM
 
-        core = build_engine_core(EngineConfig.create(model_path, **engine_args))
+        core = build_engine_core(EngineConfig.create(model, **engine_args))
         load_engine_plugins(core)
         config = core.config
         mc = config.model_config  # grammars are built off the engine loop
@@ -206,7 +206,7 @@ def _build_core(model_path: str, engine_args: dict[str, Any], engine_index: int)
         engine_index=engine_index)
 
 
-def run_engine_core(engine_index: int, model_path: str, engine_args: dict[str, Any], input_address: str,
+def run_engine_core(engine_index: int, model: str | None, engine_args: dict[str, Any], input_address: str,
                     output_address: str, handshake_address: str, stats_address: str | None, parent_pid: int,
                     num_threads: int | None = None, log_level: int = logging.INFO) -> None:
     """The entry point of engine core ``engine_index`` (spawned by ``data_parallel/launcher.py``): bind,
@@ -227,7 +227,7 @@ def run_engine_core(engine_index: int, model_path: str, engine_args: dict[str, A
     stats_socket = None if stats_address is None else open_socket(context, zmq.PUSH, connect=stats_address,
                                                                   LINGER=0, SNDHWM=1000)
     try:
-        built, ready = _build_core(model_path, engine_args, engine_index)
+        built, ready = _build_core(model, engine_args, engine_index)
         handshake.send(encoder.encode(ready))
         if built is None:
             return

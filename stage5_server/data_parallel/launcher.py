@@ -115,7 +115,7 @@ class CoreEngineProcManager:
     """N engine-core processes (and the coordinator when N > 1), started and ready, or an exception
     (``ValueError``, ``RuntimeError``, ``TimeoutError``) once whatever had started is stopped."""
 
-    def __init__(self, model_path: str, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
+    def __init__(self, model: str | None, engine_args: dict[str, Any], data_parallel_size: int = 1, *,
                  api_server_count: int = 1, routing: str = LEAST_LOADED,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, log_level: int | None = None):
         check_topology(data_parallel_size, api_server_count, routing)
@@ -136,7 +136,7 @@ class CoreEngineProcManager:
             threads = envs[d].get("OMP_NUM_THREADS") if split == 1 else None
             process = context.Process(
                 target=run_engine_core, name=f"stagedserve-engine-core-{d}",
-                args=(d, model_path, dict(engine_args), inputs[d], outputs[d], f"{ipc}/handshake",
+                args=(d, model, dict(engine_args), inputs[d], outputs[d], f"{ipc}/handshake",
                       self.coordinator.stats_address if self.coordinator else None, os.getpid(),
                       int(threads) if threads else None, log_level))
             with environment(envs[d]):

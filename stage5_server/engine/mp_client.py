@@ -99,9 +99,10 @@ class MPAsyncLLM(AsyncEngine):
     def __init__(self, model: str | None = None, *, data_parallel_size: int = 1, routing: str = LEAST_LOADED,
                  log_stats_interval: float | None = 10.0, stat_loggers: list[StatLoggerBase] | None = None,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_args: Any):
-        # Resolved (a name or .gguf to its directory) once here, so every process agrees.
-        checkpoint = resolve_model(model) if model else default_model()
-        manager = CoreEngineProcManager(checkpoint, engine_args, data_parallel_size, routing=routing,
+        # A .gguf file is converted once here, before the cores start; they get the argument as given,
+        # so that each finds the same directory and knows the file it came from (its quantized blocks).
+        resolve_model(model) if model else default_model()
+        manager = CoreEngineProcManager(model, engine_args, data_parallel_size, routing=routing,
                                         startup_timeout_s=startup_timeout_s)
         try:
             self._attach(manager.topology, 0, log_stats_interval, stat_loggers, manager, HANDSHAKE_TIMEOUT_S)

@@ -227,3 +227,28 @@ def test_the_default_model_runs_its_q4_1_blocks_close_to_its_float32_model():
     assert kinds == {f"int4 (GGUF Q4_1 blocks) up to 8 rows, else {packed_kind()}",
                      f"int8 (GGUF Q8_0 requantized per row) up to 8 rows, else {packed_kind()}"}
     assert_close(reference, greedy_with_logprobs(llm))
+
+
+def test_an_engine_process_given_a_gguf_file_runs_its_blocks(tiny_ggufs):
+    """The cores of ``stagedserve serve`` get the model argument as given, so they know the file a
+    converted directory came from (given only the directory, ``quantization="gguf"`` is refused)."""
+    import asyncio
+
+    from stage5_server.engine.mp_client import MPAsyncLLM
+
+    path = str(tiny_ggufs["Q4_0"])
+    offline = LLM(path, dtype="bfloat16", quantization="gguf", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = offline.generate(["The engine"], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = MPAsyncLLM(path, log_stats_interval=None, startup_timeout_s=120, dtype="bfloat16",
+                        quantization="gguf", **ENGINE)
+    try:
+        async def final():
+            last = None
+            async for out in engine.generate("The engine", params, request_id="gguf-1"):
+                last = out
+            return last
+
+        assert asyncio.run(final()).outputs[0].token_ids == expected
+    finally:
+        engine.shutdown()
