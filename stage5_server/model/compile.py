@@ -55,7 +55,7 @@ class CompiledDecodeForward:
         forward = types.MethodType(_own_code(inspect.unwrap(type(model).forward)), model)
         self.graph = torch.compile(forward, fullgraph=True, dynamic=False,
                                    options={"guard_filter_fn": step_input_guards})
-        self.compiled_steps = 0  # how many steps ran the graph (tests and the stats read it)
+        self.compiled_steps = 0  # how many steps ran the graph (the tests read it)
 
     def runs_compiled(self, input_ids: torch.Tensor, attn_metadata, inputs_embeds) -> bool:
         return (inputs_embeds is None and isinstance(attn_metadata, PagedAttentionMetadata)
@@ -88,9 +88,6 @@ class CompiledDecodeForward:
         return time.perf_counter() - start
 
 
-_copies = itertools.count()
-
-
 STEP_INPUTS = ("input_ids", "positions", "attn_metadata")
 
 
@@ -104,6 +101,9 @@ def step_input_guards(guards) -> list[bool]:
 def _root_name(source: str) -> str:
     """``attn_metadata`` of a guard on ``attn_metadata.seq_lens`` (or on ``L['attn_metadata']...``)."""
     return re.match(r"(?:L\[')?(\w*)", source).group(1)
+
+
+_copies = itertools.count()
 
 
 def _own_code(function):
