@@ -10,11 +10,11 @@ adds become generated C++ loops; the linear layers' int4/packed kernels are call
 
 Two graphs serve every decode batch: one row, and 2 to ``max_tokens`` rows (dynamic sizes, so no
 padding). Both are compiled at start-up by ``capture`` on a dummy step that writes nothing, so no
-request waits for a compiler; inductor's on-disk cache (in the stagedserve cache) makes the next
-start-up quicker. Per call, dynamo checks only its guards on the step's inputs, which tell the two
-graphs apart, not the thousands on the model's modules and weights (vLLM drops its guards too).
-Every other step (a prefill chunk, a mixed step, a larger batch, an image's embeddings) runs the
-eager forward.
+request waits for a compiler; inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by default
+under the temp directory) makes the next start-up quicker. Per call, dynamo checks only its guards
+on the step's inputs, which tell the two graphs apart, not the thousands on the model's modules
+and weights (vLLM drops its guards too). Every other step (a prefill chunk, a mixed step, a
+larger batch, an image's embeddings) runs the eager forward.
 
 vLLM: ``vllm/compilation/`` (``backends.py``'s ``VllmBackend``; ``cuda_graph.py``: graphs captured
 per batch size at start-up, ``cudagraph_capture_sizes``; ``wrapper.py``'s
@@ -26,14 +26,12 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import os
 import re
 import time
 import types
 
 import torch
 
-from shared.tiny_model import cache_dir
 from stage2_paged.attention import PagedAttentionMetadata
 from stage5_server.model.linear import Linear
 
@@ -74,8 +72,6 @@ class CompiledDecodeForward:
         that inductor's cache serves an engine with another KV cache size too."""
         for cache in kv_caches:
             torch._dynamo.mark_dynamic(cache, 0)
-        if os.access(cache_dir(), os.W_OK):  # else inductor's own default, under the temp directory
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         start = time.perf_counter()
         with torch.no_grad():
             for num_tokens in (1, 2):
