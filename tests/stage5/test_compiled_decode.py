@@ -44,11 +44,11 @@ def test_decode_step_attention_writes_each_rows_kv_and_attends_like_the_referenc
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
 
 
-def test_decode_step_attention_refuses_a_slot_past_the_cache():
+def test_decode_step_attention_refuses_a_slot_past_the_cache_before_writing_any():
     query, key_cache, value_cache, tables, lens, _ = make_paged_batch(
-        [5], [1], block_size=16, num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    kv = torch.zeros(1, 2, 16)
-    past = torch.tensor([key_cache.shape[0] * 16])
+        [5, 9], [1, 1], block_size=16, num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    kv = torch.zeros(2, 2, 16)
+    past = torch.tensor([0, key_cache.shape[0] * 16])  # the first row's slot is fine, the second's is not
     before = key_cache.clone()
     with pytest.raises(RuntimeError, match="past the cache"):
         cpu_decode_step_attention(query, kv, kv, key_cache, value_cache, past, tables, lens, 0.25)

@@ -184,25 +184,36 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   }
 }
 
+// What both operators need of the query, the caches and the metadata; `op` names the caller.
+void check_attention_inputs(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, op, ": query [T, H, D], caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && seq_lens.is_contiguous(),
+              op, ": contiguous caches and seq_lens");
+  TORCH_CHECK(query.stride(2) == 1 && block_tables.stride(1) == 1,
+              op, ": query and block_tables contiguous in their last dimension");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && query.size(2) == key_cache.size(3),
+              op, ": mismatched shapes");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
+              op, ": query and caches share a dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, op, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              op, ": block_tables and seq_lens int32");
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& seq_index,
                             const at::Tensor& query_rows, double scale) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], caches [blocks, block_size, Hkv, D]");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && seq_lens.is_contiguous() &&
-                  seq_index.is_contiguous() && query_rows.is_contiguous(),
-              "paged_decode_attention: contiguous caches and index tensors");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && block_tables.stride(1) == 1,
-              "paged_decode_attention: query, out and block_tables contiguous in their last dimension");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && query.size(2) == key_cache.size(3) &&
-                  out.sizes() == query.sizes() && seq_index.sizes() == query_rows.sizes(),
+  check_attention_inputs("paged_decode_attention", query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(seq_index.is_contiguous() && query_rows.is_contiguous() && out.stride(2) == 1,
+              "paged_decode_attention: contiguous index tensors and out rows");
+  TORCH_CHECK(out.sizes() == query.sizes() && seq_index.sizes() == query_rows.sizes(),
               "paged_decode_attention: mismatched shapes");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_decode_attention: query, cache and out share a dtype");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  seq_index.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong,
-              "block_tables and seq_lens int32, seq_index and query_rows int64");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "paged_decode_attention: query, cache and out share a dtype");
+  TORCH_CHECK(seq_index.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong,
+              "paged_decode_attention: seq_index and query_rows int64");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
                                seq_index.data_ptr<int64_t>(), query_rows.data_ptr<int64_t>(), seq_index.size(0),
@@ -216,6 +227,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 at::Tensor decode_step_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_attention_inputs("decode_step_attention", query, key_cache, value_cache, block_tables, seq_lens);
   const int64_t num_tokens = query.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) == num_tokens && value.sizes() == key.sizes() &&
                   key.size(1) == num_kv_heads && key.size(2) == head_dim,
@@ -227,11 +239,6 @@ at::Tensor decode_step_attention(const at::Tensor& query, const at::Tensor& key,
                   slot_mapping.size(0) == num_tokens && seq_lens.size(0) == num_tokens &&
                   block_tables.size(0) == num_tokens,
               "decode_step_attention: one int64 slot, one seq_len and one block-table row per query row");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && seq_lens.is_contiguous() &&
-                  query.stride(2) == 1 && block_tables.stride(1) == 1,
-              "decode_step_attention: contiguous caches, seq_lens and rows");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "decode_step_attention: block_tables and seq_lens int32");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t row_bytes = head_dim * key_cache.element_size();
@@ -240,9 +247,11 @@ at::Tensor decode_step_attention(const at::Tensor& query, const at::Tensor& key,
   const auto* k_src = static_cast<const char*>(key.data_ptr());
   const auto* v_src = static_cast<const char*>(value.data_ptr());
   const int64_t item = key.element_size();
+  for (int64_t i = 0; i < num_tokens; ++i) {  // every slot checked before any is written
+    TORCH_CHECK(slots[i] < num_slots, "decode_step_attention: slot ", slots[i], " past the cache");
+  }
   for (int64_t i = 0; i < num_tokens; ++i) {
     if (slots[i] < 0) continue;
-    TORCH_CHECK(slots[i] < num_slots, "decode_step_attention: slot ", slots[i], " past the cache");
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t offset = (slots[i] * num_kv_heads + h) * row_bytes;
       std::memcpy(k_base + offset, k_src + (i * key.stride(0) + h * key.stride(1)) * item, row_bytes);
@@ -250,9 +259,6 @@ at::Tensor decode_step_attention(const at::Tensor& query, const at::Tensor& key,
     }
   }
   at::Tensor out = at::empty(query.sizes(), query.options());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && query.size(2) == head_dim &&
-                  query.size(1) % num_kv_heads == 0,
-              "decode_step_attention: query [T, H, D] in the caches' dtype, H a multiple of Hkv");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_step_attention", [&] {
     decode_attention<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, nullptr,
                                num_tokens, scale);
