@@ -2,7 +2,9 @@
 stage 3's list-built inputs, side by side on the same steps.
 
 ``B`` requests decode together in steady state on stage5 (the tiny random checkpoint on a CPU,
-so the forward pass is short; it is not timed). For every measured step the benchmark times:
+so the forward pass is short; it is not timed): they run long enough to outlast the prefills of
+the last ones, and the benchmark checks that each measured step holds all ``B``. For every
+measured step it times:
 
 - the scheduler: ``schedule()`` and ``update_from_output()`` (stage 4's, unchanged);
 - the inputs stage5 hands the model: ``Scheduler.runner_input`` (what the workers are sent: new
@@ -45,9 +47,13 @@ def list_built_inputs(output, block_size: int) -> None:
 def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: int = 1) -> dict:
     from stage5_server import LLM
 
-    max_len = prompt_len + steps + 16
+    budget = max(512, 4 * prompt_len)
+    # While the last prompts prefill, the first requests decode (their tokens come out of the same
+    # budget): they must not finish before the measured steps, so every request outlasts both.
+    max_tokens = -(-batch_size * prompt_len // max(budget - batch_size, prompt_len)) + steps + 16
+    max_len = prompt_len + max_tokens + 1
     llm = LLM(model=model, device="cpu", max_model_len=max_len, max_num_seqs=batch_size,
-              max_num_batched_tokens=max(512, 4 * prompt_len), enable_prefix_caching=False, block_size=BLOCK_SIZE,
+              max_num_batched_tokens=budget, enable_prefix_caching=False, block_size=BLOCK_SIZE,
               cpu_threads=threads,
               num_kv_blocks=batch_size * (-(-max_len // BLOCK_SIZE) + 1))
     engine = llm.engine
@@ -72,8 +78,12 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     schedule = timed("schedule", scheduler.schedule)
     scheduled = []
 
+    scheduled_outputs = []
+
     def schedule_and_keep():
         scheduled[:] = [schedule()]
+        if recording[0]:
+            scheduled_outputs.append(scheduled[0])
         return scheduled[0]
 
     def prepare_both(step):
@@ -85,15 +95,18 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     scheduler.runner_input = timed("runner_input", scheduler.runner_input)
     scheduler.update_from_output = timed("update", scheduler.update_from_output)
     input_batch.prepare = prepare_both
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch_size):
         llm.add_request([(7 * i + j) % 500 + 3 for j in range(prompt_len)], params)
-    while engine.stats().num_generation_tokens < batch_size:  # the prefills are not what we measure
-        llm.step()
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        llm.step()  # the prefills are not what we measure
     recording[0] = True
     for _ in range(steps):
         llm.step()
     recording[0] = False
+    running = {len(output.num_scheduled_tokens) for output in scheduled_outputs}
+    if running != {batch_size}:
+        raise RuntimeError(f"expected {batch_size} requests in each measured step, got {sorted(running)}")
     llm.abort([str(i) for i in range(batch_size)])
     p50 = {name: summarize(values)["p50"] * 1e3 for name, values in timings.items()}
     mean = {name: 1e3 * sum(values) / len(values) for name, values in timings.items()}

@@ -145,10 +145,11 @@ class Request:
 
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish ``request`` if its newest token ends it; return whether it finished."""
-    token = request.output_token_ids[-1]
+    output = request.output_token_ids
+    token = output[-1]
     params = request.sampling_params
     grammar = request.structured_output_request
-    may_stop = request.num_output_tokens >= params.min_tokens  # before min_tokens only the length ends it
+    may_stop = len(output) >= params.min_tokens  # before min_tokens only the length ends it
     if grammar is not None and grammar.failed:
         request.status = RequestStatus.FINISHED_ABORTED  # its grammar hit a resource limit
     elif may_stop and not params.ignore_eos and token in request.eos_token_ids:
@@ -158,7 +159,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.stop_reason = token
     elif grammar is not None and grammar.is_terminated(request.output_token_ids):
         request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (also under ignore_eos)
-    elif request.num_output_tokens >= request.max_output_tokens(max_model_len):
+    elif (params.max_tokens is not None and len(output) >= params.max_tokens) \
+            or len(request.all_token_ids) >= max_model_len:  # ``max_output_tokens`` reached
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     else:
         return False

@@ -105,15 +105,16 @@ class Scheduler:
         preempted: set[str] = set()
 
         # 1. Running requests: decodes and unfinished prefill chunks, in admission order.
-        index = 0
-        while index < len(self.running) and budget > 0 and len(num_scheduled) < self.config.max_num_seqs:
-            request = self.running[index]
+        index, running, max_num_seqs = 0, self.running, self.config.max_num_seqs
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        while index < len(running) and budget > 0 and len(num_scheduled) < max_num_seqs:
+            request = running[index]
             num_new = min(self._num_tokens_to_compute(request), budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            while allocate_slots(request, num_new) is None:
                 # Victims come from the requests not yet granted tokens this step (this one
                 # included): a granted request's new blocks must stay for this forward pass.
-                victim = max(self.running[index:], key=lambda r: (r.priority, r.arrival_time))
-                self.running.remove(victim)
+                victim = max(running[index:], key=lambda r: (r.priority, r.arrival_time))
+                running.remove(victim)
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -175,27 +176,28 @@ class Scheduler:
         """
         updated = []
         now = time.monotonic()
-        step_tokens = 0  # prompt tokens computed plus tokens sampled (vLLM's iteration tokens)
+        num_prompt_computed = num_sampled = 0
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue  # aborted while its step ran
             if request.num_computed_tokens < request.num_prompt_tokens:
-                num_prompt = min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
-                self.counters.num_prompt_tokens_computed += num_prompt
-                step_tokens += num_prompt
+                num_prompt_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_new
-            for token in sampled_token_ids.get(rid, []):
+            tokens = sampled_token_ids.get(rid)
+            if not tokens:
+                continue  # mid-prefill: nothing sampled
+            for token in tokens:
                 request.append_output_token(token, now)
-                self.counters.num_generation_tokens += 1
-                step_tokens += 1
+                num_sampled += 1
                 if check_stop(request, self.max_model_len):
                     self.running.remove(request)
                     self._free(request)
                     break
-            if sampled_token_ids.get(rid):
-                updated.append(request)
-        self.counters.observe_step(step_tokens)
+            updated.append(request)
+        self.counters.num_prompt_tokens_computed += num_prompt_computed
+        self.counters.num_generation_tokens += num_sampled
+        self.counters.observe_step(num_prompt_computed + num_sampled)  # vLLM's iteration tokens
         return updated
 
     def recover_from_failed_step(self, output: SchedulerOutput) -> None:

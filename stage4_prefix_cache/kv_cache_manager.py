@@ -196,7 +196,7 @@ class KVCacheManager:
         """
         if type(num_new_tokens) is not int or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens: must be a positive integer, got {num_new_tokens!r}")
-        hits = list(new_computed_blocks or ())
+        hits = list(new_computed_blocks) if new_computed_blocks else []
         if num_new_computed_tokens != len(hits) * self.block_size:
             raise ValueError(
                 f"num_new_computed_tokens: {num_new_computed_tokens} must equal "
@@ -222,21 +222,23 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens
         num_required_blocks = -(-num_tokens_need_slot // self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(table) - len(hits))
-        # A hit on a free-but-cached block takes it out of the free pool too.
-        num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
-            return None
-
-        # Touch the hits BEFORE allocating: a free-but-cached hit block could
-        # otherwise be popped (and overwritten) as one of this request's own
-        # new blocks.
-        self.block_pool.touch(hits)
-        table = self.req_to_blocks.setdefault(request_id, table)
-        if hits:
-            table.extend(hits)
-            self.num_cached_block[request_id] = len(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        table.extend(new_blocks)
+        if hits or num_new_blocks:
+            # A hit on a free-but-cached block takes it out of the free pool too.
+            num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+            if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+                return None
+            # Touch the hits BEFORE allocating: a free-but-cached hit block could
+            # otherwise be popped (and overwritten) as one of this request's own
+            # new blocks.
+            self.block_pool.touch(hits)
+            table = self.req_to_blocks.setdefault(request_id, table)
+            if hits:
+                table.extend(hits)
+                self.num_cached_block[request_id] = len(hits)
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            table.extend(new_blocks)
+        else:
+            new_blocks = []  # the blocks it holds have room (most decode steps)
 
         if self.enable_caching:
             # Only tokens whose ids are known can be hashed: scheduling more

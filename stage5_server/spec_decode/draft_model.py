@@ -61,7 +61,7 @@ class DraftModelProposer:
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
 
-    def propose(self, block_table: np.ndarray, num_blocks: list[int], rows: list[int], states: list,
+    def propose(self, block_table: np.ndarray, num_blocks: np.ndarray, rows: list[int], states: list,
                 token_ids: list[np.ndarray], num_drafts: int | None, generator: torch.Generator,
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """``num_drafts`` (at most ``k``) drafts for each request, given its input-batch row, its runner
@@ -75,7 +75,7 @@ class DraftModelProposer:
         table = np.zeros((n, width), dtype=np.int64)
         for i, row in enumerate(rows):
             needed = int((positions[i] + self.k - 1) // bs + 1)
-            real = min(num_blocks[row], needed)
+            real = min(int(num_blocks[row]), needed)
             extra = needed - real  # the tokens before the last one sampled lie inside its blocks
             assert extra <= self.num_scratch_blocks, f"row {row}: {extra} blocks past its own"
             table[i, :real] = block_table[row, :real]
@@ -101,7 +101,7 @@ class DraftModelProposer:
             if j == 0:
                 hidden = hidden[last_rows.to(self.device)]
                 for request_id, position, row in zip(request_ids, positions, rows):  # in its own blocks only
-                    self.num_computed[request_id] = min(int(position) + 1, num_blocks[row] * bs)
+                    self.num_computed[request_id] = min(int(position) + 1, int(num_blocks[row]) * bs)
                 pos, rows_of_pos, query_start_loc = positions + 1, np.arange(n), np.arange(n + 1)
             else:
                 pos = pos + 1

@@ -45,6 +45,12 @@ _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 INITIAL_TOKENS_PER_ROW = 2048  # (or max_model_len if shorter); rows widen, doubling, when a longer request arrives
 
 
+def concatenated_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``range(starts[i], starts[i] + counts[i])`` for each ``i``, one after another, as one array."""
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+
 @dataclass
 class CachedRequestState:
     """A request as the runner keeps it: what the sampler and the prompt scorer read (the names are
@@ -103,7 +109,8 @@ class InputBatch:
         self.device = torch.device(device)
         self.token_ids = np.zeros((0, 0), dtype=np.int32)  # [rows, tokens]
         self.block_table = np.zeros((0, 0), dtype=np.int32)  # [rows, blocks]
-        self.num_blocks: list[int] = []  # per row: block ids written
+        self.num_blocks = np.zeros(0, dtype=np.int64)  # per row: block ids written
+        self.num_tokens = np.zeros(0, dtype=np.int64)  # per row: known tokens written (drafts not counted)
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.states: dict[str, CachedRequestState] = {}  # every request the workers hold, running or preempted
@@ -126,6 +133,7 @@ class InputBatch:
         self.block_table[row, :self.num_blocks[row]] = 0
         self.block_table[row, :len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
+        self.num_tokens[row] = state.num_tokens
         self.row_of[state.request_id] = row
         return row
 
@@ -156,7 +164,9 @@ class InputBatch:
         token_ids[:old_rows, :old_tokens] = self.token_ids
         block_table[:old_rows, :self.block_table.shape[1]] = self.block_table
         self.token_ids, self.block_table = token_ids, block_table
-        self.num_blocks += [0] * (num_rows - old_rows)
+        if num_rows != old_rows:  # (only then: ``update`` holds these arrays while rows widen)
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+            self.num_tokens = np.concatenate([self.num_tokens, np.zeros(num_rows - old_rows, dtype=np.int64)])
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
 
     # ---- one step --------------------------------------------------------------------------
@@ -168,9 +178,9 @@ class InputBatch:
             self.remove_request(request_id)
         for request_id in step.preempted_req_ids:
             self.remove_row(request_id)
-        token_rows, token_cols, token_values = [], [], []
+        grown_rows, num_grown, token_values = [], [], []  # rows that gained tokens: how many, which
         block_rows, block_cols, block_values = [], [], []
-        states, row_of, num_blocks, token_width = self.states, self.row_of, self.num_blocks, self.token_ids.shape[1]
+        states, row_of, num_blocks = self.states, self.row_of, self.num_blocks
         cached = step.cached_reqs
         scheduled_states, scheduled_rows = [], []
         for request_id, new_tokens, new_blocks, num_computed in zip(
@@ -178,22 +188,13 @@ class InputBatch:
             state, row = states[request_id], row_of[request_id]
             scheduled_states.append(state)
             scheduled_rows.append(row)
-            if new_tokens:
-                have = len(state.prompt_token_ids) + len(state.output_token_ids)
-                if have + len(new_tokens) > token_width:
-                    self._fit(have + len(new_tokens), 0)
-                    token_width = self.token_ids.shape[1]
-                if len(new_tokens) == 1:  # a decode: the token sampled last step
-                    token_rows.append(row)
-                    token_cols.append(have)
-                    token_values.append(new_tokens[0])
-                else:
-                    token_rows += [row] * len(new_tokens)
-                    token_cols.extend(range(have, have + len(new_tokens)))
-                    token_values.extend(new_tokens)
+            if new_tokens:  # a decode's one sampled token, or accepted drafts and the token after them
                 state.output_token_ids += new_tokens
+                grown_rows.append(row)
+                num_grown.append(len(new_tokens))
+                token_values += new_tokens
             if new_blocks:
-                written = num_blocks[row]
+                written = int(num_blocks[row])
                 if written + len(new_blocks) > self.block_table.shape[1]:
                     self._fit(0, written + len(new_blocks))
                 block_rows += [row] * len(new_blocks)
@@ -201,8 +202,12 @@ class InputBatch:
                 block_values.extend(new_blocks)
                 num_blocks[row] = written + len(new_blocks)
             state.num_computed_tokens = num_computed
-        if token_values:
-            self.token_ids[token_rows, token_cols] = token_values
+        if token_values:  # written after each row's known tokens
+            rows, counts = np.array(grown_rows), np.array(num_grown)
+            have = self.num_tokens[rows]
+            self._fit(int((have + counts).max()), 0)
+            self.token_ids[np.repeat(rows, counts), concatenated_ranges(have, counts)] = token_values
+            self.num_tokens[rows] = have + counts
         if block_values:
             self.block_table[block_rows, block_cols] = block_values
         for new in step.new_reqs:
@@ -224,38 +229,31 @@ class InputBatch:
         """``update``, then gather the step's inputs from the scheduled rows."""
         states, rows = self.update(step)
         assert len(states) == len(step.scheduled_req_ids), "a scheduled request the workers do not hold"
-        num_blocks, drafts_of = self.num_blocks, step.spec_token_ids
-        starts = [state.num_computed_tokens for state in states]
-        widest = max(num_blocks[row] for row in rows)
+        rows_a = np.array(rows, dtype=np.int64)
+        counts = np.array(step.num_scheduled_tokens, dtype=np.int64)
+        starts = np.array(step.cached_reqs.num_computed_tokens + [new.num_computed_tokens for new in step.new_reqs],
+                          dtype=np.int64)  # as ``update`` set them
+        ends = np.cumsum(counts)
+        drafts_of = step.spec_token_ids
+        drafts = np.array([len(drafts_of.get(state.request_id, ())) for state in states] if drafts_of
+                          else np.zeros(len(states)), dtype=np.int64)
         # A request samples when this step reaches its last known token (not mid-way through a
         # prefill); with draft tokens, at the position before each of them too.
-        sample_rows, num_draft, logits_indices = [], [], []
-        end = 0
-        for i, (state, start, count) in enumerate(zip(states, starts, step.num_scheduled_tokens)):
-            end += count
-            drafts = len(drafts_of[state.request_id]) if drafts_of and state.request_id in drafts_of else 0
-            if start + count == len(state.prompt_token_ids) + len(state.output_token_ids) + drafts:
-                sample_rows.append(i)
-                num_draft.append(drafts)
-                if drafts:
-                    logits_indices.extend(range(end - 1 - drafts, end))
-                else:
-                    logits_indices.append(end - 1)
-        counts = step.num_scheduled_tokens
-        inputs, meta = self._gather(rows, counts, starts, sample_rows, widest)
-        return PreparedStep(states, list(counts), inputs, meta, logits_indices, num_draft)
+        samples = np.flatnonzero(starts + counts == self.num_tokens[rows_a] + drafts)
+        num_draft = drafts[samples]
+        first_logit = ends[samples] - 1 - num_draft  # per sampling request: its first sampled row
+        logits_indices = concatenated_ranges(first_logit, num_draft + 1)
+        inputs, meta = self._gather(rows_a, counts, starts, ends, samples.tolist(),
+                                    int(self.num_blocks[rows_a].max()))
+        return PreparedStep(states, list(step.num_scheduled_tokens), inputs, meta, logits_indices.tolist(),
+                            num_draft.tolist())
 
-    def _gather(self, rows: list[int], num_new: list[int], starts: list[int], sample_rows: list[int],
-                width: int) -> tuple[StepInputs, PagedAttentionMetadata]:
-        rows_a = np.array(rows, dtype=np.int64)
-        counts = np.array(num_new, dtype=np.int64)
-        first = np.array(starts, dtype=np.int64)
-        ends = np.cumsum(counts)
-        if int(ends[-1]) == len(rows):  # decodes only: one token per row, at its next position
+    def _gather(self, rows_a: np.ndarray, counts: np.ndarray, first: np.ndarray, ends: np.ndarray,
+                sample_rows: list[int], width: int) -> tuple[StepInputs, PagedAttentionMetadata]:
+        if int(ends[-1]) == len(rows_a):  # decodes only: one token per row, at its next position
             token_rows, positions = rows_a, first
         else:
-            token_rows = np.repeat(rows_a, counts)
-            positions = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
+            token_rows, positions = np.repeat(rows_a, counts), concatenated_ranges(first, counts)
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
         block_size = self.block_size
         slots = self.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
