@@ -5,11 +5,17 @@ One seeded random workload runs twice through stage5's engine: offline with
 process (``stagedserve serve --no-engine-process``: engine core on a thread, so one process
 holds the whole server's CPU time), driven by ``stagedserve bench serve``'s load
 generator from this process (streaming completions, ``max_concurrency = C``, all requests
-sent at once). Output tokens per
-second of each, and the ratio: what HTTP, JSON, SSE and the async engine thread cost.
-The ratio is the share of the offline throughput the server keeps.
+sent at once). Output tokens per second of each, and the ratio: what HTTP, JSON, SSE and
+the async engine thread cost. The ratio is the share of the offline throughput the server
+keeps. Beside it, each request's time per output token (TPOT), p50: offline from the
+engine's own token times, served from the tokens' arrival at the client.
+
+``--engine-process`` serves as deployed instead: the engine core in a process of its own
+(``stagedserve serve``'s default), so the two processes share the cores.
 
     python -m benchmarks.server_vs_offline [--models tiny small --num-prompts 64 --concurrency 16]
+    python -m benchmarks.server_vs_offline --models default --concurrency 1 16 --num-prompts 16 \
+        --engine-process --markdown docs/results/server_vs_offline_default.md
 """
 
 from __future__ import annotations
@@ -28,14 +34,16 @@ import httpx
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
-from shared import SamplingParams, resolve_model
+from shared import SamplingParams, resolve_model, summarize
+from shared.gguf import is_gguf
+from shared.named_models import default_model_file
 from stage5_server.bench.datasets import DatasetConfig, build_dataset
 from stage5_server.bench.report import summarize_run
 from stage5_server.bench.serve import ServeConfig, run_serve
 from stage5_server.llm import LLM
 
 
-def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
+def run(model: str, num_prompts: int, concurrency: int, seed: int = 0, engine_process: bool = False) -> dict:
     dataset = DatasetConfig(name="random", num_prompts=num_prompts, seed=seed, prompt_len=48, output_len=48,
                             len_sigma=0.6, max_prompt_len=192, max_output_len=192)
     requests = build_dataset(dataset)
@@ -49,9 +57,12 @@ def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
     outs = offline.generate([r.prompt for r in requests], params, use_tqdm=False)
     offline_s, offline_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     offline_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    offline_tpot = [o.timeline.tpot for o in outs if o.timeline.tpot is not None]
+    del offline  # its memory and threads, before the server starts
 
     # In-process: the CPU per token below is one process's; benchmarks.engine_process compares the split.
-    with served_in_subprocess(model, engine_kwargs, extra_args=("--no-engine-process",)) as (url, api_key, pid):
+    extra_args = () if engine_process else ("--no-engine-process",)
+    with served_in_subprocess(model, engine_kwargs, extra_args=extra_args, timeout_s=300) as (url, api_key, pid):
         config = ServeConfig(base_url=url, api_key=api_key, model="bench", max_concurrency=concurrency,
                              warmup_requests=2, dataset=dataset, seed=seed)
         cpu_before = process_cpu_seconds(pid)
@@ -60,13 +71,15 @@ def run(model: str, num_prompts: int, concurrency: int, seed: int = 0) -> dict:
     server_tps = served["output_token_throughput_tok_s"]
     offline_tps = offline_tokens / offline_s
     return {"config": {"model": Path(model).name, "num_prompts": num_prompts, "concurrency": concurrency,
-                       "engine": engine_kwargs, "threads": torch.get_num_threads()},
+                       "engine": engine_kwargs, "threads": torch.get_num_threads(), "engine_process": engine_process},
             "offline": {"wall_s": offline_s, "output_tokens": offline_tokens, "output_tok_s": offline_tps,
+                        "tpot_ms": {k: v * 1e3 for k, v in summarize(offline_tpot).items()},
                         "cpu_ms_per_token": 1e3 * offline_cpu_s / offline_tokens},
             "server": {"window_s": served["window_s"] if "window_s" in served else None,
                        "completed": served.get("completed"), "failed": served.get("failed"),
                        "output_tokens": served["total_output_tokens"], "output_tok_s": server_tps,
                        "ttft_ms": served.get("ttft_ms"), "itl_ms": served.get("itl_ms"),
+                       "tpot_ms": served.get("tpot_ms"),
                        "cpu_ms_per_token": (1e3 * server_cpu_s / served["total_output_tokens"]
                                             if server_cpu_s is not None and served["total_output_tokens"] else None)},
             "server_over_offline": server_tps / offline_tps}
@@ -130,23 +143,29 @@ def served_in_subprocess(model: str, engine_kwargs: dict, timeout_s: float = 120
 
 def to_markdown(result: dict) -> str:
     first = result["runs"][0]["config"]
+    where = ("the server as deployed: its engine core in a process of its own" if first.get("engine_process")
+             else "the server in its own process, its engine core on a thread")
     lines = [
         "### Server path vs offline engine",
         "",
         provenance(result, f"{first['threads']} torch thread(s)") + f"; {first['num_prompts']} "
-        f"requests, concurrency {first['concurrency']}, greedy, EOS ignored; the server in its own process.",
+        f"requests, greedy, EOS ignored; {where}.",
         "",
-        "| model | offline tok/s | server tok/s (streaming) | server / offline | CPU ms per token, offline | "
-        "CPU ms per token, server process |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | concurrency | offline tok/s | server tok/s (streaming) | server / offline | "
+        "TPOT p50 ms, offline | TPOT p50 ms, server | server / offline | CPU ms per token, offline | "
+        f"CPU ms per token, {'API server process' if first.get('engine_process') else 'server process'} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(value):
         return "n/a" if value is None else f"{value:.3f}"
 
     for r in result["runs"]:
-        lines.append(f"| `{r['config']['model']}` | {r['offline']['output_tok_s']:.1f} | "
+        offline_tpot, server_tpot = r["offline"]["tpot_ms"]["p50"], r["server"]["tpot_ms"]["p50"]
+        lines.append(f"| `{r['config']['model']}` | {r['config']['concurrency']} | "
+                     f"{r['offline']['output_tok_s']:.1f} | "
                      f"{r['server']['output_tok_s']:.1f} | {100 * r['server_over_offline']:.0f}% | "
+                     f"{offline_tpot:.2f} | {server_tpot:.2f} | {server_tpot / offline_tpot:.2f}x | "
                      f"{ms(r['offline']['cpu_ms_per_token'])} | {ms(r['server']['cpu_ms_per_token'])} |")
     lines += [""]
     return "\n".join(lines)
@@ -157,13 +176,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models", nargs="+", default=["tiny", "small"],
                     help="checkpoint dirs, or 'tiny' (2 layers) / 'small' (4 layers), random llamas")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine-process", action="store_true",
+                    help="serve as deployed: the engine core in its own process (default: on a thread)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = [resolve_model(m) for m in args.models]
+    # The default model as the engines load it: its GGUF file (4-bit blocks kept), not its converted directory.
+    models = [str(default_model_file()) if m == "default" else m if is_gguf(m) else resolve_model(m)
+              for m in args.models]
     result = {**run_info("benchmarks.server_vs_offline", argv),
-              "runs": [run(m, args.num_prompts, args.concurrency) for m in models]}
+              "runs": [run(m, args.num_prompts, c, engine_process=args.engine_process)
+                       for m in models for c in args.concurrency]}
     write_results("server_vs_offline", result, to_markdown(result), args.out_dir, args.markdown)
     return result
 
