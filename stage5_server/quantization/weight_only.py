@@ -2,7 +2,8 @@
 torch's own CPU kernels, so a decode step reads a half or a quarter of bfloat16's bytes.
 
 - int8: one symmetric scale per output row, ``w ~ scale[n] * q`` with ``q`` in -127..127, quantized
-  from the loaded float weights; ``torch.ops.aten._weight_int8pack_mm``.
+  from the loaded float weights; ``torch.ops.aten._weight_int8pack_mm``, or on a CPU with
+  AVX512-VNNI stage5's own operator, which quantizes the activations to int8 as well.
 - int4: groups of ``GROUP_SIZE`` (32) weights along the input dimension, each with a scale and a
   zero point, ``w ~ (q - 8) * scale + zero`` with ``q`` in 0..15 (the kernel's convention: ``zero``
   is the value of the middle code 8). From float weights a group is quantized asymmetrically
@@ -10,7 +11,7 @@ torch's own CPU kernels, so a decode step reads a half or a quarter of bfloat16'
   blocks (``gguf.py``). ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs the codes
   once, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies.
 
-The activations stay in the model's dtype (the scales are stored in it too); a bias is added after.
+The int4 path's activations stay in the model's dtype (the scales are stored in it too); a bias is added after.
 These kernels are built for bfloat16: in float32 they are slower than ``F.linear``.
 
 gpt-fast: ``WeightOnlyInt8QuantHandler`` and ``WeightOnlyInt4QuantHandler`` in ``quantize.py``
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stage5_server.cpu_kernels.int8_linear import GROUP as INT8_DOT_GROUP
+from stage5_server.cpu_kernels.int8_linear import cpu_int8_linear, int8_dot_problem
 from stage5_server.model.linear import Linear, LinearMethod
 
 GROUP_SIZE = 32  # int4 weights per scale/zero, along the input dimension (GGUF's block size)
@@ -94,28 +97,41 @@ def _drop_float_weight(layer: Linear) -> None:
 
 class Int8LinearMethod(LinearMethod):
     """Per-row int8 weights. ``source``: float32 values to quantize instead of the layer's weight
-    (a GGUF Q8_0 tensor's dequantized values)."""
+    (a GGUF Q8_0 tensor's dequantized values).
+
+    On a CPU with AVX512-VNNI (and the C++ operators built) the activations are quantized to int8 too,
+    in groups of 64, and multiplied in integers (``cpu_kernels/int8_linear.py``); elsewhere torch's
+    ``_weight_int8pack_mm`` widens the weights. ``int8_activations``: None picks by the machine."""
 
     name = "int8"
 
-    def __init__(self, source: torch.Tensor | None = None, note: str = ""):
-        self.source, self.note = source, note
+    def __init__(self, source: torch.Tensor | None = None, note: str = "", int8_activations: bool | None = None):
+        self.source, self.note, self.int8_activations = source, note, int8_activations
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        dtype = layer.weight.dtype
+        dtype, device = layer.weight.dtype, layer.weight.device
+        if self.int8_activations is None:
+            self.int8_activations = device.type == "cpu" and layer.in_features % INT8_DOT_GROUP == 0 \
+                and int8_dot_problem() is None
         codes, scale = quantize_int8(layer.weight if self.source is None else self.source)
-        layer.int8_weight, layer.int8_scale = codes.to(layer.weight.device), scale.to(layer.weight.device, dtype)
+        # The integer path keeps float32 scales; torch's kernel wants them in the activations' dtype.
+        layer.int8_weight, layer.int8_scale = codes.to(device), scale.to(device, torch.float32 if
+                                                                          self.int8_activations else dtype)
         self.source = None
         _drop_float_weight(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.aten._weight_int8pack_mm(rows, layer.int8_weight, layer.int8_scale)
+        if self.int8_activations:
+            out = cpu_int8_linear(rows, layer.int8_weight, layer.int8_scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, layer.int8_weight, layer.int8_scale)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
     def describe(self, layer: Linear) -> str:
-        return "int8" + (f" ({self.note})" if self.note else "")
+        return ("int8 with int8 activations" if self.int8_activations else "int8") + \
+            (f" ({self.note})" if self.note else "")
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.int8_weight.numel() + layer.int8_scale.numel() * layer.int8_scale.element_size()

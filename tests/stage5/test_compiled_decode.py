@@ -85,6 +85,15 @@ def test_compiled_decode_is_logprob_close_to_eager_and_compiles_only_at_start_up
     assert len(divergences) < len(PROMPTS)  # most prompts agree all the way
 
 
+def test_int8_linears_compile_and_stay_logprob_close_to_eager(tiny_llama):
+    """On an AVX512-VNNI CPU the int8 method's operator runs inside the graph (its fake kernel traces)."""
+    _, ids_eager, lps_eager = _run(tiny_llama, True, list(PROMPTS), quantization="int8")
+    llm, ids, lps = _run(tiny_llama, False, list(PROMPTS), quantization="int8")
+    assert llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0] >= 9
+    divergences = first_divergences(ids, lps, ids_eager, lps_eager)
+    assert all(d.close for d in divergences), divergences
+
+
 def test_a_prefill_or_a_batch_past_eight_rows_runs_eagerly(tiny_llama):
     llm, _, _ = _run(tiny_llama, False, ["one prompt"] * 12, max_tokens=3)  # 12 decode rows a step
     steps = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]

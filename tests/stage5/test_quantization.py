@@ -21,6 +21,7 @@ from stage5_server import LLM
 from stage5_server.cli import make_parser
 from stage5_server.cli.serve import QUANTIZATION_CHOICES
 from stage5_server.config import EngineConfig
+from stage5_server.cpu_kernels.int8_linear import int8_dot_problem
 from stage5_server.model import Linear
 from stage5_server.quantization import QUANTIZATION_METHODS, PackedLinearMethod, resolve_linear_config, weight_only
 from stage5_server.quantization import config as linear_config
@@ -31,6 +32,8 @@ from stage5_server.quantization.weight_only import Int4LinearMethod, Int8LinearM
 from tests.shared.gguf_files import write_gguf
 
 ENGINE = dict(device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, seed=0)
+# What an int8 layer's start-up line says: with AVX512-VNNI (and the operators built) its activations go int8 too.
+INT8 = "int8" if int8_dot_problem() else "int8 with int8 activations"
 PROMPTS = ["hello there", "the cat sat on", "one two three", "a b c d e"]
 CHECK = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 
@@ -93,7 +96,8 @@ def test_each_linear_method_is_close_to_the_float32_model(tiny_llama, engine_arg
     with caplog.at_level(logging.INFO, logger="stagedserve"):
         llm = LLM(str(tiny_llama), dtype="bfloat16", **engine_args, **ENGINE)
     float_kind = "plain" if not engine_args["prepack_linear"] else packed_kind()
-    kind = float_kind if "quantization" not in engine_args else engine_args["quantization"] + (
+    quantization = engine_args.get("quantization")
+    kind = float_kind if quantization is None else (INT8 if quantization == "int8" else quantization) + (
         f" up to 8 rows, else {float_kind}" if engine_args["prepack_linear"] else "")
     assert {layer.method.describe(layer) for layer in served_layers(llm).values()} == {kind}
     assert any(r.message.startswith(f"linear layers: 9 {kind}: ") for r in caplog.records)
@@ -106,7 +110,7 @@ def test_a_gguf_file_runs_its_own_blocks_close_to_its_dequantized_model(tiny_ggu
     path = str(tiny_ggufs[kind])
     reference = greedy_with_logprobs(LLM(path, dtype="float32", **ENGINE))
     llm = LLM(path, dtype="bfloat16", quantization="gguf", prepack_linear=prepack, **ENGINE)
-    want = f"int4 (GGUF {kind} blocks)" if kind != "Q8_0" else "int8 (GGUF Q8_0 requantized per row)"
+    want = f"int4 (GGUF {kind} blocks)" if kind != "Q8_0" else f"{INT8} (GGUF Q8_0 requantized per row)"
     want += f" up to 8 rows, else {packed_kind()}" if prepack else ""
     layers = served_layers(llm)
     assert {layer.method.describe(layer) for layer in layers.values()} == {want}
@@ -201,7 +205,8 @@ def test_a_quantized_layer_with_a_packed_copy_runs_each_by_the_rows_of_the_produ
         assert torch.equal(layer(x), alone[side](x)), (rows, side)
     assert layer(torch.randn(2, 3, 64, dtype=torch.bfloat16)).shape == (2, 3, 48)  # 6 rows, as a batch
     assert both.weight_bytes(layer) == sum(a.method.weight_bytes(a) for a in alone.values())
-    assert both.describe(layer) == f"{quantized.name} up to 4 rows, else {packed_kind()}"
+    few = INT8 if quantized is Int8LinearMethod else quantized.name
+    assert both.describe(layer) == f"{few} up to 4 rows, else {packed_kind()}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -225,7 +230,7 @@ def test_the_default_model_runs_its_q4_1_blocks_close_to_its_float32_model():
     llm = LLM(dtype="bfloat16", quantization="gguf", prepack_linear=True, **ENGINE)  # the default with AMX
     kinds = {layer.method.describe(layer) for layer in served_layers(llm).values()}
     assert kinds == {f"int4 (GGUF Q4_1 blocks) up to 8 rows, else {packed_kind()}",
-                     f"int8 (GGUF Q8_0 requantized per row) up to 8 rows, else {packed_kind()}"}
+                     f"{INT8} (GGUF Q8_0 requantized per row) up to 8 rows, else {packed_kind()}"}
     assert_close(reference, greedy_with_logprobs(llm))
 
 
