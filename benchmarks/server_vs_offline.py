@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**run_info("benchmarks.server_vs_offline", argv),
               "runs": [run(m, args.num_prompts, c, engine_process=args.engine_process)
                        for m in models for c in args.concurrency]}
-    write_results("server_vs_offline", result, to_markdown(result), args.out_dir, args.markdown)
+    # The JSON beside it takes the table's name, so the deployed run's does not replace the default's.
+    write_results(Path(args.markdown).stem, result, to_markdown(result), args.out_dir, args.markdown)
     return result
 
 
