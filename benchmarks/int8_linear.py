@@ -14,22 +14,13 @@ largest output.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
+from benchmarks.cpu_gemm import seconds_per_call
 
 SHAPES = {"lm_head": (49152, 576), "qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
-
-
-def ms_per_call(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return 1e3 * (time.perf_counter() - start) / repeats
 
 
 def measure(name: str, n: int, k: int, rows: int, repeats: int) -> dict:
@@ -45,8 +36,9 @@ def measure(name: str, n: int, k: int, rows: int, repeats: int) -> dict:
     ours = cpu_int8_linear(x, weight, scale)
     largest = exact.abs().max().item()
     result = {"name": name, "n": n, "k": k, "rows": rows,
-              "torch_ms": ms_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, weight, scale_bf16), repeats),
-              "int8_ms": ms_per_call(lambda: cpu_int8_linear(x, weight, scale), repeats),
+              "torch_ms": 1e3 * seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, weight, scale_bf16),
+                                                  repeats),
+              "int8_ms": 1e3 * seconds_per_call(lambda: cpu_int8_linear(x, weight, scale), repeats),
               "torch_error": (torch_out.double() - exact).abs().max().item() / largest,
               "int8_error": (ours.double() - exact).abs().max().item() / largest}
     result["speedup"] = result["torch_ms"] / result["int8_ms"]
