@@ -5,8 +5,9 @@ each input row are quantized to int8 in groups of 64 on the fly, multiplied with
 (one scale per output row) in int32, and scaled back, as llama.cpp multiplies a Q8_0 weight. torch's
 ``_weight_int8pack_mm`` widens each weight to a float instead; for one decode row over the default
 model's 49,152 x 576 LM head it measured 2.8 times faster on an AVX512-VNNI CPU, twice as fast at
-four and eight rows (``benchmarks/int8_linear.py``). Quantizing the activations costs closeness, not identity: the
-weight-only int8 method uses it for a few rows, and the suite holds it to logprob closeness.
+four and eight rows (``benchmarks/int8_linear.py``). Quantizing the activations costs closeness,
+not identity: the int8 linear method runs it for every product it computes (up to 8 rows where
+packed weights take the larger ones), and the suite holds it to logprob closeness.
 
 llama.cpp: ``ggml_vec_dot_q8_0_q8_0`` in ``ggml/src/ggml-cpu/arch/x86/quants.c``; vLLM's CPU W8A8
 path (``csrc/cpu/dnnl_kernels.cpp``) quantizes activations per token for oneDNN.
