@@ -7,7 +7,7 @@ stage 5's offline ``LLM`` on CPU with its defaults, greedy, the same prompts. Fo
 speculation off, n-gram with its draft-length policy (``spec_decode/policy.py``, the default),
 n-gram drafting ``k`` whenever it matches (``ngram-fixed``, the policy taken out), and a draft
 model cut from the target (its first ``--draft-layers`` layers with its norm and head,
-``shared/draft_checkpoint.py``: self-speculation without any training). All four are
+``stage5_server/spec_decode/draft_checkpoint.py``: self-speculation without any training). All four are
 loaded in this one process and each workload and batch runs on them back to back, so a ratio
 compares runs seconds apart, not minutes; ``--repeats`` rounds over the four, each round starting
 with the next engine, and each row is an engine's median round (a two-CPU machine's time per
@@ -61,8 +61,8 @@ def speculative_configs(k: int, draft: str | None = None) -> dict[str, dict | No
 
 def write_draft(model: str | None, num_layers: int, directory: str) -> tuple[str, int]:
     """The target's first ``num_layers`` layers (fewer if it has no more) as a draft checkpoint."""
-    from shared.draft_checkpoint import write_layer_prefix_checkpoint
     from shared.named_models import default_model, resolve_model
+    from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
 
     source = Path(resolve_model(model) if model else default_model())
     total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
@@ -77,9 +77,9 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.engine.stats()
-    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    drafts = after.spec_decoding.num_drafts - before.spec_decoding.num_drafts
+    accepted = after.spec_decoding.num_accepted_tokens - before.spec_decoding.num_accepted_tokens
+    draft_tokens = after.spec_decoding.num_draft_tokens - before.spec_decoding.num_draft_tokens
     tpots = [o.timeline.tpot for o in outs if o.timeline.tpot is not None]
     return {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "tpot_s": sum(tpots) / len(tpots), "steps": after.num_steps - before.num_steps,

@@ -146,16 +146,16 @@ class BaseLLM:
         return cache_config_info(self.args, self.dtype, getattr(self, "kv_cache_capacity", None))
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    lora_request: object | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         if request_id is not None and self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
-                                                           priority, cache_salt, lora_request)
+                                                           priority, cache_salt)
         self._add(prompt, parent, requests)
         return request_id
 
-    def _add(self, prompt: PromptType, parent: ParentRequest | None, requests: list[Request]) -> None:
+    def _add(self, prompt: PromptType, parent: ParentRequest | None, requests: list[Request],
+             final_only: bool = False) -> None:
         """Hand checked requests (one, or a parent's n children) to the engine and track their outputs."""
         added = []
         try:
@@ -164,29 +164,26 @@ class BaseLLM:
                 added.append(request.request_id)
                 self.output_processor.add_request(request.request_id, prompt if isinstance(prompt, str) else None,
                                                   request.prompt_token_ids, request.sampling_params,
-                                                  request.arrival_time, parent=parent, index=index)
+                                                  request.arrival_time, final_only=final_only, parent=parent,
+                                                  index=index)
         except BaseException:
             self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort_requests(added)
             raise
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that changed."""
-        return self._step(finished_only=False)
-
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
-        # With ``finished_only`` (``generate``), text is only needed at the end, so a request
-        # is detokenized per step only when a stop string must be looked for.
-        processor = self.output_processor
-        processed = processor.process_outputs([
-            OutputDelta.from_request(req, processor.num_output_tokens(req.request_id)) for req in self.engine.step()
-            if processor.has_request(req.request_id) and (req.is_finished or req.sampling_params.stop
-                                                          or not finished_only)])
-        if processed.failed:
-            raise processed.failed[0][1]
+        """Run one engine step; return an output for every request that changed (a request added by
+        ``generate`` only once it finishes)."""
+        processed = self.output_processor.process_outputs(self._engine_step())
         if processed.reqs_to_abort:  # stop strings ended them
             self.engine.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
-        return [output for _, output in processed.deliveries if output.finished or not finished_only]
+        return processed.outputs
+
+    def _engine_step(self) -> list[OutputDelta]:
+        """One engine step: what it added to each request the front end tracks."""
+        processor = self.output_processor
+        return [OutputDelta.from_request(req, processor.num_output_tokens(req.request_id)) for req in self.engine.step()
+                if processor.has_request(req.request_id)]
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -194,32 +191,39 @@ class BaseLLM:
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests by the ids ``add_request`` returned (a parallel-sampling parent aborts its children)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        engine_ids, _ = self.output_processor.abort_requests(ids)
+        engine_ids = self.output_processor.abort_requests(ids)
         self.engine.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: object | list | None = None) -> list[RequestOutput]:
-        """``lora_request``: one adapter for every prompt, or a list with one (or None) per prompt."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts, params = self._prompts_and_params(prompts, sampling_params)
+        return self._run(prompts, [self._make_requests(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    @staticmethod
+    def _prompts_and_params(prompts: PromptType | list[PromptType],
+                            sampling_params: SamplingParams | list[SamplingParams] | None,
+                            ) -> tuple[list[PromptType], list[SamplingParams]]:
+        """``generate``'s arguments as one prompt and its parameters each."""
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        params = [p or SamplingParams() for p in params]
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
-        groups = [self._make_requests(p, sp, lora_request=lora)  # check all before adding any
-                  for p, sp, lora in zip(prompts, params, loras)]
+        return prompts, [p or SamplingParams() for p in params]
+
+    def _run(self, prompts: list[PromptType], groups: list[tuple[str, ParentRequest | None, list[Request]]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Add every prompt's checked requests (``groups``: ``_make_requests``'s answers, all made before any
+        is added), step until all have finished, and return their final outputs in order."""
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(groups), use_tqdm)
         try:
             for prompt, (_, parent, requests) in zip(prompts, groups):
-                self._add(prompt, parent, requests)
+                self._add(prompt, parent, requests, final_only=True)
             mine = {request_id for request_id, _, _ in groups}  # other requests may share the engine
             while len(results) < len(groups):
-                for out in self._step(finished_only=True):
-                    if out.request_id in mine:
+                for out in self.step():
+                    if out.request_id in mine and out.finished:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
@@ -244,13 +248,8 @@ class BaseLLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- validation -------------------------------------------------------------------
-    def check_lora_request(self, lora_request: object) -> None:
-        """Refuse an adapter this engine cannot serve (only stage 5 serves adapters, with ``enable_lora``)."""
-        raise ValueError(f"lora_request: {self.stage} serves no LoRA adapters (stage5_server does, with "
-                         f"enable_lora=True)")
-
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None, lora_request: object | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
                        ) -> tuple[str, ParentRequest | None, list[Request]]:
         """Checked engine requests for one prompt: ``(the caller's id, the parent if n > 1, requests)``.
 
@@ -258,8 +257,6 @@ class BaseLLM:
         """
         token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.model_config.vocab_size,
                                             self.max_model_len)
-        if lora_request is not None:
-            self.check_lora_request(lora_request)
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
@@ -267,10 +264,8 @@ class BaseLLM:
 
         def make(rid: str, child_params: SamplingParams) -> Request:
             request = Request(rid, token_ids, child_params, priority=priority, cache_salt=cache_salt,
-                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words,
-                              lora_request=lora_request)
-            if request.structured_output_request is not None:
-                self.structured_output_manager.grammar_init(request)  # built in the background
+                              eos_token_ids=tuple(self.model_config.eos_token_ids), bad_words_token_ids=bad_words)
+            self.structured_output_manager.grammar_init(request)  # with structured output: built in the background
             return request
 
         if params.n == 1:
@@ -327,9 +322,10 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, 
     """A prompt (text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``) as
     checked token ids (their length too, unless ``max_model_len`` is None); a ``ValueError`` names what is wrong."""
     if isinstance(prompt, dict):
-        if "multi_modal_data" in prompt:  # stage 5 takes images before this point; here they would be lost
-            raise ValueError("multi_modal_data: this engine takes no images (stage5_server does, for a "
-                             "vision-language model)")
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}: this engine does not take it; a prompt is text, token ids, "
+                             "{'prompt': text} or {'prompt_token_ids': ids}")
         prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)

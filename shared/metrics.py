@@ -109,12 +109,6 @@ class SchedulerStats:
     num_steps: int = 0
     iteration_tokens_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
     iteration_tokens_sum: int = 0
-    # Speculative decoding (vLLM's ``SpecDecodingStats``): drafts verified, their tokens, those accepted,
-    # and accepted tokens by draft position (entry i: drafts whose token i was accepted).
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     def observe_step(self, num_tokens: int) -> None:
         """One engine step ran ``num_tokens`` tokens (prompt tokens computed plus tokens sampled)."""
@@ -124,14 +118,3 @@ class SchedulerStats:
         self.iteration_tokens_counts = tuple(counts)
         self.iteration_tokens_sum += num_tokens
         self.num_steps += 1
-
-    def observe_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One request verified ``num_draft_tokens`` drafts this step and accepted the first ``num_accepted``."""
-        self.spec_decode_num_drafts += 1
-        self.spec_decode_num_draft_tokens += num_draft_tokens
-        self.spec_decode_num_accepted_tokens += num_accepted
-        per_pos = list(self.spec_decode_num_accepted_tokens_per_pos)
-        per_pos += [0] * (num_draft_tokens - len(per_pos))
-        for position in range(num_accepted):
-            per_pos[position] += 1
-        self.spec_decode_num_accepted_tokens_per_pos = tuple(per_pos)

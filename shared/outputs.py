@@ -40,7 +40,6 @@ class RequestOutput:
     num_preemptions: int = 0  # times the scheduler preempted it (and recomputed its KV later)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    pooled: list[float] | None = None  # a pooling model's vector for the prompt (stage 5's pooling runner)
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """One delta output that says what this one and then ``later`` said (completions matched by index)."""

@@ -27,7 +27,6 @@ class ParentRequest:
         self.child_ids = [f"{i}_{request_id}" for i in range(sampling_params.n)]
         self.latest: list[CompletionOutput | None] = [None] * sampling_params.n
         self.first_child_output: RequestOutput | None = None  # prompt logprobs, cache hits, timeline
-        self.finished_children: list = []  # (whole output, params) of each finished child, for the stat loggers
 
     @property
     def n(self) -> int:

@@ -4,8 +4,9 @@ Every stage tracks the same things per request: prompt and output token ids, how
 those tokens already have K/V in the cache (``num_computed_tokens``), a lifecycle status
 and a timeline. Stop token ids, EOS and ``max_tokens`` are checked here, right after a
 token is sampled; stop *strings* need text, so the front end checks those. A request with
-structured output also carries its grammar state, advanced with every output token
-(``shared/structured_output.py``); until its grammar is compiled it waits.
+structured output also carries its grammar state, which the front end's grammar manager gives
+it and every output token advances (``shared/structured_output.py``); until its grammar is
+compiled it waits.
 
 vLLM: ``vllm/v1/request.py`` (Request, RequestStatus) and ``vllm/v1/core/sched/utils.py``
 (check_stop).
@@ -15,13 +16,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.metrics import RequestTimeline
 from shared.outputs import Logprob
 from shared.sampling_params import SamplingParams
-from shared.structured_output import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from shared.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,26 +50,20 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None,
-                 mm_features: list | None = None, lora_request: object | None = None):
+                 eos_token_ids: tuple[int, ...] = (), bad_words_token_ids: list[list[int]] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_request = lora_request  # the adapter it runs under (stage 5's ``LoRARequest``); None: the base model
         self.eos_token_ids = tuple(eos_token_ids)
-        # Images in the prompt (stage 5's ``multimodal/inputs.py``): each names its placeholder span and hash.
-        self.mm_features = list(mm_features or ())
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are already in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (stage4)
         self.num_preemptions = 0
-        self.spec_token_ids: list[int] = []  # draft tokens a speculative step verifies (stage 5)
-        self.pooled_output: list[float] | None = None  # a pooling runner's vector, set as the request finishes
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] = []
         # Entry i: prompt token i's logprob and top alternatives; the first token has none (None).
@@ -75,17 +73,8 @@ class Request:
         self.timeline = RequestTimeline(arrival=self.arrival_time)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
-        structured = sampling_params.structured_outputs
-        self.structured_output_request = None if structured is None else StructuredOutputRequest(structured)
-
-    @property
-    def lora_name(self) -> str | None:
-        """Its adapter's name, for the prefix-cache key (with ``lora_path``); None: the base model."""
-        return None if self.lora_request is None else self.lora_request.lora_name
-
-    @property
-    def lora_path(self) -> str | None:
-        return None if self.lora_request is None else self.lora_request.lora_path
+        # Its grammar, when it asks for structured output: set by ``StructuredOutputManager.grammar_init``.
+        self.structured_output_request: StructuredOutputRequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

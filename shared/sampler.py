@@ -150,18 +150,6 @@ def draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generato
     return probs.div(q).argmax(dim=-1)
 
 
-def target_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The distribution ``sample`` draws each row's token from: step 2's processors, then a greedy row's
-    argmax as a point mass, a sampled row's ``sampling_probs``. A speculative verifier compares drafts
-    against it (``stage5_server/spec_decode/rejection_sampler.py``)."""
-    logits = apply_logits_processors(logits.to("cpu", torch.float32), requests)
-    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-    if random_rows:
-        probs[random_rows] = sampling_probs(logits[random_rows], [requests[i] for i in random_rows])
-    return probs
-
-
 def sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p applied to sampled rows' logits, as probabilities."""
     params = [r.sampling_params for r in requests]

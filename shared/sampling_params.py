@@ -2,20 +2,98 @@
 
 The fields and their ranges are vLLM's (``vllm/sampling_params.py``); each one is checked here,
 and a bad value is a ``ValueError`` that starts with the field's name. What the sampler does
-with them, and in which order, is in ``shared/sampler.py``.
+with them, and in which order, is in ``shared/sampler.py``; how a ``StructuredOutputsParams``
+constraint is enforced, in ``shared/structured_output.py``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-
-from shared.structured_output import StructuredOutputsParams
 
 # Below this temperature a request is decoded greedily, as in vLLM (``_SAMPLING_EPS``): dividing
 # logits by a temperature of 1e-300 would overflow to inf and make the softmax NaN.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (vLLM's default max_logprobs)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, as vLLM's ``SamplingParams.structured_outputs`` takes them.
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
+    ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
+    ``grammar``: an EBNF (GBNF) grammar whose start rule is ``root``, or a Lark grammar.
+    JSON is compact by default (``", "`` and ``": "`` between items, no other whitespace):
+    a small model allowed "any whitespace" can spend its whole budget on newlines.
+    ``any_whitespace=True`` allows it, as vLLM does unless ``disable_any_whitespace``.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object: must be a bool")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError("structured_outputs.any_whitespace: must be a bool")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> StructuredOutputsParams:
+        """From a request body's object; an unknown field is a ``ValueError`` naming it."""
+        fields = dict(fields)
+        if "disable_any_whitespace" in fields:  # vLLM's spelling of the inverse
+            disable = fields.pop("disable_any_whitespace")
+            if not isinstance(disable, bool):
+                raise ValueError("structured_outputs.disable_any_whitespace: must be a bool")
+            fields.setdefault("any_whitespace", not disable)
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]}: unknown field; accepted: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**fields)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """What a built grammar is cached under: the kind and the spec's text. A schema's key
+        order stays (properties are generated in that order)."""
+        kind = self.kind
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
+        elif kind == "choice":
+            spec = json.dumps(self.choice)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        return kind, spec, self.any_whitespace
 
 
 @dataclass

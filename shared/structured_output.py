@@ -35,10 +35,11 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from shared.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from shared.request import Request
@@ -46,84 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stagedserve")
 
 DEFAULT_CACHE_SIZE = 256  # built grammars kept per engine
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Exactly one constraint, as vLLM's ``SamplingParams.structured_outputs`` takes them.
-
-    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
-    ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
-    ``grammar``: an EBNF (GBNF) grammar whose start rule is ``root``, or a Lark grammar.
-    JSON is compact by default (``", "`` and ``": "`` between items, no other whitespace):
-    a small model allowed "any whitespace" can spend its whole budget on newlines.
-    ``any_whitespace=True`` allows it, as vLLM does unless ``disable_any_whitespace``.
-    """
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    any_whitespace: bool = False
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            given.append("json_object")
-        if len(given) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar or "
-                             f"json_object, got {given or 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object), got "
-                             f"{type(self.json).__name__}")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
-        if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
-            self.choice = list(self.choice)
-        if self.json_object not in (None, True, False):
-            raise ValueError("structured_outputs.json_object: must be a bool")
-        if not isinstance(self.any_whitespace, bool):
-            raise ValueError("structured_outputs.any_whitespace: must be a bool")
-
-    @classmethod
-    def from_dict(cls, fields: dict) -> StructuredOutputsParams:
-        """From a request body's object; an unknown field is a ``ValueError`` naming it."""
-        fields = dict(fields)
-        if "disable_any_whitespace" in fields:  # vLLM's spelling of the inverse
-            disable = fields.pop("disable_any_whitespace")
-            if not isinstance(disable, bool):
-                raise ValueError("structured_outputs.disable_any_whitespace: must be a bool")
-            fields.setdefault("any_whitespace", not disable)
-        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"structured_outputs.{unknown[0]}: unknown field; accepted: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
-        return cls(**fields)
-
-    @property
-    def kind(self) -> str:
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, name) not in (None, False))
-
-    def key(self) -> tuple[str, str, bool]:
-        """What a built grammar is cached under: the kind and the spec's text. A schema's key
-        order stays (properties are generated in that order)."""
-        kind = self.kind
-        if kind == "json":
-            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
-        elif kind == "choice":
-            spec = json.dumps(self.choice)
-        elif kind == "json_object":
-            spec = ""
-        else:
-            spec = getattr(self, kind)
-        return kind, spec, self.any_whitespace
 
 
 # ---- the front end's check: refuse what the engine could not enforce ---------------------------
@@ -247,34 +170,16 @@ class StructuredOutputRequest:
         return (self._matcher is not None and bool(output_token_ids) and self._matcher.is_stopped()
                 and output_token_ids[-1] in self.stop_token_ids)
 
-    def num_valid_drafts(self, output_token_ids: list[int], draft_token_ids: list[int]) -> int:
-        """How many of ``draft_token_ids``, in a row, the grammar allows after the outputs: a draft it
-        forbids can never be accepted, so neither it nor any after it is worth a position."""
-        matcher = self.sync(output_token_ids)
-        return 0 if matcher.is_error() or matcher.is_stopped() else matcher.validate_tokens(draft_token_ids)
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int],
-                     draft_token_ids: list[int] = ()) -> None:
-        """Row ``row``: the tokens allowed after the outputs. With drafts, row ``row + i``: the tokens
-        allowed after the outputs and the first ``i`` drafts, one mask per position that samples (the
-        rows past a draft the grammar forbids stay open: sampling never gets there)."""
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int]) -> None:
+        """Row ``row`` of ``bitmask``: the tokens allowed after the outputs."""
         matcher = self.sync(output_token_ids)
         if matcher.is_error():  # allow only EOS, so the request ends (as aborted) at once
             bitmask[row] = 0
             for token in self.stop_token_ids:
                 bitmask[row, token // 32] |= 1 << (token % 32)
             return
-        valid = matcher.validate_tokens(list(draft_token_ids)) if draft_token_ids else 0
-        consumed = 0
-        for i in range(valid + 1):
-            row_view = bitmask[row + i]
-            matcher.unsafe_compute_mask_ptr(row_view.data_ptr(), row_view.numel() * row_view.element_size())
-            if i == valid or matcher.is_stopped():
-                break
-            matcher.consume_token(draft_token_ids[i])  # allowed: validate_tokens said so
-            consumed += 1
-        if consumed:
-            matcher.rollback(consumed)  # back to the outputs: the drafts are not outputs yet
+        row_view = bitmask[row]
+        matcher.unsafe_compute_mask_ptr(row_view.data_ptr(), row_view.numel() * row_view.element_size())
 
 
 class StructuredOutputManager:
@@ -300,12 +205,14 @@ class StructuredOutputManager:
         self.num_built = 0  # grammars actually built (cache misses)
 
     def grammar_init(self, request: Request) -> None:
-        """Start (or find) the build of ``request``'s grammar; never waits for it."""
-        so = request.structured_output_request
-        if so is None:
+        """Give a request that asks for structured output its grammar state, and start (or find) the
+        build of its grammar; never waits for it."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
             return
+        so = request.structured_output_request = StructuredOutputRequest(params)
         so.stop_token_ids = self.stop_token_ids
-        so.grammar = self.grammar(so.params)
+        so.grammar = self.grammar(params)
 
     def grammar(self, params: StructuredOutputsParams) -> Future:
         """A future of the spec's prototype matcher (at the start state; requests copy it)."""

@@ -5,9 +5,6 @@ checkpoints here: a byte-level BPE tokenizer trained offline on the text below, 
 template, and random weights from ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` with a fixed seed, saved with ``save_pretrained`` (safetensors).
 The default model and the other named ones are in ``shared.named_models``.
-``arch="llava"`` builds a LLaVA-style vision-language model instead: ``LlavaForConditionalGeneration``
-over a tiny CLIP vision tower and the tiny Llama decoder, with a processor (a ``CLIPImageProcessor``
-and the tokenizer with an ``<image>`` token) that ``AutoProcessor`` loads.
 The result is an ordinary Hugging Face model directory: transformers, this project and
 peers such as vLLM all load it the same way. Head dim is 32 so vLLM's CPU build accepts it.
 """
@@ -20,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "llava")
+ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML. With ``tools``, a system turn lists them (as JSON, inside <tools></tools>); an assistant's
 # tool calls are written as <tool_call>{"name": ..., "arguments": ...}</tool_call> and a tool's
@@ -44,22 +41,6 @@ CHAT_TEMPLATE = (
     "<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-IMAGE_TOKEN = "<image>"
-# ChatML whose message content may be a list of parts: text as is, an image as one ``<image>``,
-# which the processor expands to the image's feature length.
-VISION_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}{{ '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] or [] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url', 'input_image') %}<image>{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# A CLIP vision tower of 40x40 pixels in 8x8 patches: 25 image tokens (not a multiple of a block).
-TINY_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   image_size=40, patch_size=8, projection_dim=64)
-
 # Own text for the tokenizer to learn from, with some non-ASCII so multi-byte
 # characters span several tokens (the incremental detokenizer must not split them).
 CORPUS = """\
@@ -86,7 +67,7 @@ def add(a, b):
 """
 
 
-def _train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,7 +89,8 @@ def _train_tokenizer(vocab_size: int):
     return fast
 
 
-def _model_config(arch: str, vocab_size: int, eos_ids: list[int], size: dict):
+def transformers_config(arch: str, vocab_size: int, eos_ids: list[int], size: dict):
+    """transformers' config and model class of a tiny ``arch`` model of ``size``."""
     import transformers
 
     common = dict(
@@ -143,14 +125,12 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_
     """Write a random-weight checkpoint of family ``arch`` to ``path`` and return it."""
     if arch not in ARCHS:
         raise ValueError(f"arch: unknown {arch!r}; choose one of {ARCHS}")
-    if arch == "llava":
-        return make_tiny_llava(path, seed=seed, vocab_size=vocab_size, size=size)
     import torch
 
     path = Path(path)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-    config, model_cls = _model_config(arch, len(tokenizer), eos_ids, size or TINY)
+    config, model_cls = transformers_config(arch, len(tokenizer), eos_ids, size or TINY)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if "dtype" in (size or {}):
@@ -163,55 +143,22 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_
     return path
 
 
-def make_tiny_llava(path: str | Path, seed: int = 0, vocab_size: int = 512, size: dict | None = None) -> Path:
-    """A random ``LlavaForConditionalGeneration`` (tiny CLIP tower, tiny Llama decoder) and its processor."""
-    import torch
-    import transformers
-
-    path = Path(path)
-    tokenizer = _train_tokenizer(vocab_size)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    tokenizer.chat_template = VISION_CHAT_TEMPLATE
-    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-    text_config, _ = _model_config("llama", len(tokenizer), eos_ids, size or TINY)
-    vision_config = transformers.CLIPVisionConfig(**TINY_VISION)
-    config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
-                                      image_token_index=image_token_id, vision_feature_layer=-2,
-                                      vision_feature_select_strategy="default", eos_token_id=eos_ids)
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = eos_ids
-    model.generation_config.pad_token_id = eos_ids[0]
-    side = TINY_VISION["image_size"]
-    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": side},
-                                                      crop_size={"height": side, "width": side})
-    # One extra feature (CLIP's class token) that the "default" strategy drops: the processor
-    # expands ``<image>`` to (side / patch)^2 tokens, as many as the tower gives.
-    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                            patch_size=TINY_VISION["patch_size"], num_additional_image_tokens=1,
-                                            vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
-                                            chat_template=VISION_CHAT_TEMPLATE)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def cache_dir() -> Path:
     root = os.environ.get("STAGEDSERVE_CACHE") or Path.home() / ".cache" / "stagedserve"
     return Path(root)
 
 
-def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny") -> Path:
-    """Build (once, atomically, safe across processes) and return a cached checkpoint."""
+def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny",
+                      make: Callable[..., Path] | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Build (once, atomically, safe across processes) and return a cached checkpoint (``make``: how an
+    ``arch`` this module does not know is made, with ``chat_template``)."""
     if size_name not in SIZES:
         raise ValueError(f"size: unknown {size_name!r}; choose one of {sorted(SIZES)}")
     target = cache_dir() / f"{arch}-{size_name}-seed{seed}-v1"
     if (target / "config.json").is_file():
-        _refresh_chat_template(target, VISION_CHAT_TEMPLATE if arch == "llava" else CHAT_TEMPLATE)
-    return build_once(target, lambda tmp: make_tiny_model(tmp, arch=arch, seed=seed, size=SIZES[size_name]))
+        refresh_chat_template(target, chat_template)
+    make = make or (lambda path, **kwargs: make_tiny_model(path, arch=arch, **kwargs))
+    return build_once(target, lambda tmp: make(tmp, seed=seed, size=SIZES[size_name]))
 
 
 def build_once(target: Path, build: Callable[[Path], object]) -> Path:
@@ -232,7 +179,7 @@ def build_once(target: Path, build: Callable[[Path], object]) -> Path:
     return target
 
 
-def _refresh_chat_template(checkpoint: Path, template: str) -> None:
+def refresh_chat_template(checkpoint: Path, template: str) -> None:
     """The template learned to render tools after checkpoints were first cached; weights and
     tokenizer did not change, so an older cached checkpoint gets the new template in place."""
     path = checkpoint / "chat_template.jinja"

@@ -1,8 +1,9 @@
 """Load a Hugging Face checkpoint directory (``*.safetensors``, single or sharded) into a model.
 
-A vision-language checkpoint (LLaVA) stores its decoder under ``language_model.`` (or, as newer
-transformers write it, ``model.language_model.`` beside a top-level ``lm_head``): that decoder is
-loaded here, and the vision tower and projector are left to stage 5 (``stage5_server/multimodal/``).
+Each checkpoint tensor fills the model parameter of its name, ``model.`` dropped
+(``model.layers.0.mlp.up_proj.weight`` -> ``layers.0.mlp.up_proj.weight``). A caller can rename
+tensors (``rename``) and take part of each (``take``): a later stage loads one shard or one stage
+of a model that way, or the decoder of a checkpoint that holds more than a decoder.
 """
 
 from __future__ import annotations
@@ -37,28 +38,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def decoder_tensor_name(name: str, config: ModelConfig) -> str | None:
-    """The decoder parameter a checkpoint tensor fills (``model.`` dropped), or None for a tensor
-    of a vision-language checkpoint's vision tower or projector."""
-    if config.vision is not None:
-        if name.startswith("model.language_model."):  # transformers >= 4.52's layout
-            return name.removeprefix("model.language_model.")
-        if name.startswith("language_model."):
-            return name.removeprefix("language_model.").removeprefix("model.")
-        return "lm_head.weight" if name == "lm_head.weight" else None
-    return name.removeprefix("model.")
-
-
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Build the model for ``path``'s config and fill it with the checkpoint's weights."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               config: ModelConfig | None = None, rename: Callable[[str], str | None] | None = None):
+    """Build the model for ``config`` (default: ``path``'s) and fill it with the checkpoint's weights
+    (``rename``: as ``load_weights`` takes it)."""
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
-    if config.is_encoder:
-        raise ValueError(f"model: {path!s} is an encoder ({config.family}): it pools and cannot generate; "
-                         "serve it with stage5_server, whose pooling runner loads it")
+    config = config or ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = DecoderModel(config)
-    load_weights(model, config, path, dtype, device)
+    load_weights(model, config, path, dtype, device, rename=rename)
     logger.info("loaded %s (%s, %d layers) from %s", config.family, dtype, config.num_hidden_layers, path)
     return model.eval(), config
 
@@ -69,15 +57,14 @@ def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dty
     """Fill ``model``'s parameters from the checkpoint at ``path``, refusing a tensor with no place
     and a parameter with no tensor. ``take(name, lazy_tensor)`` picks the part of each checkpoint
     tensor that this model holds (a tensor-parallel shard); by default all of it. ``rename(name)``
-    gives a tensor's name in this model, or None to pass it by (a pipeline stage holds some layers)."""
+    gives a tensor's name in this model (``name`` with ``model.`` dropped), or None to pass it by
+    (a pipeline stage holds some layers)."""
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                short = decoder_tensor_name(name, config)
-                if short is None:  # a vision-language checkpoint's vision side
-                    continue
+                short = name.removeprefix("model.")
                 if rename is not None and (short := rename(short)) is None:
                     continue
                 tied_head = short == "lm_head.weight" and config.tie_word_embeddings
@@ -93,5 +80,5 @@ def load_weights(model: DecoderModel, config: ModelConfig, path: str | Path, dty
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if hasattr(model, "rotary_emb"):  # an encoder has absolute positions instead
+    if hasattr(model, "rotary_emb"):
         model.rotary_emb = type(model.rotary_emb)(config.head_dim, config.rope_theta, config.rope_scaling).to(device)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.metrics import SchedulerStats
 from shared.request import Request, RequestStatus, check_stop
@@ -94,7 +94,7 @@ class Scheduler:
         s = self.counters
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)
         s.kv_cache_usage = self.kv_cache_manager.usage
-        return SchedulerStats(**vars(s))
+        return replace(s)  # a snapshot: later steps do not change it
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

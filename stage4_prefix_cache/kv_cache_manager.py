@@ -30,16 +30,16 @@ from typing import Protocol
 from stage4_prefix_cache.block_pool import BlockPool
 from stage4_prefix_cache.kv_cache_utils import (
     BlockHash,
+    ExtraKey,
     HashFn,
     KVCacheBlock,
     get_hash_fn,
     hash_block_tokens,
-    request_extra_keys,
 )
 
 
 class CacheableRequest(Protocol):
-    """What the manager reads from a request (``lora_name`` and ``skip_reading_prefix_cache`` are optional)."""
+    """What the manager reads from a request (``skip_reading_prefix_cache`` is optional)."""
 
     request_id: str
     all_token_ids: list[int]  # prompt + tokens generated so far
@@ -265,14 +265,20 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         num_full_blocks = len(tokens) // self.block_size
-        if len(hashes) < num_full_blocks:
-            extra_keys = request_extra_keys(request)
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), num_full_blocks):
-                start = i * self.block_size
-                parent = hash_block_tokens(parent, tokens[start : start + self.block_size], extra_keys, self.hash_fn)
-                hashes.append(parent)
+        parent = hashes[-1] if hashes else None
+        for start in range(len(hashes) * self.block_size, num_full_blocks * self.block_size, self.block_size):
+            end = start + self.block_size
+            parent = hash_block_tokens(parent, tokens[start:end], self.block_extra_keys(request, start, end),
+                                       self.hash_fn)
+            hashes.append(parent)
         return hashes
+
+    def block_extra_keys(self, request: CacheableRequest, start: int, end: int) -> tuple[ExtraKey, ...]:
+        """The extra keys in the hash of the block holding positions ``[start, end)``: the request's
+        cache salt. Every block of a request gets it (vLLM adds it to the first block only; chaining
+        carries it into every later hash, so both give the same isolation). A later stage adds its
+        own keys here (stage 5: an adapter's, an image's)."""
+        return () if request.cache_salt is None else (("salt", request.cache_salt),)
 
     # -- release -----------------------------------------------------------
 

@@ -8,7 +8,7 @@ built from:
 
 - ``hash_block_tokens``: the identity of one full block, chained to the block
   before it, so "these four tokens" means "these four tokens *after exactly
-  this prefix*" (plus the adapter, multimodal inputs and cache salt).
+  this prefix*" (plus extra keys: whatever else decides the block's K/V).
 - ``KVCacheBlock``: one physical block's bookkeeping (id, reference count,
   hash once full, and links for the free queue).
 - ``FreeKVCacheBlockQueue``: a doubly linked list of blocks nobody is using.
@@ -32,14 +32,12 @@ BlockHash = bytes
 # A hash function maps the canonical byte encoding of a block to a digest.
 HashFn = Callable[[bytes], BlockHash]
 
-# One extra key: (source tag, value). The tag says where the value came from.
+# One extra key: (source tag, value). The tag says where the value came from. The
+# seeds' formula is ``block_hash = H(parent_hash, block_tokens, extra_hashes)`` with
+# ``extra_hashes = LoRA IDs + multimodal hashes + optional cache_salt``: stage 4 has one
+# source, "salt" (the request's cache salt, a trust group chosen by a gateway); the
+# systems of a later stage add theirs through ``KVCacheManager.block_extra_keys``.
 ExtraKey = tuple[str, "str | bytes | int"]
-
-# The sources that may contribute extra keys to a block's identity.
-#   "lora": the adapter the request runs with (its name, or id/path).
-#   "mm":   the hash of a multimodal input (image, audio) overlapping the block.
-#   "salt": the request's cache_salt (a trust group chosen by a gateway).
-EXTRA_KEY_SOURCES = ("lora", "mm", "salt")
 
 
 # ---------------------------------------------------------------------------
@@ -98,9 +96,9 @@ def get_hash_fn(name: str) -> HashFn:
 # The hash function only ever sees bytes, so two different identities must
 # never encode to the same bytes: no hash, however strong, can tell apart two
 # inputs that are already equal. Older vLLM (v0.28) made exactly that mistake
-# with extra keys: it concatenated LoRA names, multimodal hashes and the salt
-# into one untagged tuple, so a LoRA called "tenant-A" with no salt and a salt
-# "tenant-A" with no LoRA both gave the extras ("tenant-A",).
+# with extra keys: it concatenated adapter names, image hashes and the salt
+# into one untagged tuple, so an adapter called "tenant-A" with no salt and a
+# salt "tenant-A" with no adapter both gave the extras ("tenant-A",).
 #
 # The encoding below is a concatenation of self-delimiting fields. Each field
 # is either fixed width or preceded by its own length, and every variable
@@ -119,7 +117,7 @@ def get_hash_fn(name: str) -> HashFn:
 # what kind of field comes next (the format is fixed; markers choose between
 # alternatives). So the reader recovers every field exactly, and the input is
 # a function of the bytes: two inputs with equal encodings are equal. In
-# particular ("salt", "tenant-A") and ("lora", "tenant-A") differ in the tag
+# particular ("salt", "tenant-A") and ("adapter", "tenant-A") differ in the tag
 # field, and ("salt", "1") and ("salt", 1) differ in the type byte.
 
 _U32 = struct.Struct(">I")
@@ -173,8 +171,8 @@ def encode_block(
         if not (isinstance(key, tuple) and len(key) == 2):
             raise ValueError(f"extra_keys: must be (source, value) pairs, got {key!r}")
         source, value = key
-        if source not in EXTRA_KEY_SOURCES:
-            raise ValueError(f"extra_keys: source must be one of {EXTRA_KEY_SOURCES}, got {source!r}")
+        if not (isinstance(source, str) and source.isidentifier()):
+            raise ValueError(f"extra_keys: a source is a tag such as 'salt' (an identifier), got {source!r}")
         parts.append(_length_prefixed(source.encode("utf-8")))
         parts.append(_encode_value(value))
     return b"".join(parts)
@@ -193,35 +191,11 @@ def hash_block_tokens(
     four tokens after different prefixes get different hashes (their keys and
     values differ too: attention saw different context).
 
-    ``extra_keys`` is a sequence of (source, value) pairs, source one of
-    ``EXTRA_KEY_SOURCES``; for example ``(("lora", "sql-adapter"), ("salt",
-    "tenant-A"))``. Order matters: callers should build the pairs in one fixed
-    order (``request_extra_keys`` does).
+    ``extra_keys`` is a sequence of (source, value) pairs, for example
+    ``(("salt", "tenant-A"),)``. Order matters: callers build the pairs in one
+    fixed order (``KVCacheManager.block_extra_keys`` does).
     """
     return hash_fn(encode_block(parent_hash, token_ids, extra_keys))
-
-
-def request_extra_keys(request: object) -> tuple[ExtraKey, ...]:
-    """The extra keys of a request: its LoRA adapter (name, then the path its
-    weights came from, when the request says), then its cache salt.
-
-    Every block of the request gets the same extra keys here. (vLLM adds the
-    salt only to the first block; chaining carries it into every later hash,
-    so both give the same isolation. Repeating it is simpler to read.)
-    Multimodal hashes would be added per block; this course has no
-    multimodal inputs.
-    """
-    keys: list[ExtraKey] = []
-    lora_name = getattr(request, "lora_name", None)
-    if lora_name is not None:
-        keys.append(("lora", lora_name))
-        lora_path = getattr(request, "lora_path", None)
-        if lora_path is not None:  # the same name reloaded from elsewhere is another adapter
-            keys.append(("lora", lora_path))
-    cache_salt = getattr(request, "cache_salt", None)
-    if cache_salt is not None:
-        keys.append(("salt", cache_salt))
-    return tuple(keys)
 
 
 def hash_request_tokens(

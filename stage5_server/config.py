@@ -16,28 +16,40 @@ vLLM: ``VllmConfig`` in ``vllm/config/__init__.py`` (``ModelConfig``, ``CacheCon
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.config import ModelConfig
+from shared.config import ModelConfig, read_config_json
 from shared.llm_base import COMMON_ARGS, DTYPES, check_common_args, check_kv_cache_memory
-from shared.named_models import default_model, default_model_file, resolve_model
+from shared.named_models import default_model, default_model_file
+from shared.named_models import resolve_model as resolve_named_model
 from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.lora.request import LoRAConfig
+from stage5_server.multimodal.config import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
     resolve_interface,
 )
-from stage5_server.pooling.config import PoolerConfig, resolve_runner
+from stage5_server.pooling.config import (
+    BERT_ARCHITECTURE,
+    EMBEDDING_MODEL_NAME,
+    PoolerConfig,
+    embedding_model,
+    is_encoder,
+    read_bert_config,
+    resolve_runner,
+)
 from stage5_server.quantization import LinearConfig, resolve_linear_config, source_gguf_file
 from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
+STAGE = "stage5_server"
 SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
                       "tensor_parallel_size": 1,
                       "pipeline_parallel_size": 1,  # layers split into stages (parallel/pipeline.py)
@@ -60,6 +72,30 @@ ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
 # checkpoints of hidden 128 and 256 (oneDNN's per-call cost dominates there; performance page).
 CPU_BF16_MIN_HIDDEN_SIZE = 512
+# Architectures whose config a room of stage 5 reads (the decoders are shared's): a vision-language model's
+# decoder and vision side, a BERT encoder's shape. vLLM: ``_VLLM_MODELS`` in ``model_executor/models/registry.py``.
+ARCHITECTURE_READERS = {LLAVA_ARCHITECTURE: read_llava_config, BERT_ARCHITECTURE: read_bert_config}
+# Each runner kind's scheduler and worker, by qualified name: the builder and every executor build them from
+# here without importing the room they live in (vLLM: ``SchedulerConfig.scheduler_cls``,
+# ``ParallelConfig.worker_cls``).
+RUNNER_KINDS = {"generate": ("stage5_server.core.scheduler:Scheduler", "stage5_server.worker.worker:Worker"),
+                "pooling": ("stage5_server.pooling.scheduler:PoolingScheduler",
+                            "stage5_server.pooling.worker:make_pooling_worker")}
+
+
+def resolve_model(name: str) -> str:
+    """Stage 4's ``resolve_model``, plus the embedding model's name (a path that exists wins over a name)."""
+    if name == EMBEDDING_MODEL_NAME and not Path(name).exists():
+        return embedding_model()
+    return resolve_named_model(name)
+
+
+def read_model_config(path: str | Path) -> tuple[ModelConfig, MultiModalConfig | None]:
+    """The model's shape (a decoder's, or an encoder's) and, for a vision-language model, its vision side."""
+    raw = read_config_json(path)
+    reader = next((ARCHITECTURE_READERS[a] for a in raw.get("architectures") or [] if a in ARCHITECTURE_READERS),
+                  None)
+    return (ModelConfig.from_pretrained(path), None) if reader is None else reader(raw, path)
 
 
 @dataclass(frozen=True)
@@ -110,6 +146,7 @@ class EngineConfig:
     pooler: PoolerConfig | None = None  # how the pooling runner pools; None when generating
     linear: LinearConfig = LinearConfig(None, False, None)  # each linear layer's method: quantization/
     lora: LoRAConfig | None = None  # None: no adapters (lora/)
+    multimodal: MultiModalConfig | None = None  # a vision-language model's vision side (multimodal/); None: text only
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -119,7 +156,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: not an engine argument of stage5_server; accepted: {sorted(ENGINE_ARGS)}")
         args = {**ENGINE_ARGS, **engine_args}
         model_path = default_model() if model is None else resolve_model(model)  # a name or .gguf: a directory
-        model_config = ModelConfig.from_pretrained(model_path)
+        model_config, multimodal = read_model_config(model_path)
         device = torch.device(args["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(args["dtype"], device, model_config)
         runner = resolve_runner(args["runner"], args["convert"], model_config)
@@ -167,7 +204,7 @@ class EngineConfig:
             raise ValueError("speculative_config: speculative decoding runs without pipeline parallelism "
                              f"(pipeline_parallel_size is {pipeline_parallel_size})")
         check_draft_model(speculative, model_config, tensor_parallel_size)
-        if model_config.vision is not None and (world_size > 1 or runner == "pooling"):
+        if multimodal is not None and (world_size > 1 or runner == "pooling"):
             raise ValueError("model: a vision-language model generates on one device (tensor_parallel_size=1, "
                              "pipeline_parallel_size=1, runner='generate')")
         interface = resolve_interface(args["distributed_interface"]) if world_size > 1 else None
@@ -187,10 +224,18 @@ class EngineConfig:
                    attention_backend=attention_backend, enforce_eager=args["enforce_eager"],
                    compile_decode=compile_decode, cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
-                   pooler=pooler, linear=linear, lora=lora, args=args)
+                   pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
+
+    @property
+    def scheduler_cls(self) -> str:
+        return RUNNER_KINDS[self.runner][0]
+
+    @property
+    def worker_cls(self) -> str:
+        return RUNNER_KINDS[self.runner][1]
 
 
 def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: SpeculativeConfig | None,
@@ -230,9 +275,9 @@ def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: Pooler
     changed: dict[str, Any] = {"runner": "pooling"}
     if args["max_model_len"] is None and pooler.max_seq_length:
         changed["max_model_len"] = min(pooler.max_seq_length, model_config.max_position_embeddings)
-    if model_config.is_encoder or pooler.pooling_type != "LAST":  # a cached prefix has no hidden states
+    if is_encoder(model_config) or pooler.pooling_type != "LAST":  # a cached prefix has no hidden states
         changed["enable_prefix_caching"] = False
-    if model_config.is_encoder:
+    if is_encoder(model_config):
         changed["enable_chunked_prefill"] = False
     return changed
 

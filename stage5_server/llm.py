@@ -1,10 +1,12 @@
-"""``LLM`` for stage5: the shared offline front end over an engine core built from one config.
+"""``LLM`` for stage5: the offline API over an engine core built from one config, in this process.
 
 Where stages 1-4 build their engine by subclassing the stage before, stage 5 builds it as vLLM V1
-does: ``EngineConfig.create`` checks every argument once (``config.py``), ``build_engine_core``
-starts the workers and sizes the KV cache (``core/builder.py``), and what is left here is the
-offline API that every stage shares (``shared/llm_base.py``: generate, chat, abort, outputs).
-The engine-core process and every data-parallel rank build their core with the same two calls.
+does: ``EngineConfig.create`` checks every argument once (``config.py``) and ``build_engine_core``
+starts the workers and sizes the KV cache (``core/builder.py``). The front end is the server's:
+``InputProcessor`` turns every kind of prompt into engine requests (``engine/input_processor.py``) and
+``OutputProcessor`` turns the core's outputs into ``RequestOutput``s (``engine/output_processor.py``);
+the step loop of ``generate`` is the one every stage shares (``shared/llm_base.py``). The core steps
+when this process calls ``step``: vLLM's ``LLMEngine`` over an in-process core client.
 
 New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA by default when
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
@@ -16,33 +18,39 @@ images in a prompt for a vision-language model (``multimodal/``): ``generate({"p
 "multi_modal_data": {"image": image}})`` as vLLM takes them, and ``chat`` with image content parts
 (``image_pil``, or an ``image_url`` holding a ``data:`` URL).
 
-vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py``.
+vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py`` (``InprocClient`` in
+``core_client.py``).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from shared.llm_base import BaseLLM, PromptType, prompt_token_ids
+from shared.llm_base import BaseLLM, PromptType
+from shared.output_processor import OutputDelta
+from shared.outputs import RequestOutput
 from shared.parallel_sampling import ParentRequest
-from shared.request import Request
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, EngineConfig
+from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, STAGE, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.core.request import Request
+from stage5_server.engine.input_processor import InputProcessor
+from stage5_server.engine.output_processor import OutputProcessor
 from stage5_server.lora import LoRARequest, load_adapter
-from stage5_server.multimodal.image_io import decode_data_url, load_image
-from stage5_server.multimodal.processor import ImageProcessor, has_image_parts, images_of, split_image_parts
-from stage5_server.pooling.offline import PoolingAPI
+from stage5_server.multimodal.processor import ImageProcessor
+from stage5_server.pooling.offline import NOT_GENERATING, PoolingAPI
 
 
 class LLM(PoolingAPI, BaseLLM):
-    stage = "stage5_server"
+    stage = STAGE
     engine_args = SERVER_ENGINE_ARGS
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         config = EngineConfig.create(model, **kwargs)
-        self.engine: EngineCore = build_engine_core(config)
+        self.tokenizer = Tokenizer(config.tokenizer_path)
+        self.engine: EngineCore = build_engine_core(config, self.tokenizer)
         self.config = config = self.engine.config  # with max_model_len as the KV cache allows
         self.args = {**ENGINE_ARGS, **config.args}
         self.model_path, self.model_config = config.model_path, config.model_config
@@ -51,11 +59,34 @@ class LLM(PoolingAPI, BaseLLM):
         self.tensor_parallel_size = config.parallel.tensor_parallel_size
         self.pipeline_parallel_size = config.parallel.pipeline_parallel_size
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
-        self.tokenizer = Tokenizer(config.tokenizer_path)
-        self.image_processor = None if config.model_config.vision is None else \
-            ImageProcessor(config.model_path, config.model_config)
+        images = None if config.multimodal is None else ImageProcessor(config.model_path, config.multimodal)
+        self.input_processor = InputProcessor(self.tokenizer, config.model_config.vocab_size, self.max_model_len,
+                                              config.model_config.eos_token_ids, images, config.lora is not None)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
         self._checked_adapters: set[tuple[int, str]] = set()
-        self._start_frontend()  # the builder has logged the configuration
+
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       ) -> tuple[str, ParentRequest | None, list[Request]]:
+        """The engine requests of one prompt (``InputProcessor``), as the core takes them in."""
+        if self.config.runner == "pooling":
+            raise ValueError(NOT_GENERATING.format(api="LLM.generate / LLM.chat"))
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while self.output_processor.has_request(request_id):  # a caller took this one by hand
+                request_id = str(next(self._ids))
+        if lora_request is not None:
+            self.check_lora_request(lora_request)
+        parent, requests = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
+                                                               cache_salt=cache_salt, lora_request=lora_request)
+        taken = [r.request_id for r in requests if self.output_processor.has_request(r.request_id)]
+        if taken and parent is not None:
+            raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
+        return request_id, parent, [self.engine.preprocess_add_request(r) for r in requests]
+
+    def _engine_step(self) -> list[OutputDelta]:
+        return self.engine.step()  # the scheduler made them: each request's new tokens
 
     def check_lora_request(self, lora_request: object) -> None:
         """An adapter is served only with ``enable_lora``, and only once its directory passed the checks
@@ -69,38 +100,36 @@ class LLM(PoolingAPI, BaseLLM):
             load_adapter(lora_request.lora_path, self.model_config, lora.max_lora_rank)
             self._checked_adapters.add(lora_request.key)
 
-    def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None, lora_request: object | None = None,
-                       ) -> tuple[str, ParentRequest | None, list[Request]]:
-        if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
-            return super()._make_requests(prompt, params, request_id, priority, cache_salt, lora_request)
-        if self.image_processor is None:
-            raise ValueError("multi_modal_data: this model takes no images (it is not a vision-language model)")
-        text = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
-        token_ids = prompt_token_ids(text, self.tokenizer, self.model_config.vocab_size, max_model_len=None)
-        token_ids, features = self.image_processor.process(token_ids, images_of(prompt["multi_modal_data"]))
-        request_id, parent, requests = super()._make_requests(token_ids, params, request_id, priority, cache_salt,
-                                                              lora_request)
-        for request in requests:
-            request.mm_features = features
-        return request_id, parent, requests
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
+        if request_id is not None and self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
+                                                           priority, cache_salt, lora_request)
+        self._add(prompt, parent, requests)
+        return request_id
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             **template_args: Any):
-        """``BaseLLM.chat``; a conversation with image parts is rendered with one image token per image
-        and sent as ``{"prompt_token_ids": ..., "multi_modal_data": ...}``."""
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or a list with one (or None) per prompt."""
+        prompts, params = self._prompts_and_params(prompts, sampling_params)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        return self._run(prompts, [self._make_requests(p, sp, lora_request=lora)  # all checked before any is added
+                                   for p, sp, lora in zip(prompts, params, loras)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, lora_request: LoRARequest | None = None):
+        """``generate`` on conversations rendered by the chat template (the model's, or ``chat_template``),
+        image content parts included; a control-token string inside a message stays text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not any(has_image_parts(c) for c in conversations):
-            return super().chat(messages, sampling_params, use_tqdm, **template_args)
-        prompts = []
-        for conversation in conversations:
-            rendered, images = split_image_parts(conversation, offline_image)
-            token_ids = self.tokenizer.apply_chat_template(
-                rendered, template_args.get("add_generation_prompt", True), tools=template_args.get("tools"),
-                chat_template=template_args.get("chat_template"),
-                chat_template_kwargs=template_args.get("chat_template_kwargs"))
-            prompts.append({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        render = {"add_generation_prompt": add_generation_prompt, "tools": tools, "chat_template": chat_template,
+                  "chat_template_kwargs": chat_template_kwargs}
+        return self.generate([{"messages": c, **render} for c in conversations], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""
@@ -109,18 +138,6 @@ class LLM(PoolingAPI, BaseLLM):
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
         self.engine.shutdown()
-
-
-def offline_image(part: dict):
-    """An image content part of an offline conversation: ``image_pil`` (a PIL image) or an
-    ``image_url`` with a ``data:`` URL (fetching remote URLs is the API server's, under its rules)."""
-    if part.get("type") == "image_pil":
-        return part["image_pil"]
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise ValueError("messages: offline, an image part is an image_pil or an image_url with a data: URL")
-    return load_image(decode_data_url(url))
 
 
 __all__ = ["LLM", "SERVER_ENGINE_ARGS"]

@@ -151,9 +151,9 @@ def tiny_qwen2() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llava() -> Path:
-    from shared import cached_tiny_model
+    from stage5_server.multimodal.tiny_model import cached_tiny_llava
 
-    return cached_tiny_model("llava")
+    return cached_tiny_llava()
 
 
 @pytest.fixture(scope="session")

@@ -924,10 +924,10 @@ chats = [[{"role": "user", "content": f"Repeat this text exactly:\\n\\n{text}"}]
          [{"role": "user", "content": "Name three colours."}]]
 spec_llm.chat(chats, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
 stats = spec_llm.engine.stats()
-per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
-rates = [accepted / stats.spec_decode_num_drafts for accepted in per_pos]
-print(f"verifying steps: {stats.spec_decode_num_drafts}, draft tokens: {stats.spec_decode_num_draft_tokens}, "
-      f"accepted: {stats.spec_decode_num_accepted_tokens}")
+per_pos = list(stats.spec_decoding.num_accepted_tokens_per_pos)
+rates = [accepted / stats.spec_decoding.num_drafts for accepted in per_pos]
+print(f"verifying steps: {stats.spec_decoding.num_drafts}, draft tokens: {stats.spec_decoding.num_draft_tokens}, "
+      f"accepted: {stats.spec_decoding.num_accepted_tokens}")
 for position, rate in enumerate(rates, 1):
     print(f"position {position}: kept in {100 * rate:.0f}% of the verifying steps")
 fig, ax = plt.subplots(figsize=(5, 2.4))

@@ -1,8 +1,8 @@
 """The seeds' cache-key paragraph, worked from the real hash: a LoRA named tenant-A and a cache salt
 tenant-A name different blocks here, and the same prompt under two adapters shares no block.
 
-Calls stage4_prefix_cache.kv_cache_utils (encode_block, hash_block_tokens, request_extra_keys) on
-real Requests carrying stage 5's LoRARequest. No model runs.
+Calls stage4_prefix_cache.kv_cache_utils (encode_block, hash_block_tokens) and stage 5's
+KVCacheManager.block_extra_keys on real stage-5 Requests carrying a LoRARequest. No model runs.
 
 Run: .venv/bin/python docs/snippets/lora_cache_key.py
 """
@@ -12,13 +12,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
 
-from shared import Request, SamplingParams  # noqa: E402
+from shared import SamplingParams  # noqa: E402
 from stage4_prefix_cache.kv_cache_utils import (  # noqa: E402
     encode_block,
     hash_block_tokens,
-    hash_request_tokens,
-    request_extra_keys,
 )
+from stage5_server.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from stage5_server.core.request import Request  # noqa: E402
 from stage5_server.lora import LoRARequest  # noqa: E402
 
 ABCD = [1, 2, 3, 4]  # the block A B C D
@@ -43,8 +43,12 @@ chat = LoRARequest("chat", 2, "/adapters/chat")
 requests = {"base": Request("r0", prompt, greedy), "sql": Request("r1", prompt, greedy, lora_request=sql),
             "sql again": Request("r2", prompt, greedy, lora_request=sql),
             "chat": Request("r3", prompt, greedy, lora_request=chat)}
+manager = KVCacheManager(block_size=4, num_blocks=8)
 for label, request in requests.items():
-    keys = request_extra_keys(request)
-    hashes = hash_request_tokens(4, request.all_token_ids, keys)
+    keys = manager.block_extra_keys(request, 0, 4)  # the same on every block of a text prompt
+    parent, hashes = None, []
+    for start in range(0, len(prompt), 4):
+        parent = hash_block_tokens(parent, prompt[start:start + 4], manager.block_extra_keys(request, start, start + 4))
+        hashes.append(parent)
     print(f"{label:>9}: extra keys {keys}")
     print(f"{'':>9}  blocks {' '.join(h.hex()[:12] for h in hashes)}")

@@ -2,7 +2,7 @@
 
 A 64-token prompt in blocks of 16: text at positions 0..19, an image's 25 placeholder tokens at
 20..44 (all the same token id), text at 45..63. Each block is hashed by stage 4's
-``hash_block_tokens`` with the extra keys stage 5 gives it (``multimodal/kv_cache.py``):
+``hash_block_tokens`` with the extra keys stage 5 gives it (``core/kv_cache_manager.py``):
 ``("mm", image hash)`` only where the block overlaps the image. Nothing is typed in by hand.
 
 Run: .venv/bin/python docs/snippets/mm_block_hashes.py
@@ -14,10 +14,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
 
 from stage4_prefix_cache.kv_cache_utils import hash_block_tokens  # noqa: E402
+from stage5_server.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from stage5_server.multimodal.inputs import MultiModalFeature  # noqa: E402
-from stage5_server.multimodal.kv_cache import block_extra_keys  # noqa: E402
 
 BLOCK, IMAGE_TOKEN = 16, 512
+block_extra_keys = KVCacheManager(BLOCK, num_blocks=8).block_extra_keys
 TOKENS = list(range(20)) + [IMAGE_TOKEN] * 25 + list(range(100, 119))
 
 

@@ -22,5 +22,10 @@ def make_tiny_model(args: argparse.Namespace) -> int:
     from shared.tiny_model import SIZES
     from shared.tiny_model import make_tiny_model as make
 
-    print(make(args.dir, arch=args.arch, seed=args.seed, size=SIZES[args.size]))
+    if args.arch == "llava":
+        from stage5_server.multimodal.tiny_model import make_tiny_llava
+
+        print(make_tiny_llava(args.dir, seed=args.seed, size=SIZES[args.size]))
+    else:
+        print(make(args.dir, arch=args.arch, seed=args.seed, size=SIZES[args.size]))
     return 0

@@ -8,7 +8,9 @@
    what the GPU's profile leaves (``determine_available_memory``, the tightest rank decides), else
    the CPU default (``shared.llm_base.automatic_kv_cache_tokens``, shared by the ranks on this host);
    a ``max_model_len`` the user did not set comes down to what the pool holds;
-3. the scheduler is built over that pool, and every worker allocates its blocks.
+3. the scheduler of the config's runner kind (``EngineConfig.scheduler_cls``) is built over that
+   pool, and every worker allocates its blocks;
+4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter.
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
 ``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import logging
 
 from shared.llm_base import automatic_kv_cache_tokens, fit_max_model_len
+from shared.structured_output import StructuredOutputManager
+from shared.tokenizer import Tokenizer
 from stage2_paged.llm import check_num_blocks, pool_too_small
 from stage3_continuous.llm import check_budget_takes_a_whole_prompt
 from stage4_prefix_cache.scheduler import CacheConfig
@@ -26,16 +30,16 @@ from stage5_server.attention import describe_attention_backend
 from stage5_server.config import EngineConfig
 from stage5_server.core.cpu_threads import configure_engine_threads
 from stage5_server.core.engine_core import EngineCore
-from stage5_server.core.scheduler import Scheduler
+from stage5_server.core.stats import LoggingStatLogger
 from stage5_server.executor import Executor, make_executor
-from stage5_server.pooling.core import PoolingEngineCore, PoolingScheduler
-from stage5_server.spec_decode import make_draft_policy, make_proposer
-from stage5_server.spec_decode.metrics import LoggingStatLogger
+from stage5_server.executor.abstract import resolve_obj_by_qualname
+from stage5_server.spec_decode import make_drafter
 
 logger = logging.getLogger("stagedserve")
 
 
-def build_engine_core(config: EngineConfig) -> EngineCore:
+def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) -> EngineCore:
+    """The engine core of ``config`` (``tokenizer``: the model's, when the caller has it loaded already)."""
     if config.device.type == "cpu" and config.parallel.world_size == 1:
         configure_engine_threads(config.cpu_threads)  # the ranks of a split model share the cores instead
     logger.info("attention backend: %s (device %s)", describe_attention_backend(config.attention_backend),
@@ -57,11 +61,9 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
-        if config.runner == "pooling":
-            scheduler = PoolingScheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size)
-        else:
-            scheduler = Scheduler(config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
-                                  max_loras=None if config.lora is None else config.lora.max_loras)
+        scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
+            config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
+            max_loras=None if config.lora is None else config.lora.max_loras)
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()
@@ -70,11 +72,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
                 f" on each of {executor.world_size} ranks" if executor.world_size > 1 else "")
     logger.info("engine core ready: model=%s device=%s dtype=%s max_model_len=%d", config.model_path, config.device,
                 config.dtype, max_model_len)
-    interval = config.log_stats_interval
-    if config.runner == "pooling":
-        return PoolingEngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None)
-    return EngineCore(config, scheduler, executor, LoggingStatLogger(interval) if interval else None,
-                      make_proposer(config.speculative), make_draft_policy(config))
+    mc, interval = config.model_config, config.log_stats_interval
+    tokenizer = tokenizer or Tokenizer(config.tokenizer_path)
+    grammars = StructuredOutputManager(tokenizer.hf, mc.vocab_size, mc.eos_token_ids)
+    return EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
+                      make_drafter(config))
 
 
 def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:

@@ -25,12 +25,10 @@ import os
 import time
 import traceback
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from shared.llm_base import EngineCore
-from shared.structured_output import StructuredOutputManager
 from stage5_server.core.busy_loop import EngineCoreLoop
 from stage5_server.core.messages import (
     AddRequest,
@@ -52,6 +50,9 @@ from stage5_server.core.messages import (
     plain,
 )
 
+if TYPE_CHECKING:
+    from stage5_server.core.engine_core import EngineCore
+
 logger = logging.getLogger("stagedserve")
 
 SEND_TIMEOUT_MS = 5000  # a send blocks only when no API server is connected: then give up
@@ -63,10 +64,9 @@ STATS_BROADCAST_INTERVAL_S = 0.1
 class ZmqCoreLoop(EngineCoreLoop):
     """The core loop of one engine-core process, serving every API server that said hello (module docstring)."""
 
-    def __init__(self, core: EngineCore, grammars: StructuredOutputManager | None, engine_index: int,
-                 input_socket: zmq.Socket, output_socket: zmq.Socket, stats_socket: zmq.Socket | None,
-                 parent_pid: int):
-        super().__init__(core, grammars=grammars)
+    def __init__(self, core: EngineCore, engine_index: int, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 stats_socket: zmq.Socket | None, parent_pid: int):
+        super().__init__(core)
         self.engine_index = engine_index
         self.input = input_socket
         self.output = output_socket
@@ -181,25 +181,20 @@ class ZmqCoreLoop(EngineCoreLoop):
 
 
 def _build_core(model: str | None, engine_args: dict[str, Any], engine_index: int):
-    """``((EngineCore, its grammar manager), EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
+    """``(EngineCore, EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
         from shared.llm_base import cache_config_info
-        from shared.structured_output import StructuredOutputManager
-        from shared.tokenizer import Tokenizer
-        from stage5_server.config import EngineConfig
-        from stage5_server.core import build_engine_core
+        from stage5_server.config import STAGE, EngineConfig
+        from stage5_server.core.builder import build_engine_core
         from stage5_server.core.plugins import load_engine_plugins
-        from stage5_server.llm import LLM
 
         core = build_engine_core(EngineConfig.create(model, **engine_args))
         load_engine_plugins(core)
         config = core.config
-        mc = config.model_config  # grammars are built off the engine loop
-        grammars = StructuredOutputManager(Tokenizer(config.tokenizer_path).hf, mc.vocab_size, mc.eos_token_ids)
     except BaseException as exc:
         return None, EngineCoreStartupError(type(exc).__name__, str(exc), traceback.format_exc(), engine_index)
-    return (core, grammars), EngineCoreReady(
-        pid=os.getpid(), model_path=str(config.model_path), stage=LLM.stage, max_model_len=config.max_model_len,
+    return core, EngineCoreReady(
+        pid=os.getpid(), model_path=str(config.model_path), stage=STAGE, max_model_len=config.max_model_len,
         vocab_size=config.model_config.vocab_size, eos_token_ids=list(config.model_config.eos_token_ids),
         tokenizer=config.tokenizer_path, engine_args={k: plain(v) for k, v in config.args.items()},
         cache_config=cache_config_info(config.args, config.dtype, core.num_kv_blocks * config.cache.block_size),
@@ -231,7 +226,7 @@ def run_engine_core(engine_index: int, model: str | None, engine_args: dict[str,
         handshake.send(encoder.encode(ready))
         if built is None:
             return
-        loop = ZmqCoreLoop(*built, engine_index, input_socket, output_socket, stats_socket, parent_pid)
+        loop = ZmqCoreLoop(built, engine_index, input_socket, output_socket, stats_socket, parent_pid)
         loop.run()
         if loop.orphaned:  # nobody is left to deliver to or to wait for: go at once
             logger.info("engine core %d exiting: its parent is gone", engine_index)

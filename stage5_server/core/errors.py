@@ -26,3 +26,16 @@ class ContextLengthExceeded(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param, self.message = param, message
+
+
+class StepFailed(RuntimeError):
+    """A step's forward pass raised: the requests in it were aborted (their KV freed). The core can step
+    again, unless the cause is an ``EngineDeadError`` (``engine_dead``)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(str(cause))
+        self.request_ids, self.cause = request_ids, cause
+
+    @property
+    def engine_dead(self) -> bool:
+        return isinstance(self.cause, EngineDeadError)

@@ -15,14 +15,15 @@ vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from shared.metrics import SchedulerStats
 from shared.output_processor import OutputDelta
-from shared.request import Request
 from shared.sampling_params import SamplingParams
+from stage5_server.core.request import Request
+from stage5_server.core.stats import SchedulerStats
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
 
@@ -81,9 +82,18 @@ class ClientHello(msgspec.Struct, tag="hello"):
 # ---- engine core -> front end --------------------------------------------------------------------
 
 
-# One request after a step: its new tokens and how it stands now. The front end's ``OutputProcessor``
-# (``shared/output_processor.py``) takes these as they come off the wire.
-EngineCoreOutput = OutputDelta
+@dataclass
+class EngineCoreOutput(OutputDelta):
+    """One request after a step: its new tokens and how it stands now (stage 4's ``OutputDelta``), and a
+    pooling request's vector with its final output. The scheduler makes them (``update_from_output``);
+    the front end's ``OutputProcessor`` takes them as they come off the wire."""
+
+    pooled: list[float] | None = None
+
+    @classmethod
+    def from_request(cls, request: Request, num_sent: int) -> EngineCoreOutput:
+        delta = OutputDelta.from_request(request, num_sent)
+        return cls(**vars(delta), pooled=request.pooled_output)
 
 
 class FailedRequests(msgspec.Struct):

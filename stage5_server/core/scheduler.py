@@ -1,71 +1,49 @@
-"""stage 4's scheduler, with three additions for an engine whose workers may live in other processes.
+"""Stage 4's scheduler, for an engine whose workers may live in other processes.
 
-1. **Several new tokens per request per step.** A running request may carry draft tokens
+1. **The workers' view of the step.** ``schedule()`` takes stage 4's decision and describes it as the
+   plain-data ``SchedulerOutput`` every rank receives (``scheduler_output.py``): a request whole the
+   first time, afterwards only what it gained; with the structured-output masks of the requests that
+   sample, computed here, where the grammars live. ``update_from_output`` takes the runner's answer,
+   puts tokens and logprobs on the requests and returns the ``EngineCoreOutput`` of each request that
+   changed: the front end's message, built where the tokens are appended.
+2. **Several new tokens per request per step.** A running request may carry draft tokens
    (``Request.spec_token_ids``): a decode then asks for ``1 + k`` positions inside the same token
-   budget and KV allocation, and the drafts go to the workers in
-   ``SchedulerOutput.scheduled_spec_decode_tokens``. The runner returns the accepted drafts plus one
-   token; ``update_from_output`` rolls ``num_computed_tokens`` back past the rejected positions, so
-   their KV slots are written again by the next step and never read. The prefix cache hashes only
-   known tokens (``KVCacheManager.allocate_slots``), so drafts never enter a block hash.
-2. **Images in a prompt**: the KV cache manager puts each image's hash into the blocks its
-   placeholders overlap (``multimodal/kv_cache.py``), and a new request carries its images to the
-   workers, which compute their features (``multimodal/encoder.py``).
-3. **The workers' view of the step** (``runner_input``): the plain-data ``ModelRunnerInput`` every
-   rank receives, sending a request whole once and afterwards only what it gained; and the
-   structured-output masks of the requests that sample, computed here where the grammars live.
+   budget and KV allocation, and the drafts go to the workers in ``scheduled_spec_decode_tokens``.
+   The runner returns the accepted drafts plus one token; ``update_from_output`` rolls
+   ``num_computed_tokens`` back past the rejected positions, so their KV slots are written again by
+   the next step and never read. The prefix cache hashes only known tokens, so drafts never enter a
+   block hash.
 3. **Batches in flight.** Under pipeline parallelism the core schedules the next batch before the
    last one's tokens are back; a request in a batch still in flight (``in_flight``) sits that
    batch out, so a request is never in two batches at once and never preempted under one.
 4. **At most ``max_loras`` adapters at once.** The workers hold that many LoRA adapters in slots
    (``lora/``): a waiting request whose adapter would be one too many among the running requests
-   waits, and the requests behind it go first, as vLLM's scheduler skips it. Every step's requests are
-   running ones, so no step needs more slots than there are.
+   waits, and the requests behind it go first, as vLLM's scheduler skips it.
 
-vLLM: ``vllm/v1/core/sched/scheduler.py`` (``num_tokens_with_spec``, the rejected-token rollback in
-``update_from_output``, ``get_grammar_bitmask``, the ``max_loras`` check in ``schedule``) and
-``vllm/v1/core/sched/output.py``.
+The KV cache manager is stage 4's with stage 5's extra keys in each block's hash (an adapter's, an
+image's: ``kv_cache_manager.py``).
+
+vLLM: ``vllm/v1/core/sched/scheduler.py`` (``schedule``'s ``NewRequestData`` / ``CachedRequestData``,
+``num_tokens_with_spec``, the rejected-token rollback and the outputs in ``update_from_output``,
+``get_grammar_bitmask``, the ``max_loras`` check).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
-from shared.request import Request
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage4_prefix_cache.scheduler import Scheduler as _PrefixCachingScheduler
-from stage4_prefix_cache.scheduler import SchedulerOutput as _SchedulerOutput
-from stage5_server.multimodal.kv_cache import MultiModalKVCacheManager
-from stage5_server.worker.runner_io import CachedRequestData, ModelRunnerInput, NewRequestData
-
-
-class BlockTables(Mapping):
-    """The scheduled requests' block tables as physical block ids, each built when first read: the
-    workers are sent only the blocks a request gained (``runner_input``), so most steps read none."""
-
-    def __init__(self, kv_cache_manager, request_ids):
-        self.kv_cache_manager, self.request_ids, self.built = kv_cache_manager, request_ids, {}
-
-    def __getitem__(self, request_id: str) -> list[int]:
-        if request_id not in self.request_ids:
-            raise KeyError(request_id)
-        if request_id not in self.built:
-            self.built[request_id] = self.kv_cache_manager.get_block_ids(request_id)
-        return self.built[request_id]
-
-    def __iter__(self):
-        return iter(self.request_ids)
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-
-@dataclass
-class SchedulerOutput(_SchedulerOutput):
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified this step
+from stage4_prefix_cache.scheduler import SchedulerOutput as _LiveSchedulerOutput
+from stage5_server.core.kv_cache_manager import KVCacheManager
+from stage5_server.core.messages import EngineCoreOutput
+from stage5_server.core.request import Request
+from stage5_server.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from stage5_server.core.stats import SchedulerStats
+from stage5_server.spec_decode.grammar import fill_bitmask_with_drafts, num_valid_drafts
 
 
 class Scheduler(_PrefixCachingScheduler):
@@ -79,18 +57,18 @@ class Scheduler(_PrefixCachingScheduler):
         self.preempted_on_workers: set[str] = set()
         self.in_flight: set[str] = set()  # requests in a batch the workers have not answered yet
         self.set_aside: list[Request] = []  # the running ones of them, while a batch is scheduled
+        self.finished_outputs: list[EngineCoreOutput] = []  # of requests finished outside a step
+        self.counters = SchedulerStats()  # stage 4's, with speculative decoding's counters
 
     def _make_kv_cache_manager(self, cache_config: CacheConfig):
-        """Stage 4's manager, with each image's hash in the blocks it overlaps (``multimodal/kv_cache.py``)."""
         if not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
             return super()._make_kv_cache_manager(cache_config)
-        return MultiModalKVCacheManager(cache_config.block_size, cache_config.num_blocks,
-                                        enable_caching=cache_config.enable_prefix_caching,
-                                        hash_fn=cache_config.prefix_caching_hash_algo,
-                                        shuffle_seed=cache_config.shuffle_seed)
+        return KVCacheManager(cache_config.block_size, cache_config.num_blocks,
+                              enable_caching=cache_config.enable_prefix_caching,
+                              hash_fn=cache_config.prefix_caching_hash_algo, shuffle_seed=cache_config.shuffle_seed)
 
-    def _block_tables(self, request_ids) -> BlockTables:
-        return BlockTables(self.kv_cache_manager, dict.fromkeys(request_ids))
+    def _block_tables(self, request_ids) -> dict[str, list[int]]:
+        return {}  # the workers get each request's block ids in its new or cached data instead
 
     # ---- adapters ------------------------------------------------------------------------------
     def _peek_waiting(self) -> Request | None:
@@ -123,7 +101,7 @@ class Scheduler(_PrefixCachingScheduler):
         drafts = list(draft_token_ids[:max(0, room)]) if decoding else []  # mid-prefill: none
         grammar = request.structured_output_request
         if drafts and grammar is not None:
-            drafts = drafts[:grammar.num_valid_drafts(request.output_token_ids, drafts)]
+            drafts = drafts[:num_valid_drafts(grammar, request.output_token_ids, drafts)]
         request.spec_token_ids = drafts
 
     def _preempt(self, request: Request) -> None:
@@ -135,61 +113,43 @@ class Scheduler(_PrefixCachingScheduler):
         return len(self.running) + len(self.set_aside)
 
     def schedule(self) -> SchedulerOutput:
-        """The next batch. A request whose last batch is still in flight (``in_flight``, under pipeline
-        parallelism) is set aside: not scheduled, not preempted (its blocks are in use), still counted."""
+        """The next batch, for the workers. A request whose last batch is still in flight (``in_flight``,
+        under pipeline parallelism) is set aside: not scheduled, not preempted (its blocks are in use),
+        still counted."""
         running = self.running
         self.set_aside = [r for r in running if r.request_id in self.in_flight]
         if self.set_aside:
             self.running = [r for r in running if r.request_id not in self.in_flight]
         try:
-            base = self._schedule_with_drafts()
+            live = super().schedule()
         finally:
             if self.set_aside:  # back in admission order: the set-aside ones where they were, new ones last
                 place = {id(r): i for i, r in enumerate(running)}
-                self.running = sorted(self.set_aside + self.running,
-                                      key=lambda r: place.get(id(r), len(place)))
+                self.running = sorted(self.set_aside + self.running, key=lambda r: place.get(id(r), len(place)))
             self.set_aside = []
-        return base
+        self.finished_outputs += [EngineCoreOutput.from_request(r, 0) for r in live.aborted_reqs]
+        self.finished_on_workers |= live.finished_req_ids
+        self.preempted_on_workers |= live.preempted_req_ids
+        output = self._for_workers(live)
+        self._add_grammar_bitmask(live, output)
+        return output
 
-    def _schedule_with_drafts(self) -> SchedulerOutput:
-        base = super().schedule()
-        drafts = {}
-        for request in base.scheduled_running_reqs:
-            if request.spec_token_ids:
-                num_drafts = base.num_scheduled_tokens[request.request_id] - 1  # the budget may cut some
-                if num_drafts > 0:
-                    drafts[request.request_id] = request.spec_token_ids[:num_drafts]
-                request.spec_token_ids = []
-        self.finished_on_workers |= base.finished_req_ids
-        self.preempted_on_workers |= base.preempted_req_ids
-        return SchedulerOutput(**vars(base), scheduled_spec_decode_tokens=drafts)
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        rejected = {}
-        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            tokens = sampled_token_ids.get(rid)
-            if tokens:  # none: aborted while its step ran
-                rejected[rid] = len(drafts) + 1 - len(tokens)
-                self.counters.observe_draft(len(drafts), len(tokens) - 1)
-        updated = super().update_from_output(scheduler_output, sampled_token_ids)
-        for rid, num_rejected in rejected.items():
-            request = self.requests.get(rid)  # gone if it finished
-            if request is not None and num_rejected > 0:
-                request.num_computed_tokens -= num_rejected
-        return updated
-
-    # ---- the workers' view ---------------------------------------------------------------------
-    def runner_input(self, output: SchedulerOutput) -> ModelRunnerInput:
-        """What every worker needs to run ``output``: new requests whole, running ones as deltas."""
+    def _for_workers(self, live: _LiveSchedulerOutput) -> SchedulerOutput:
+        """Stage 4's decision as the workers receive it: new requests whole, running ones as what they gained."""
         sent = self.sent_to_workers
         finished, preempted = self.finished_on_workers, self.preempted_on_workers
         for request_id in finished | preempted:
             sent.pop(request_id, None)
-        new_reqs, new_counts = [], []
-        cached, cached_counts = CachedRequestData(), []
-        num_scheduled, tables = output.num_scheduled_tokens, self.kv_cache_manager.req_to_blocks
-        for request in output.scheduled_reqs:
+        new_reqs, cached, tables = [], CachedRequestData(), self.kv_cache_manager.req_to_blocks
+        drafts: dict[str, list[int]] = {}
+        for request in live.scheduled_running_reqs:
+            request_id = request.request_id
+            if request.spec_token_ids:  # the budget may have cut some of them
+                num_drafts = live.num_scheduled_tokens[request_id] - 1
+                if num_drafts > 0:
+                    drafts[request_id] = request.spec_token_ids[:num_drafts]
+                request.spec_token_ids = []
+        for request in live.scheduled_reqs:
             request_id = request.request_id
             blocks = tables[request_id]
             have = sent.get(request_id)
@@ -199,7 +159,6 @@ class Scheduler(_PrefixCachingScheduler):
                     request.eos_token_ids, request.bad_words_token_ids, [b.block_id for b in blocks],
                     request.num_computed_tokens, len(request.prompt_logprobs), request.mm_features,
                     request.lora_request))
-                new_counts.append(num_scheduled[request_id])
                 sent[request_id] = [request.num_tokens, len(blocks)]
             else:
                 num_tokens, num_blocks = have
@@ -208,25 +167,17 @@ class Scheduler(_PrefixCachingScheduler):
                 cached.new_block_ids.append([b.block_id for b in blocks[num_blocks:]] if len(blocks) > num_blocks
                                             else [])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
-                cached_counts.append(num_scheduled[request_id])
                 have[0], have[1] = request.num_tokens, len(blocks)
-        req_ids = cached.req_ids + [new.req_id for new in new_reqs]  # the order the workers pack them in
         self.finished_on_workers, self.preempted_on_workers = set(), set()
-        runner_input = ModelRunnerInput(new_reqs, cached, cached_counts + new_counts, req_ids,
-                                        output.scheduled_spec_decode_tokens, finished, preempted)
-        self._add_grammar_bitmask(output, runner_input)
-        return runner_input
+        order = cached.req_ids + [new.req_id for new in new_reqs]  # the order the workers pack them in
+        return SchedulerOutput(new_reqs, cached, {rid: live.num_scheduled_tokens[rid] for rid in order},
+                               live.total_num_scheduled_tokens, drafts, finished, preempted)
 
-    def runner_input_failed(self, runner_input: ModelRunnerInput) -> None:
-        """The step carrying ``runner_input`` raised before the workers took it: tell them again."""
-        self.finished_on_workers |= runner_input.finished_req_ids
-        self.preempted_on_workers |= runner_input.preempted_req_ids
-
-    def _add_grammar_bitmask(self, output: SchedulerOutput, runner_input: ModelRunnerInput) -> None:
+    def _add_grammar_bitmask(self, live: _LiveSchedulerOutput, output: SchedulerOutput) -> None:
         """The masks of the requests with a grammar that sample this step (they reach their last token):
         one row per position that samples, so ``1 + len(drafts)`` rows for a request verifying drafts."""
-        sampling = [r for r in output.scheduled_reqs if r.structured_output_request is not None
-                    and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] >= r.num_tokens]
+        sampling = [r for r in live.scheduled_reqs if r.structured_output_request is not None
+                    and r.num_computed_tokens + live.num_scheduled_tokens[r.request_id] >= r.num_tokens]
         if not sampling:
             return
         if self.vocab_size is None:
@@ -236,7 +187,50 @@ class Scheduler(_PrefixCachingScheduler):
         bitmask = torch.full((sum(1 + len(d) for d in drafts), words), -1, dtype=torch.int32)  # -1: all allowed
         row = 0
         for request, request_drafts in zip(sampling, drafts):
-            request.structured_output_request.fill_bitmask(bitmask, row, request.output_token_ids, request_drafts)
+            fill_bitmask_with_drafts(request.structured_output_request, bitmask, row, request.output_token_ids,
+                                     request_drafts)
             row += 1 + len(request_drafts)
-        runner_input.grammar_bitmask = bitmask
-        runner_input.grammar_req_ids = [r.request_id for r in sampling]
+        output.grammar_bitmask = bitmask
+        output.structured_output_request_ids = [r.request_id for r in sampling]
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput | Mapping[str, list[int]]) -> list[EngineCoreOutput]:
+        """Stage 4's update with the runner's answer (or, from a model-free driver, ``{request id: tokens}``):
+        its logprobs put on the requests, rejected drafts rolled back. Returns the output of every request
+        that gained tokens or finished, with those finished outside a step before them."""
+        if not isinstance(runner_output, ModelRunnerOutput):
+            runner_output = ModelRunnerOutput.from_sampled(runner_output)
+        sampled, requests = runner_output.by_request(), self.requests
+        for field in ("prompt_logprobs", "logprobs"):
+            for request_id, entries in getattr(runner_output, field).items():
+                if request_id in requests:  # else aborted while its step ran
+                    getattr(requests[request_id], field).extend(entries)
+        num_sent = {rid: requests[rid].num_output_tokens for rid in scheduler_output.num_scheduled_tokens
+                    if rid in requests}
+        rejected = {}
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            tokens = sampled.get(rid)
+            if tokens:  # none: aborted while its step ran
+                rejected[rid] = len(drafts) + 1 - len(tokens)
+                counters = self.counters
+                counters.spec_decoding = counters.spec_decoding.observe(len(drafts), len(tokens) - 1)
+        updated = super().update_from_output(scheduler_output, sampled)
+        for rid, num_rejected in rejected.items():
+            request = requests.get(rid)  # gone if it finished
+            if request is not None and num_rejected > 0:
+                request.num_computed_tokens -= num_rejected
+        outputs, self.finished_outputs = self.finished_outputs, []
+        for request in updated:
+            del request.logprobs[request.num_output_tokens:]  # a stop inside a list of tokens drops those after it
+            outputs.append(EngineCoreOutput.from_request(request, num_sent[request.request_id]))
+        return outputs
+
+    def step_failed(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The step that carried ``scheduler_output`` raised: its requests are aborted (their KV freed), and
+        the workers are told again what the failed step would have told them. Returns the aborted ids."""
+        self.finished_on_workers |= scheduler_output.finished_req_ids
+        self.preempted_on_workers |= scheduler_output.preempted_req_ids
+        failed = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
+        self.recover_from_failed_step(scheduler_output)
+        return failed

@@ -2,7 +2,7 @@
 
 ``frontend.AsyncEngine`` checks and tokenizes requests (``input_processor.py``), sends them to the
 core as ``core/messages.py`` Structs, turns the core's outputs into text, finds stop strings
-(``shared/output_processor.py``) and streams ``RequestOutput``s (``stream.py``). Where the core
+(``output_processor.py``) and streams ``RequestOutput``s (``stream.py``). Where the core
 runs is the client's business: on a thread of this process (``thread_client.AsyncLLM``), or in
 processes of their own over ZeroMQ (``mp_client.MPAsyncLLM``: one engine core, or N behind a
 coordinator, ``data_parallel/``). The core's side, the same loop in both, is ``core/busy_loop.py``.
@@ -20,6 +20,7 @@ from typing import Any
 _EXPORTS = {
     "AsyncEngine": "engine.frontend", "StatLoggerBase": "engine.frontend", "RequestStream": "engine.stream",
     "AsyncLLM": "engine.thread_client", "MPAsyncLLM": "engine.mp_client", "InputProcessor": "engine.input_processor",
+    "OutputProcessor": "engine.output_processor", "RequestOutputKind": "engine.output_processor",
     "EngineError": "core.errors", "EngineDeadError": "core.errors", "RequestAborted": "core.errors",
 }
 
@@ -33,10 +34,10 @@ def make_async_llm(model: str | None = None, *, engine_process: bool = False, da
 
         return MPAsyncLLM(model, data_parallel_size=data_parallel_size, routing=dp_routing,
                           log_stats_interval=log_stats_interval, **engine_args)
+    from stage5_server.config import EngineConfig
     from stage5_server.engine.thread_client import AsyncLLM
-    from stage5_server.llm import LLM
 
-    return AsyncLLM(LLM(model=model, **engine_args), log_stats_interval=log_stats_interval)
+    return AsyncLLM.from_config(EngineConfig.create(model, **engine_args), log_stats_interval=log_stats_interval)
 
 
 def __getattr__(name: str):

@@ -5,6 +5,9 @@
     core --EngineCoreOutputs--> _on_outputs: OutputProcessor (detokenize, stop strings: those requests
         are aborted in the core) -> each RequestOutput to its request's stream
 
+The input and output processors are the offline ``LLM``'s too (``engine/input_processor.py``,
+``engine/output_processor.py``): one front end, whichever client carries its messages to the core.
+
 The tokenizer and the request table are used under one lock: a worker thread (rendering and tokenizing,
 off the event loop) and the output thread (detokenizing) take turns. A failure on one request's output fails it alone.
 
@@ -25,18 +28,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from shared.llm_base import PromptType
-from shared.metrics import SchedulerStats
-from shared.output_processor import OutputProcessor, RequestOutputKind
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
+from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.engine.input_processor import InputProcessor
+from stage5_server.engine.output_processor import OutputProcessor, RequestOutputKind
 from stage5_server.engine.stream import RequestStream
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor
-from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 logger = logging.getLogger("stagedserve")
 
@@ -93,8 +95,9 @@ class AsyncEngine:
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
         self.image_processor = ImageProcessor.for_model(model_path)  # None: the model takes no images
         self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids,
-                                              self.image_processor)
-        self.output_processor = OutputProcessor(tokenizer, decode_logprobs=True)  # the requests in flight
+                                              self.image_processor, bool(engine_args.get("enable_lora")))
+        # The requests in flight; an output that cannot be made fails its request alone.
+        self.output_processor = OutputProcessor(tokenizer, decode_logprobs=True, contain_failures=True)
         self._stats_log = LoggingStatLogger(log_stats_interval) if log_stats_interval else None
         self._stats = SchedulerStats()
         self._lock = threading.Lock()  # the tokenizer and both processors
@@ -160,8 +163,6 @@ class AsyncEngine:
     def _add_request(self, loop: asyncio.AbstractEventLoop, prompt: PromptType, params: SamplingParams,
                      request_id: str, *, priority: int, cache_salt: str | None, received_time: float | None,
                      output_kind: RequestOutputKind, lora_request: LoRARequest | None) -> RequestStream:
-        if lora_request is not None and not self.engine_args.get("enable_lora"):
-            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True")
         with self._lock:
             parent, requests = _guarded(self.input_processor.process_inputs, request_id, prompt, params,
                                         priority=priority, cache_salt=cache_salt, lora_request=lora_request)
@@ -196,15 +197,14 @@ class AsyncEngine:
 
     def _add_pooling_request(self, loop: asyncio.AbstractEventLoop, token_ids: list[int], request_id: str,
                              cache_salt: str | None, received_time: float | None) -> RequestStream:
-        params = SamplingParams(max_tokens=1)  # carried, never used: a pooling request samples nothing
-        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                                    arrival_time=time.monotonic(), cache_salt=cache_salt)
+        request = self.input_processor.pooling_request(request_id, token_ids, cache_salt)
         with self._lock:
             if self.output_processor.has_request(request_id):
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             stream = RequestStream(request_id, loop, False)
-            self.output_processor.add_request(request_id, None, token_ids, params, request.arrival_time,
-                                              kind=RequestOutputKind.FINAL_ONLY, queue=stream, received=received_time)
+            self.output_processor.add_request(request_id, None, token_ids, request.sampling_params,
+                                              request.arrival_time, kind=RequestOutputKind.FINAL_ONLY, queue=stream,
+                                              received=received_time)
         self._send_requests([request], request_id)
         return stream
 
@@ -222,7 +222,8 @@ class AsyncEngine:
         """Abort requests (unknown or finished ids are ignored). Returns at once; thread-safe."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            engine_ids, streams = self.output_processor.abort_requests(ids)
+            streams = self.output_processor.queues_of(ids)
+            engine_ids = self.output_processor.abort_requests(ids)
         if streams:
             self._send_quietly(AbortRequests(engine_ids))
             self._deliver_errors(streams, lambda rid: RequestAborted(f"request {rid} was aborted"), "abort")
@@ -285,7 +286,8 @@ class AsyncEngine:
     def _fail(self, request_ids: list[str], error: BaseException, reason: str) -> None:
         """Fail requests (and their ``n > 1`` siblings: those are aborted in the core)."""
         with self._lock:
-            engine_ids, streams = self.output_processor.abort_requests(request_ids)
+            streams = self.output_processor.queues_of(request_ids)
+            engine_ids = self.output_processor.abort_requests(request_ids)
         siblings = [rid for rid in engine_ids if rid not in request_ids]
         if siblings:
             self._send_quietly(AbortRequests(siblings))

@@ -1,17 +1,21 @@
 """``InputProcessor``: a prompt and its sampling parameters -> the engine requests the core will run.
 
-Everything the front end checks or computes before a request is queued happens here, once:
+The only place a prompt becomes engine requests, for the offline ``LLM`` and for the server alike:
 
-    render a conversation (chat template) or tokenize text -> expand image placeholders, prepare
-    the images -> check ids and lengths -> tokenize ``bad_words`` -> check structured outputs
+    render a conversation (chat template), images in it as image tokens; or tokenize text
+    -> expand each image token to its placeholders, prepare the pixels -> check ids and lengths
+    -> tokenize ``bad_words`` -> check structured outputs and the adapter
     -> one EngineCoreRequest, or n children
 
-Images come loaded (``multi_modal_data``: the API server fetched them under its media rules); here
-they become placeholder tokens and pixels (``multimodal/processor.py``).
+Images come loaded: as ``multi_modal_data`` beside a prompt (vLLM's offline form), or as content parts
+of the messages (``image_pil``, or an ``image_url`` holding a ``data:`` URL; the API server fetches
+http(s) URLs under its media rules before the request gets here: ``server/media.py``). Here they
+become placeholder tokens and pixels (``multimodal/processor.py``).
 
 A length error is a ``ContextLengthExceeded`` (a ``ValueError`` naming ``prompt`` or ``max_tokens``),
 worded as vLLM's, which the server answers with ``code: context_length_exceeded``. With ``n > 1``
 the request fans out into children (``shared/parallel_sampling.py``); the core only ever sees ``n = 1``.
+A pooling model's input is token ids checked by the pooling room (``pooling_request``).
 
 vLLM: ``vllm/v1/engine/input_processor.py`` (``processor.py`` in older versions).
 """
@@ -28,19 +32,28 @@ from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.core.messages import EngineCoreRequest
 from stage5_server.lora.request import LoRARequest
-from stage5_server.multimodal.processor import ImageProcessor, images_of
+from stage5_server.multimodal.processor import (
+    ImageProcessor,
+    count_image_parts,
+    images_of,
+    load_offline_part,
+    split_image_parts,
+)
+
+NO_IMAGES = "this model takes no images (it is not a vision-language model)"
 
 
 class InputProcessor:
-    """Runs on the caller's thread, under the front end's tokenizer lock."""
+    """Runs on the caller's thread (the server's: a worker thread, under the front end's tokenizer lock)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 image_processor: ImageProcessor | None = None):
+                 image_processor: ImageProcessor | None = None, enable_lora: bool = False):
         self.tokenizer = tokenizer
         self.image_processor = image_processor  # None: the model takes no images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self.enable_lora = enable_lora
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
                        cache_salt: str | None = None, lora_request: LoRARequest | None = None,
@@ -50,19 +63,24 @@ class InputProcessor:
         ``{"messages": [...], **apply_chat_template's keyword arguments}``; any of the dicts may add
         ``multi_modal_data: {"image": [PIL images]}`` (one image token per image in the prompt) and
         ``mm_processor_kwargs`` (the image processor's keyword arguments)."""
+        if lora_request is not None and not self.enable_lora:
+            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
         images, processor_kwargs = None, None
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             images = images_of(prompt["multi_modal_data"])
             processor_kwargs = prompt.get("mm_processor_kwargs")
             prompt = {k: v for k, v in prompt.items() if k not in ("multi_modal_data", "mm_processor_kwargs")}
         if isinstance(prompt, dict) and "messages" in prompt:
-            render = {k: v for k, v in prompt.items() if k != "messages"}
-            prompt = self.tokenizer.apply_chat_template(prompt["messages"], True, **render)
+            prompt, in_messages = self.render(prompt)
+            if in_messages:
+                images = (images or []) + in_messages
         token_ids, bad_words = check_inputs(prompt, params, self.tokenizer, self.vocab_size, max_model_len=None)
         features = []
         if images is not None:
             if self.image_processor is None:
-                raise ValueError("multi_modal_data: this model takes no images (it is not a vision-language model)")
+                raise ValueError(f"multi_modal_data: {NO_IMAGES}")
             token_ids, features = self.image_processor.process(token_ids, images, processor_kwargs)
         self.check_lengths(len(token_ids), params.max_tokens,  # vLLM's messages, not ``prompt_token_ids``'s
                            params.min_tokens)
@@ -78,6 +96,36 @@ class InputProcessor:
             return None, [make(request_id, params)]
         parent = ParentRequest(request_id, params)
         return parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
+
+    def render(self, prompt: dict) -> tuple[list[int], list]:
+        """A conversation's token ids, each image part rendered as the image token; and the images, in order."""
+        messages, images = prompt["messages"], []
+        if count_image_parts(messages):
+            if self.image_processor is None:
+                raise ValueError(f"messages: {NO_IMAGES}")
+            messages, images = split_image_parts(messages, load_offline_part)
+        render = {k: v for k, v in prompt.items() if k != "messages"}
+        add_generation_prompt = render.pop("add_generation_prompt", True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **render), images
+
+    def tokenize_messages(self, messages: list[dict], add_generation_prompt: bool = True,
+                          **render: object) -> list[int]:
+        """What ``/tokenize`` shows of a conversation: its token ids with each image's placeholders (the
+        images themselves are not needed to count them)."""
+        if count_image_parts(messages):
+            if self.image_processor is None:
+                raise ValueError(f"messages: {NO_IMAGES}")
+            messages, _ = split_image_parts(messages, lambda part: None)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **render)
+        return ids if self.image_processor is None else self.image_processor.expand(ids)
+
+    def pooling_request(self, request_id: str, token_ids: list[int], cache_salt: str | None = None,
+                        ) -> EngineCoreRequest:
+        """A pooling model's request: checked token ids (``pooling/offline.py``'s ``pooling_token_ids``),
+        sampling nothing (its parameters are carried, never used)."""
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
+                                 sampling_params=SamplingParams(max_tokens=1), arrival_time=time.monotonic(),
+                                 cache_salt=cache_salt)
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int = 0) -> None:
         limit = self.max_model_len

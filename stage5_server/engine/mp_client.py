@@ -28,7 +28,6 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared.metrics import SchedulerStats
 from shared.named_models import default_model, resolve_model
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import EngineDeadError, EngineError
@@ -45,6 +44,7 @@ from stage5_server.core.messages import (
     output_decoder,
     stats_update_decoder,
 )
+from stage5_server.core.stats import SchedulerStats
 from stage5_server.data_parallel.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
 from stage5_server.data_parallel.routing import LEAST_LOADED, Router, rank_load
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase, dead_core_stats
@@ -74,18 +74,18 @@ class _Rank:
 
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
-    """Counts summed over the ranks (the step histogram bucket by bucket, the accepted tokens position by
-    position); KV usage as the mean."""
+    """Counts summed over the ranks (the step histogram bucket by bucket, the drafts' counts with their own
+    sum); KV usage as the mean."""
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):
-            if isinstance(getattr(stats, f.name), tuple):  # entry by entry (ranks may have seen different lengths)
-                mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+            mine, theirs = getattr(total, f.name), getattr(stats, f.name)
+            if isinstance(theirs, tuple):  # entry by entry (ranks may have seen different lengths)
                 width = max(len(mine), len(theirs))
                 setattr(total, f.name, tuple(a + b for a, b in zip(mine + (0,) * (width - len(mine)),
                                                                    theirs + (0,) * (width - len(theirs)))))
             elif f.name != "kv_cache_usage":
-                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+                setattr(total, f.name, mine + theirs)
     total.kv_cache_usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0
     return total
 

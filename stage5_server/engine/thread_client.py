@@ -1,8 +1,8 @@
 """``AsyncLLM``: the engine core on a background thread of the server's own process.
 
-The core is not thread-safe, so one "engine thread" runs the core loop (``core_loop.py``) over
-``llm.engine``, fed through a queue; it shares one GIL with the HTTP event loop: simple to debug
-and to read. ``MPAsyncLLM`` moves the core into a process of its own.
+The core is not thread-safe, so one "engine thread" runs the core loop (``core/busy_loop.py``) over
+the core, fed through a queue; it shares one GIL with the HTTP event loop: simple to debug and to
+read. ``MPAsyncLLM`` moves the core into a process of its own.
 
 vLLM: ``InprocClient`` in ``vllm/v1/engine/core_client.py`` (the core in the caller's process).
 """
@@ -13,13 +13,20 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from shared.llm_base import BaseLLM, EngineCore
-from shared.structured_output import StructuredOutputManager
+from shared.llm_base import cache_config_info
+from shared.tokenizer import Tokenizer
+from stage5_server.config import STAGE, EngineConfig
+from stage5_server.core.builder import build_engine_core
 from stage5_server.core.busy_loop import EngineCoreLoop
+from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.errors import EngineDeadError
-from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown
+from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, plain
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
+
+if TYPE_CHECKING:
+    from stage5_server.llm import LLM
 
 logger = logging.getLogger("stagedserve")
 
@@ -30,8 +37,8 @@ class _ThreadCoreLoop(EngineCoreLoop):
     """The core loop fed from a queue; outputs go straight to the front end, on this thread."""
 
     def __init__(self, core: EngineCore, inputs: queue.SimpleQueue, deliver: Callable[[EngineCoreOutputs], None],
-                 tick: Callable[[], None], idle_poll_s: float, grammars: StructuredOutputManager | None = None):
-        super().__init__(core, idle_poll_s, grammars=grammars)
+                 tick: Callable[[], None], idle_poll_s: float):
+        super().__init__(core, idle_poll_s)
         self.inputs = inputs
         self.deliver = deliver
         self.tick = tick
@@ -54,25 +61,39 @@ class _ThreadCoreLoop(EngineCoreLoop):
 
 
 class AsyncLLM(AsyncEngine):
-    """Serve many concurrent requests from asyncio over ``llm``'s engine core, stepped on a thread."""
+    """Serve many concurrent requests from asyncio over an engine core stepped on a thread of this process
+    (``from_config``: a core built here, and shut down with this; ``from_llm``: an ``LLM``'s core)."""
 
     engine_process = False
 
-    def __init__(self, llm: BaseLLM, *, log_stats_interval: float | None = 10.0,
-                 stat_loggers: list[StatLoggerBase] | None = None, idle_poll_s: float = 0.5):
-        config = llm.model_config
-        super().__init__(tokenizer=llm.tokenizer, model_path=str(llm.model_path), stage=llm.stage,
-                         max_model_len=llm.max_model_len, vocab_size=config.vocab_size,
-                         eos_token_ids=tuple(config.eos_token_ids), engine_args=dict(llm.args),
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer | None = None, *, owns_core: bool = False,
+                 log_stats_interval: float | None = 10.0, stat_loggers: list[StatLoggerBase] | None = None,
+                 idle_poll_s: float = 0.5):
+        config = core.config
+        capacity = core.num_kv_blocks * config.cache.block_size
+        super().__init__(tokenizer=tokenizer or Tokenizer(config.tokenizer_path), model_path=str(config.model_path),
+                         stage=STAGE, max_model_len=config.max_model_len, vocab_size=config.model_config.vocab_size,
+                         eos_token_ids=tuple(config.model_config.eos_token_ids),
+                         engine_args={k: plain(v) for k, v in config.args.items()},
                          log_stats_interval=log_stats_interval, stat_loggers=stat_loggers,
-                         cache_configs={0: llm.cache_config_info()})
-        self.llm = llm
+                         cache_configs={0: cache_config_info(config.args, config.dtype, capacity)})
+        self.core = core
+        self.owns_core = owns_core
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look
-        self._loop = _ThreadCoreLoop(llm.engine, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s,
-                                     llm.structured_output_manager)
+        self._loop = _ThreadCoreLoop(core, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        tokenizer = Tokenizer(config.tokenizer_path)
+        return cls(build_engine_core(config, tokenizer), tokenizer, owns_core=True, **kwargs)
+
+    @classmethod
+    def from_llm(cls, llm: LLM, **kwargs: Any) -> AsyncLLM:
+        """Over ``llm``'s engine core (its own front end stays unused; ``llm`` is not to step meanwhile)."""
+        return cls(llm.engine, llm.tokenizer, **kwargs)
 
     def _send(self, message: EngineCoreInput) -> None:
         with self._send_lock:
@@ -91,6 +112,8 @@ class AsyncLLM(AsyncEngine):
             self._stopping = True
             self._inputs.put(Shutdown())
         self._thread.join(timeout)
+        if self.owns_core:
+            self.core.shutdown()
 
     def _run(self) -> None:
         crashed = None
@@ -108,4 +131,4 @@ class AsyncLLM(AsyncEngine):
         else:
             self._dead = EngineDeadError("the server is shutting down")
             self._fail_all(self._dead, "abort")
-            self._loop.abort(list(self._loop.requests))  # give their KV back
+            self._loop.abort(self.core.unfinished_request_ids())  # give their KV back

@@ -27,15 +27,19 @@ import traceback
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from stage5_server.config import EngineConfig
 from stage5_server.core.errors import EngineDeadError
-from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, RankPlace, init_model_parallel
+from stage5_server.executor.abstract import Executor, call, start_worker
+from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S
 from stage5_server.processes import set_process_name, stop_processes
-from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
+    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("stagedserve")
 
@@ -45,7 +49,7 @@ class TensorParallelError(EngineDeadError):
     A ``RuntimeError``; as an ``EngineDeadError`` it also stops the server's engine thread."""
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.world_size = world_size = config.parallel.world_size
         self.driver_rank = config.parallel.world_size - config.parallel.tensor_parallel_size  # TP rank 0, last stage
@@ -76,17 +80,12 @@ class MultiprocExecutor:
         return [p.pid for p in self.processes]
 
     def collective_rpc(self, method: str | Callable, *args) -> list:
-        """Call ``method(*args)`` on every worker (a function: ``method(worker, *args)``); their results in rank
-        order."""
         while self.pending:  # answers come in the order sent: the queued steps' first
             self.collect_oldest()
         self._send(method, args)
         return self._gather_replies(method)
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
-        return self.execute_model_async(step).result()
-
-    def execute_model_async(self, step: ModelRunnerInput) -> PendingStep:
+    def execute_model_async(self, step: SchedulerOutput) -> PendingStep:
         """Send ``step`` to every rank and return before it has run."""
         self._send("execute_model", (step,))
         pending = PendingStep(self)
@@ -184,15 +183,12 @@ def _stop_workers(processes, pipes, store_dir: str, grace_s: float = 5.0) -> Non
 def worker_main(rank: int, config: EngineConfig, store_path: str, timeout_s: float, conn) -> None:
     """A worker's life: answer ``(method, args)`` with ``("ok", result)`` or ``("error", tb)``; exit after an error."""
     set_process_name(f"ss-tp-{rank}")
-    world_size = config.parallel.world_size
-    place = RankPlace(rank, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
     try:
         device = torch.device("cuda", rank) if config.device.type == "cuda" else torch.device("cpu")
-        if device.type == "cpu":  # the ranks share the cores instead of each claiming all of them
-            threads = os.environ.get("OMP_NUM_THREADS")
-            torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world_size))
-        init_model_parallel(place, store_path, config.parallel.distributed_interface, device, timeout_s)
-        worker = Worker(config, rank)
+        threads = os.environ.get("OMP_NUM_THREADS")  # the ranks share the cores instead of each claiming all
+        num_threads = int(threads) if threads else max(1, (os.cpu_count() or 1) // config.parallel.world_size)
+        worker = start_worker(config, rank, device, num_threads, store_path, config.parallel.distributed_interface,
+                              timeout_s)
         conn.send(("ok", worker.describe()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -206,7 +202,7 @@ def worker_main(rank: int, config: EngineConfig, store_path: str, timeout_s: flo
             if method == "shutdown":
                 break
             try:
-                result = getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)
+                result = call(worker, method, args)
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
                 break

@@ -30,14 +30,18 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from stage5_server.config import EngineConfig
 from stage5_server.core.errors import EngineDeadError
-from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, RankPlace, init_model_parallel
-from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput
+from stage5_server.executor.abstract import Executor, call, start_worker
+from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, resolve_interface
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
+    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("stagedserve")
 
@@ -135,24 +139,15 @@ class RayWorkerWrapper:
     def start(self, rank: int, config: EngineConfig, rendezvous, timeout_s: float) -> dict:
         import ray
 
-        from stage5_server.parallel.parallel_state import resolve_interface
-        from stage5_server.worker import Worker
-
-        parallel = config.parallel
-        place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         device = torch.device("cuda", 0) if config.device.type == "cuda" else torch.device("cpu")  # Ray's GPU
-        if device.type == "cpu":
-            threads = os.environ.get("OMP_NUM_THREADS")
-            torch.set_num_threads(int(threads) if threads else 1)  # the bundle's one CPU
-        if parallel.world_size > 1:  # named, or this host's VLLM_HOST_IP's, or the loopback
-            interface = resolve_interface(config.args["distributed_interface"])
-            init_model_parallel(place, RendezvousStore(rendezvous, timeout_s), interface, device, timeout_s)
-        self.worker = Worker(config, rank, device)
+        threads = os.environ.get("OMP_NUM_THREADS")
+        interface = resolve_interface(config.args["distributed_interface"])  # named, this host's VLLM_HOST_IP's, lo
+        self.worker = start_worker(config, rank, device, int(threads) if threads else 1,  # the bundle's one CPU
+                                   RendezvousStore(rendezvous, timeout_s), interface, timeout_s)
         return {**self.worker.describe(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def call(self, method: str | Callable, args: tuple):
-        worker = self.worker
-        return getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)
+        return call(self.worker, method, args)
 
     def stop(self) -> None:
         if dist.is_initialized():
@@ -167,7 +162,7 @@ class RayPendingStep:
         return self.executor.gather(self.refs, "execute_model")[self.executor.driver_rank]
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
         try:
             import ray
@@ -232,10 +227,7 @@ class RayExecutor:
     def collective_rpc(self, method: str | Callable, *args) -> list:
         return self.gather([actor.call.remote(method, args) for actor in self.actors], str(method))
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
-        return self.execute_model_async(step).result()
-
-    def execute_model_async(self, step: ModelRunnerInput) -> RayPendingStep:
+    def execute_model_async(self, step: SchedulerOutput) -> RayPendingStep:
         if self.failure is not None:
             raise RayWorkerError(f"the Ray engine is down: {self.failure}")
         return RayPendingStep(self, [actor.call.remote("execute_model", (step,)) for actor in self.actors])

@@ -8,37 +8,21 @@ vLLM: ``UniProcExecutor`` in ``vllm/v1/executor/uniproc_executor.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from stage5_server.config import EngineConfig
-from stage5_server.pooling.worker import make_worker
-from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput
+from stage5_server.executor.abstract import DoneStep, Executor, call, make_worker
 
-
-class DoneStep:
-    def __init__(self, output: ModelRunnerOutput):
-        self.output = output
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
+    from stage5_server.core.scheduler_output import SchedulerOutput
 
 
-class UniProcExecutor:
-    world_size = 1
-
+class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
-        self.driver_worker = make_worker(config)  # the generating worker, or a pooling one
+        self.driver_worker = make_worker(config)  # the thread count is the engine's own (core/cpu_threads.py)
 
-    def collective_rpc(self, method: str | Callable, *args) -> list:
-        """``method(*args)`` on the worker (a function: ``method(worker, *args)``), as a one-element list."""
-        worker = self.driver_worker
-        return [getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)]
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list:
+        return [call(self.driver_worker, method, args)]
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(step)
-
-    def execute_model_async(self, step: ModelRunnerInput) -> DoneStep:
-        """The step, already run (one process has nothing to overlap it with)."""
-        return DoneStep(self.execute_model(step))
-
-    def shutdown(self) -> None:
-        pass
+    def execute_model_async(self, step: SchedulerOutput) -> DoneStep:
+        return DoneStep(self.driver_worker.execute_model(step))

@@ -9,8 +9,9 @@ loaded as transformers' ``AutoImageProcessor`` does. This all happens before the
 the engine, so its length checks and the prefix cache see the expanded prompt.
 
 Chat messages carry images as content parts; ``split_image_parts`` replaces each with a plain
-``{"type": "image"}`` part for the template and returns the images, loaded by the caller's
-``load`` (the API server's media connector, or the offline API's).
+``{"type": "image"}`` part for the template and returns the images (``load_offline_part``: an
+``image_pil`` part's image, or a ``data:`` URL's; the API server first fetches the others under its
+media rules, ``load_image_parts``).
 
 vLLM: ``vllm/multimodal/processing.py`` (``BaseMultiModalProcessor``, the prompt updates that
 expand placeholders) and ``LlavaMultiModalProcessor`` in ``vllm/model_executor/models/llava.py``;
@@ -23,31 +24,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shared.config import ModelConfig
+from shared.config import read_config_json
+from stage5_server.multimodal.config import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
+from stage5_server.multimodal.image_io import decode_data_url, load_image
 from stage5_server.multimodal.inputs import MultiModalFeature, hash_image
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil", "image")
 
 
 class ImageProcessor:
-    def __init__(self, model_path: str | Path, config: ModelConfig):
+    def __init__(self, model_path: str | Path, config: MultiModalConfig):
         from transformers import AutoImageProcessor
 
-        vision = config.vision
-        tower = vision["vision_config"]
-        self.image_token_id: int = vision["image_token_index"]
+        tower = config.vision_config
+        self.image_token_id: int = config.image_token_index
         self.num_image_tokens = (tower["image_size"] // tower["patch_size"]) ** 2 + \
-            (1 if vision["vision_feature_select_strategy"] == "full" else 0)
+            (1 if config.vision_feature_select_strategy == "full" else 0)
         self.hf = AutoImageProcessor.from_pretrained(str(model_path))
 
     @classmethod
     def for_model(cls, model_path: str | Path) -> ImageProcessor | None:
         """The processor of a vision-language checkpoint; None for any other model."""
         try:
-            config = ModelConfig.from_pretrained(model_path)
-        except ValueError:  # not a Hugging Face directory this project reads (it generates text only)
+            raw = read_config_json(model_path)
+        except ValueError:  # not a Hugging Face directory
             return None
-        return None if config.vision is None else cls(model_path, config)
+        if LLAVA_ARCHITECTURE not in (raw.get("architectures") or []):
+            return None
+        return cls(model_path, read_llava_config(raw, model_path)[1])
 
     def expand(self, token_ids: list[int]) -> list[int]:
         """Each image token as its placeholders (what ``/tokenize`` shows; no image needed)."""
@@ -112,6 +116,28 @@ def split_image_parts(messages: list[dict], load: Callable[[dict], Any]) -> tupl
                 parts.append(part)
         rendered.append({**message, "content": parts})
     return rendered, images
+
+
+def load_image_parts(messages: list[dict], load: Callable[[dict], Any]) -> list[dict]:
+    """The messages with each image part as ``{"type": "image_pil", "image_pil": load(part)}``."""
+    return [message if not isinstance(message.get("content"), list) else
+            {**message, "content": [{"type": "image_pil", "image_pil": load(part)}
+                                    if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES else part
+                                    for part in message["content"]]}
+            for message in messages]
+
+
+def load_offline_part(part: dict):
+    """An image content part's image: an ``image_pil`` part's, or an ``image_url`` part's ``data:`` URL decoded
+    (fetching a remote URL is the API server's, under its media rules)."""
+    if part.get("type") == "image_pil":
+        return part["image_pil"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError("messages: an image part is an image_pil or an image_url with a data: URL here "
+                         "(the API server fetches http(s) URLs)")
+    return load_image(decode_data_url(url))
 
 
 def count_image_parts(messages: list[dict]) -> int:

@@ -23,6 +23,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.weights import checkpoint_files
+from stage5_server.multimodal.config import MultiModalConfig
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -98,27 +99,26 @@ class CLIPVisionTower(nn.Module):
 class LlavaVision(nn.Module):
     """Pixels -> one decoder-width vector per image token."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, multimodal: MultiModalConfig):
         super().__init__()
-        vision = config.vision
-        tower = vision["vision_config"]
+        tower = multimodal.vision_config
         if tower.get("model_type", "clip_vision_model") != "clip_vision_model":
             raise ValueError(f"model: unsupported vision tower {tower.get('model_type')!r} (supported: CLIP)")
-        layer = vision["vision_feature_layer"]
+        layer = multimodal.vision_feature_layer
         if not isinstance(layer, int):
             raise ValueError(f"model: vision_feature_layer {layer!r}: only one layer is supported")
         total = tower["num_hidden_layers"]
         # hidden_states[0] is the embedding output, hidden_states[i] the output of layer i.
         num_layers = layer if layer >= 0 else total + 1 + layer
-        self.strategy = vision["vision_feature_select_strategy"]
+        self.strategy = multimodal.vision_feature_select_strategy
         if self.strategy not in ("default", "full"):
             raise ValueError(f"model: unsupported vision_feature_select_strategy {self.strategy!r}")
         self.vision_tower = CLIPVisionTower(tower, num_layers)
-        bias = vision["multimodal_projector_bias"]
+        bias = multimodal.multimodal_projector_bias
         self.multi_modal_projector = nn.Module()
         self.multi_modal_projector.linear_1 = nn.Linear(tower["hidden_size"], config.hidden_size, bias=bias)
         self.multi_modal_projector.linear_2 = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.act = activation(vision["projector_hidden_act"])
+        self.act = activation(multimodal.projector_hidden_act)
 
     @property
     def num_image_tokens(self) -> int:
@@ -144,11 +144,11 @@ def vision_tensor_name(name: str) -> str | None:
     return None
 
 
-def load_vision_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+def load_vision_model(path: str | Path, config: ModelConfig, multimodal: MultiModalConfig, dtype: torch.dtype,
                       device: str | torch.device) -> LlavaVision:
-    """The vision tower and projector of the LLaVA checkpoint at ``path``."""
+    """The vision tower and projector of the LLaVA checkpoint at ``path`` (``config``: its decoder's)."""
     with torch.device("meta"):
-        model = LlavaVision(config)
+        model = LlavaVision(config, multimodal)
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(Path(path)):

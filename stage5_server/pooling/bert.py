@@ -17,15 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.config import ModelConfig
+from shared.config import read_config_json
 from shared.weights import load_weights
+from stage5_server.pooling.config import BERT_ARCHITECTURE, BertConfig, read_bert_config
 
 logger = logging.getLogger(__name__)
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: ModelConfig, eps: float):
+    def __init__(self, config: BertConfig, eps: float):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -62,7 +63,7 @@ class Packing:
 
 
 class BertSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BertConfig):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
@@ -91,7 +92,7 @@ class BertSelfOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: ModelConfig, eps: float):
+    def __init__(self, config: BertConfig, eps: float):
         super().__init__()
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config.hidden_size, config.hidden_size, eps)
@@ -101,7 +102,7 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         if config.hidden_act not in ACTIVATIONS:
@@ -114,7 +115,7 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: ModelConfig, eps: float):
+    def __init__(self, config: BertConfig, eps: float):
         super().__init__()
         self.attention = BertAttention(config, eps)
         self.intermediate = BertIntermediate(config)
@@ -126,7 +127,7 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: ModelConfig, eps: float):
+    def __init__(self, config: BertConfig, eps: float):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config, eps) for _ in range(config.num_hidden_layers))
 
@@ -135,16 +136,16 @@ class BertPooler(nn.Module):
     """BERT's own [CLS] head (dense + tanh); held so its checkpoint tensors have a place, unused by
     sentence-transformers' pooling."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
 
 class BertModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        eps = config.rms_norm_eps  # ModelConfig keeps BERT's layer_norm_eps there
+        eps = config.layer_norm_eps
         self.embeddings = BertEmbeddings(config, eps)
         self.encoder = BertEncoder(config, eps)
         self.pooler = BertPooler(config)
@@ -163,11 +164,12 @@ class BertModel(nn.Module):
 
 
 def load_bert(path: str | Path, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[BertModel, ModelConfig]:
+              device: str | torch.device = "cpu") -> tuple[BertModel, BertConfig]:
     """A ``BertModel`` checkpoint through the shared weight loader."""
-    config = ModelConfig.from_pretrained(path)
-    if config.family != "bert":
-        raise ValueError(f"model: {path!s} is not a BERT checkpoint ({config.family})")
+    raw = read_config_json(path)
+    if BERT_ARCHITECTURE not in (raw.get("architectures") or []):
+        raise ValueError(f"model: {path!s} is not a BERT checkpoint ({raw.get('architectures')})")
+    config, _ = read_bert_config(raw, path)
     with torch.device("meta"):
         model = BertModel(config)
     load_weights(model, config, Path(path), dtype, device)

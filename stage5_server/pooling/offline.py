@@ -1,9 +1,10 @@
 """``LLM.embed`` and ``LLM.score``: the offline API of a pooling model.
 
 ``embed`` tokenizes each prompt, checks its length against ``max_model_len`` (or truncates it to
-``truncate_prompt_tokens``), adds one engine request per prompt and steps the engine until every one
-has its vector. ``score`` embeds both sides and returns their cosine similarity (an embedding model's
-score, as vLLM computes it for a bi-encoder). A generating model refuses both; a pooling model refuses
+``truncate_prompt_tokens``), adds one engine request per prompt (``InputProcessor.pooling_request``)
+and steps the engine until every one has its vector (``LLM``'s own step loop). ``score`` embeds both
+sides and returns their cosine similarity (an embedding model's score, as vLLM computes it for a
+bi-encoder). A generating model refuses both; a pooling model refuses
 ``generate`` and ``chat``.
 
 vLLM: ``LLM.embed``, ``LLM.encode`` and ``LLM.score`` in ``vllm/entrypoints/llm.py``; the cosine score in
@@ -18,8 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
@@ -92,24 +91,13 @@ class PoolingAPI:
         vocab_size, max_len = self.model_config.vocab_size, self.max_model_len
         all_ids = [pooling_token_ids(p, self.tokenizer, vocab_size, max_len, truncate_prompt_tokens, "prompts")
                    for p in prompt_list]  # every prompt checked before any runs
-        request_ids = [f"pool-{next(self._pool_ids)}" for _ in all_ids]
-        vectors: dict[str, list[float]] = {}
-        try:
-            for request_id, token_ids in zip(request_ids, all_ids):
-                self.engine.add_request(Request(request_id, token_ids, SamplingParams(max_tokens=1)))
-            pending = set(request_ids)
-            while pending:
-                for request in self.engine.step():
-                    if request.request_id in pending and request.is_finished:
-                        if request.pooled_output is None:
-                            raise RuntimeError(f"request {request.request_id} ended without a vector")
-                        vectors[request.request_id] = request.pooled_output
-                        pending.discard(request.request_id)
-        except BaseException:
-            self.engine.finish_requests([r for r in request_ids if r not in vectors], RequestStatus.FINISHED_ABORTED)
-            raise
-        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vectors[rid]))
-                for rid, ids in zip(request_ids, all_ids)]
+        requests = [self.input_processor.pooling_request(f"pool-{next(self._pool_ids)}", ids) for ids in all_ids]
+        outputs = self._run(all_ids, [(r.request_id, None, [self.engine.preprocess_add_request(r)]) for r in requests],
+                            use_tqdm)
+        for output in outputs:
+            if output.pooled is None:
+                raise RuntimeError(f"request {output.request_id} ended without a vector")
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled)) for o in outputs]
 
     def score(self, text_1: str | list, text_2: str | list,
               truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
@@ -123,11 +111,6 @@ class PoolingAPI:
                                [by_key[_key(b)].outputs.embedding for b in second])
         return [ScoringRequestOutput(f"score-{i}", by_key[_key(a)].prompt_token_ids + by_key[_key(b)].prompt_token_ids,
                                      ScoringOutput(s)) for i, (a, b, s) in enumerate(zip(first, second, scores))]
-
-    def _make_requests(self, prompt: Any, params: SamplingParams, *args: Any, **kwargs: Any):
-        if self.config.runner == "pooling":
-            raise ValueError(NOT_GENERATING.format(api="LLM.generate / LLM.chat"))
-        return super()._make_requests(prompt, params, *args, **kwargs)
 
     def _require_pooling(self, api: str) -> None:
         if self.config.runner != "pooling":

@@ -16,22 +16,22 @@ from __future__ import annotations
 import torch
 
 from shared.model import DecoderModel
+from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.pooling.bert import BertModel
 from stage5_server.pooling.pooler import Pooler
 from stage5_server.worker.input_batch import InputBatch
-from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 
 class EncoderModelRunner:
     def __init__(self, model: BertModel, pooler: Pooler, device: torch.device):
         self.model, self.pooler, self.device = model, pooler, device
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
-        if step.cached_reqs.req_ids:
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if step.scheduled_cached_reqs.req_ids:
             raise RuntimeError("an encoder request was scheduled over two steps; its prompt must run whole")
-        prompts = {new.req_id: new.prompt_token_ids for new in step.new_reqs}
-        for new, count in zip(step.new_reqs, step.num_scheduled_tokens[len(step.cached_reqs.req_ids):]):
-            if new.num_computed_tokens != 0 or count != len(new.prompt_token_ids):
+        prompts = {new.req_id: new.prompt_token_ids for new in step.scheduled_new_reqs}
+        for new in step.scheduled_new_reqs:
+            if new.num_computed_tokens != 0 or step.num_scheduled_tokens[new.req_id] != len(new.prompt_token_ids):
                 raise RuntimeError(f"request {new.req_id}: an encoder runs a whole prompt in one step")
         ids = step.scheduled_req_ids
         lengths = torch.tensor([len(prompts[i]) for i in ids])
@@ -47,7 +47,7 @@ class DecoderPoolingRunner:
     def __init__(self, model: DecoderModel, input_batch: InputBatch, pooler: Pooler):
         self.model, self.input_batch, self.pooler = model, input_batch, pooler
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in step.finished_req_ids:
             self.pooler.forget(request_id)  # aborted mid-prompt
         prepared = self.input_batch.prepare(step)

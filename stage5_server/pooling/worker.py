@@ -7,20 +7,26 @@ vLLM: ``vllm/v1/worker/gpu_worker.py`` (one worker class; the runner checks ``is
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from stage5_server.config import EngineConfig
+import torch
+
+from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.pooling.bert import load_bert
+from stage5_server.pooling.config import is_encoder
 from stage5_server.pooling.pooler import Pooler
 from stage5_server.pooling.runner import DecoderPoolingRunner, EncoderModelRunner
-from stage5_server.worker import ModelRunnerInput, ModelRunnerOutput, Worker
-from stage5_server.worker.input_batch import InputBatch
+from stage5_server.worker import InputBatch, Worker
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
 
 
 class EncoderWorker:
     """Loads the encoder; asks the scheduler's blocks for no memory: ``kv_bytes_per_token`` is 0."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
-        self.config, self.rank, self.device = config, rank, config.device
+    def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
+        self.config, self.rank, self.device = config, rank, device or config.device
         self.model, _ = load_bert(config.model_path, config.dtype, self.device)
         self.model_runner: EncoderModelRunner | None = None
 
@@ -37,7 +43,7 @@ class EncoderWorker:
     def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.model_runner = EncoderModelRunner(self.model, Pooler(self.config.pooler), self.device)
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput:
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(step)
 
 
@@ -48,11 +54,11 @@ class DecoderPoolingWorker(Worker):
         self.model_runner = DecoderPoolingRunner(self.model, batch, Pooler(self.config.pooler))
 
 
-def make_worker(config: EngineConfig, rank: int = 0) -> Worker | EncoderWorker:
-    """The worker this configuration's runner needs."""
-    if config.runner != "pooling":
-        return Worker(config, rank)
-    return EncoderWorker(config, rank) if config.model_config.is_encoder else DecoderPoolingWorker(config, rank)
+def make_pooling_worker(config: EngineConfig, rank: int = 0, device: torch.device | None = None,
+                        ) -> DecoderPoolingWorker | EncoderWorker:
+    """The pooling runner kind's worker (``EngineConfig.worker_cls``): an encoder's, or a decoder's."""
+    kind = EncoderWorker if is_encoder(config.model_config) else DecoderPoolingWorker
+    return kind(config, rank, device)
 
 
-__all__ = ["DecoderPoolingWorker", "EncoderWorker", "make_worker"]
+__all__ = ["DecoderPoolingWorker", "EncoderWorker", "make_pooling_worker"]

@@ -60,7 +60,7 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
     ``lora_modules``: ``(name, path)`` of each LoRA adapter served from the start (``lora_models.py``)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
-        engine = AsyncLLM(engine, log_stats_interval=log_stats_interval)
+        engine = AsyncLLM.from_llm(engine, log_stats_interval=log_stats_interval)
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
     keys = APIKeys(api_keys) if api_keys is not None else None

@@ -29,6 +29,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from shared.config import ModelConfig
+from stage5_server.config import read_model_config
 from stage5_server.lora import LoRALoadError, LoRARequest, load_adapter
 from stage5_server.server.errors import APIError
 
@@ -106,7 +107,7 @@ class ServedModels:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                            code="lora_already_loaded")
         if self._model_config is None:
-            self._model_config = ModelConfig.from_pretrained(self.engine.model_path)
+            self._model_config = read_model_config(self.engine.model_path)[0]  # the decoder's shape
         try:
             load_adapter(path, self._model_config, self.max_lora_rank)
         except LoRALoadError as exc:

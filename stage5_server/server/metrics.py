@@ -1,4 +1,4 @@
-"""What the server reports: Prometheus metrics under vLLM's names (the stats line: spec_decode/metrics.py).
+"""What the server reports: Prometheus metrics under vLLM's names (the stats line: core/stats.py).
 
 Engine state and counters (running, waiting, KV usage, prefix-cache queries and hits,
 preemptions, tokens, tokens per step, speculative drafts and accepted tokens) come from a
@@ -86,9 +86,9 @@ COUNTERS = [
     ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens_computed"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
-    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
-    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
-    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decoding.num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decoding.num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decoding.num_accepted_tokens"),
 ]
 
 # vLLM's splits of numbers above, by a label: (name, doc, label, {label value: field, or None for 0}).
@@ -103,6 +103,13 @@ SPLIT = [
      "supplied them.", "source", {"device": "prefix_cache_hits", "host": None, "p2p": None, "disk": None,
                                  "external_unspecified": None}),
 ]
+
+
+def stat(stats: SchedulerStats, path: str) -> float:
+    """A field of a stats snapshot by its dotted path (``spec_decoding.num_drafts``)."""
+    for name in path.split("."):
+        stats = getattr(stats, name)
+    return stats
 
 
 class _SchedulerStatsCollector(Collector):
@@ -121,7 +128,7 @@ class _SchedulerStatsCollector(Collector):
             for name, doc, field in table:
                 family = kind(name, doc, labels=["model_name", "engine"])
                 for rank, stats in sorted(by_engine.items()):
-                    family.add_metric([self.model_name, str(rank)], getattr(stats, field))
+                    family.add_metric([self.model_name, str(rank)], stat(stats, field))
                 yield family
         for kind, name, doc, label, fields in SPLIT:
             family = kind(name, doc, labels=["model_name", "engine", label])
@@ -133,7 +140,7 @@ class _SchedulerStatsCollector(Collector):
                                       "Accepted tokens per draft's token position.",
                                       labels=["model_name", "engine", "position"])
         for rank, stats in sorted(by_engine.items()):
-            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            for position, count in enumerate(stats.spec_decoding.num_accepted_tokens_per_pos):
                 per_pos.add_metric([self.model_name, str(rank), str(position)], count)
         yield per_pos
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",

@@ -55,11 +55,46 @@ class DraftModelProposer:
                                      config.head_dim, dtype, device)
         model.set_attention_backend(backend_class(self.kv_cache))
         self.num_computed: dict[str, int] = {}  # per request: positions whose draft K/V is written
+        # Sampled drafts until verified: request id -> (drafts, the distributions they were drawn from)
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def forget(self, request_ids) -> None:
         """Drop what is known of these requests' draft K/V (finished, preempted, or new to the worker)."""
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
+            self.draft_probs.pop(request_id, None)
+
+    def take_probs(self, request_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """The distributions ``drafts`` were drawn from (the scheduler may have cut them), or None: drafts
+        without probabilities (greedy), or not this proposer's."""
+        proposed = self.draft_probs.pop(request_id, None) if drafts else None
+        if proposed is None or proposed[0][:len(drafts)] != drafts:
+            return None
+        return proposed[1][:len(drafts)]
+
+    def propose_after_step(self, input_batch, req_ids: list[str], sampled_token_ids: list[list[int]],
+                           num_drafts: dict[str, int] | None, generator: torch.Generator) -> dict[str, list[int]]:
+        """The next drafts of each request that sampled this step, wants some (``num_drafts``: the core's
+        policy; None: ``k`` for all) and has room for them, read from the runner's input batch."""
+        ids, rows, tokens, wanted = [], [], [], []
+        for request_id, sampled in zip(req_ids, sampled_token_ids):
+            state, row = input_batch.states[request_id], input_batch.row_of[request_id]
+            position = state.num_tokens + len(sampled) - 1  # where the last token sampled goes
+            want = self.k if num_drafts is None else min(self.k, num_drafts.get(request_id, self.k))
+            if want > 0 and position + self.k <= input_batch.max_model_len:
+                ids.append(request_id)
+                wanted.append(want)
+                rows.append(row)
+                tokens.append(np.concatenate([input_batch.token_ids[row, :state.num_tokens], sampled]))
+        if not ids:
+            return {}
+        states = [input_batch.states[request_id] for request_id in ids]
+        drafts, probs = self.propose(input_batch.block_table, input_batch.num_blocks, rows, states, tokens,
+                                     max(wanted), generator)
+        for request_id, d, q, n in zip(ids, drafts, probs, wanted):
+            if q is not None:
+                self.draft_probs[request_id] = (d[:n], q[:n])
+        return {i: d[:n] for i, d, n in zip(ids, drafts, wanted)}
 
     def propose(self, block_table: np.ndarray, num_blocks: np.ndarray, rows: list[int], states: list,
                 token_ids: list[np.ndarray], num_drafts: int | None, generator: torch.Generator,

@@ -2,7 +2,7 @@
 
 A proposer guessed ``d_1 .. d_k``; one forward pass of the target model gave, at each of those
 positions, the distribution ``p_i`` it would have sampled from (all the request's sampling
-parameters applied: ``shared.sampler.target_probs``), plus ``p_{k+1}`` after the last draft.
+parameters applied: ``target_probs``), plus ``p_{k+1}`` after the last draft.
 If the proposer drew ``d_i`` from a distribution ``q_i`` (a draft model that samples), the rule
 of Leviathan et al. and Chen et al. (2023) is, position by position:
 
@@ -33,6 +33,19 @@ n-gram and EAGLE case).
 from __future__ import annotations
 
 import torch
+
+from shared.sampler import apply_logits_processors, sampling_probs
+
+
+def target_probs(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    """The distribution ``shared.sampler.sample`` draws each row's token from: its logits processors, then
+    a greedy row's argmax as a point mass, a sampled row's ``sampling_probs``."""
+    logits = apply_logits_processors(logits.to("cpu", torch.float32), requests)
+    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+    if random_rows:
+        probs[random_rows] = sampling_probs(logits[random_rows], [requests[i] for i in random_rows])
+    return probs
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], draft_probs: torch.Tensor | None,

@@ -4,7 +4,7 @@ stages 3 and 4 rebuild a step's inputs from Python lists every step (``shared/mo
 ``prepare_inputs`` and stage 3's ``kv_layout``). Here each running request owns a row of two
 preallocated arrays, its token ids and its block table, filled once when the request arrives (or
 comes back after a preemption) and afterwards written only where it changed: the tokens it
-sampled, a new block every ``block_size`` tokens (``update``, from the step's ``ModelRunnerInput``).
+sampled, a new block every ``block_size`` tokens (``update``, from the step's ``SchedulerOutput``).
 Draft tokens under verification are written past the row's known tokens and overwritten by what
 is accepted. Beside the rows, a ``CachedRequestState`` per request keeps what the sampler reads
 (parameters, prompt and output tokens, a seeded request's generator); it outlives a preemption.
@@ -28,6 +28,7 @@ sampling parameters in per-row tensors; here free rows are reused as they come.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,9 +38,7 @@ from shared.outputs import Logprob
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
-from stage5_server.lora.request import LoRARequest
-from stage5_server.multimodal.inputs import MultiModalFeature
-from stage5_server.worker.runner_io import ModelRunnerInput, NewRequestData
+from stage5_server.core.scheduler_output import NewRequestData, SchedulerOutput
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 INITIAL_TOKENS_PER_ROW = 2048  # (or max_model_len if shorter); rows widen, doubling, when a longer request arrives
@@ -64,10 +63,10 @@ class CachedRequestState:
     bad_words_token_ids: list[list[int]]
     num_computed_tokens: int = 0
     generator: torch.Generator | None = None
-    lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    lora_request: Any = None  # its adapter (lora/); None: the base model
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # filled by the sampler, sent back
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
-    mm_features: list[MultiModalFeature] = field(default_factory=list)  # the prompt's images
+    mm_features: list = field(default_factory=list)  # the prompt's images (multimodal/)
 
     # The sampler's reads, as ``Request`` answers them.
     num_prompt_tokens = Request.num_prompt_tokens
@@ -170,7 +169,7 @@ class InputBatch:
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
 
     # ---- one step --------------------------------------------------------------------------
-    def update(self, step: ModelRunnerInput) -> tuple[list[CachedRequestState], list[int]]:
+    def update(self, step: SchedulerOutput) -> tuple[list[CachedRequestState], list[int]]:
         """Bring the states and rows up to date with ``step``: forget finished requests, free the rows
         of preempted ones, write what running ones gained, (re)fill new ones. Returns the scheduled
         requests' states and rows, in the step's order (running ones, then new ones)."""
@@ -181,7 +180,7 @@ class InputBatch:
         grown_rows, num_grown, token_values = [], [], []  # rows that gained tokens: how many, which
         block_rows, block_cols, block_values = [], [], []
         states, row_of, num_blocks = self.states, self.row_of, self.num_blocks
-        cached = step.cached_reqs
+        cached = step.scheduled_cached_reqs
         scheduled_states, scheduled_rows = [], []
         for request_id, new_tokens, new_blocks, num_computed in zip(
                 cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -210,7 +209,7 @@ class InputBatch:
             self.num_tokens[rows] = have + counts
         if block_values:
             self.block_table[block_rows, block_cols] = block_values
-        for new in step.new_reqs:
+        for new in step.scheduled_new_reqs:
             state = self.states.get(new.req_id)
             if state is None:  # first seen; a resumed request keeps its state (and its generator's draws)
                 state = self.states[new.req_id] = CachedRequestState.from_new(new)
@@ -219,22 +218,24 @@ class InputBatch:
             state.num_computed_tokens = new.num_computed_tokens
             scheduled_states.append(state)
             scheduled_rows.append(self.add_request(state, new.block_ids))
-        for request_id, drafts in step.spec_token_ids.items():  # past the known tokens, until verified
+        for request_id, drafts in step.scheduled_spec_decode_tokens.items():  # past the known tokens, until verified
             state, row = self.states[request_id], self.row_of[request_id]
             self._fit(state.num_tokens + len(drafts), 0)
             self.token_ids[row, state.num_tokens:state.num_tokens + len(drafts)] = drafts
         return scheduled_states, scheduled_rows
 
-    def prepare(self, step: ModelRunnerInput) -> PreparedStep:
+    def prepare(self, step: SchedulerOutput) -> PreparedStep:
         """``update``, then gather the step's inputs from the scheduled rows."""
         states, rows = self.update(step)
-        assert len(states) == len(step.scheduled_req_ids), "a scheduled request the workers do not hold"
+        assert len(states) == len(step.num_scheduled_tokens), "a scheduled request the workers do not hold"
         rows_a = np.array(rows, dtype=np.int64)
-        counts = np.array(step.num_scheduled_tokens, dtype=np.int64)
-        starts = np.array(step.cached_reqs.num_computed_tokens + [new.num_computed_tokens for new in step.new_reqs],
+        num_scheduled = [step.num_scheduled_tokens[state.request_id] for state in states]
+        counts = np.array(num_scheduled, dtype=np.int64)
+        starts = np.array(step.scheduled_cached_reqs.num_computed_tokens +
+                          [new.num_computed_tokens for new in step.scheduled_new_reqs],
                           dtype=np.int64)  # as ``update`` set them
         ends = np.cumsum(counts)
-        drafts_of = step.spec_token_ids
+        drafts_of = step.scheduled_spec_decode_tokens
         drafts = np.array([len(drafts_of.get(state.request_id, ())) for state in states] if drafts_of
                           else np.zeros(len(states)), dtype=np.int64)
         # A request samples when this step reaches its last known token (not mid-way through a
@@ -245,7 +246,7 @@ class InputBatch:
         logits_indices = concatenated_ranges(first_logit, num_draft + 1)
         inputs, meta = self._gather(rows_a, counts, starts, ends, samples.tolist(),
                                     int(self.num_blocks[rows_a].max()))
-        return PreparedStep(states, list(step.num_scheduled_tokens), inputs, meta, logits_indices.tolist(),
+        return PreparedStep(states, num_scheduled, inputs, meta, logits_indices.tolist(),
                             num_draft.tolist())
 
     def _gather(self, rows_a: np.ndarray, counts: np.ndarray, first: np.ndarray, ends: np.ndarray,

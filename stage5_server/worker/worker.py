@@ -29,9 +29,11 @@ from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.config import EngineConfig
+from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_decode_step, compile_problem, fuse_projections
+from stage5_server.multimodal.config import decoder_tensor_name
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_model
 from stage5_server.parallel.parallel_state import RankPlace
@@ -41,7 +43,6 @@ from stage5_server.quantization import install_linear_methods
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.worker.input_batch import InputBatch
 from stage5_server.worker.model_runner import ModelRunner
-from stage5_server.worker.runner_io import ModelRunnerInput, ModelRunnerOutput
 
 logger = logging.getLogger("stagedserve")
 
@@ -60,6 +61,9 @@ class Worker:
             model = load_stage_model(config.model_path, place, config.dtype, self.device)
         elif world_size > 1:
             model, _ = load_sharded_model(config.model_path, rank, world_size, config.dtype, self.device)
+        elif config.multimodal is not None:  # a vision-language checkpoint: its decoder, under language_model.
+            model, _ = load_model(config.model_path, config.dtype, self.device, config.model_config,
+                                  decoder_tensor_name)
         else:
             model, _ = load_model(config.model_path, config.dtype, self.device)
         self.model = fuse_projections(model)  # q/k/v (gate/up) fused into one GEMM each
@@ -75,8 +79,9 @@ class Worker:
         if spec is not None and spec.method == "draft_model":  # one rank: EngineConfig refuses a split one
             self.draft_model = fuse_projections(load_model(resolve_model(spec.model), config.dtype, self.device)[0])
         self.vision = None  # a vision-language model's tower and projector (multimodal/vision.py)
-        if self.model.config.vision is not None:  # one rank: EngineConfig refuses a split one
-            self.vision = load_vision_model(config.model_path, self.model.config, config.dtype, self.device)
+        if config.multimodal is not None:  # one rank: EngineConfig refuses a split one
+            self.vision = load_vision_model(config.model_path, config.model_config, config.multimodal, config.dtype,
+                                            self.device)
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
         self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
@@ -120,7 +125,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, input_batch, config.seed, is_driver=self.place.is_driver,
                                         drafter=drafter, mm_embedder=mm_embedder, lora_manager=self.lora_manager)
 
-    def execute_model(self, step: ModelRunnerInput) -> ModelRunnerOutput | None:
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.timeline is None:
             return self.model_runner.execute_model(step)
         start = time.monotonic()

@@ -13,7 +13,6 @@ import torch
 from shared import Request, SamplingParams, Tokenizer
 from shared.structured_output import (
     StructuredOutputManager,
-    StructuredOutputRequest,
     StructuredOutputsParams,
     apply_grammar_bitmask,
     check_structured_outputs,
@@ -32,8 +31,7 @@ def manager(tiny_llama):
 
 
 def grammar_request(manager, spec: StructuredOutputsParams, rid: str = "r") -> Request:
-    request = Request(rid, [1, 2, 3], SamplingParams(temperature=0), eos_token_ids=EOS)
-    request.structured_output_request = StructuredOutputRequest(spec)
+    request = Request(rid, [1, 2, 3], SamplingParams(temperature=0, structured_outputs=spec), eos_token_ids=EOS)
     manager.grammar_init(request)
     request.structured_output_request.grammar.result(timeout=60)
     return request
@@ -142,8 +140,8 @@ def test_building_happens_off_the_calling_thread(tiny_llama):
     manager = StructuredOutputManager(Tokenizer(tiny_llama).hf, 512, EOS, max_workers=1)
     gate = threading.Event()
     manager.executor.submit(gate.wait)  # the only build thread is busy
-    request = Request("r", [1], SamplingParams(), eos_token_ids=EOS)
-    request.structured_output_request = StructuredOutputRequest(StructuredOutputsParams(choice=["yes", "no"]))
+    request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                      eos_token_ids=EOS)
     manager.grammar_init(request)  # returns although nothing can be built yet
     assert request.waiting_for_grammar
     gate.set()

@@ -4,7 +4,7 @@ own KV cache, indexed by the target's block tables, stays right through all of t
 
 Two drafts on the tiny random checkpoint: the target itself (every draft must then be accepted,
 which holds only if the draft's KV cache is exactly the target's at every position it reads) and
-its first layer with its head (``shared/draft_checkpoint.py``: some drafts accepted, most not).
+its first layer with its head (``stage5_server/spec_decode/draft_checkpoint.py``: some drafts accepted, most not).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from shared import SamplingParams
-from shared.draft_checkpoint import write_layer_prefix_checkpoint
 from shared.tiny_model import make_tiny_model
 from stage5_server import LLM
+from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
 from tests.stage5.test_spec_decode import ENGINE, GREEDY, PROMPTS, assert_no_block_held, generate
 
 
@@ -39,8 +39,8 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted_through_preemption
     assert generate(llm, PROMPTS * 2, GREEDY) == expected
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert stats.spec_decode_num_draft_tokens > 20
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert stats.spec_decoding.num_draft_tokens > 20
+    assert stats.spec_decoding.num_accepted_tokens == stats.spec_decoding.num_draft_tokens
     assert_no_block_held(llm)
 
 
@@ -56,7 +56,7 @@ def test_a_one_layer_draft_gives_the_plain_greedy_tokens(tiny_llama, one_layer_d
     llm.engine.draft_policy = None  # draft k every step, however many are rejected
     assert generate(llm, prompts, params) == expected
     stats = llm.engine.stats()
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
     assert_no_block_held(llm)
 
 
@@ -69,7 +69,7 @@ def test_sampled_drafts_follow_the_seed_and_are_checked_by_the_rejection_rule(ti
     llm = drafting(tiny_llama, one_layer_draft)
     assert generate(llm, PROMPTS[:2], params) == first
     stats = llm.engine.stats()
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
 
 
 CHI2_CRITICAL_2_DOF = 13.816  # the 0.1% critical value with 3 - 1 degrees of freedom
@@ -92,7 +92,7 @@ def test_a_verified_token_from_sampled_drafts_is_distributed_as_the_target_says(
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(600)]
     outputs = generate(llm, [prompt] * len(params), params)
     stats = llm.engine.stats()
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both ways of the rule
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens  # both ways of the rule
     first, _ = Counter(o[0] for o in outputs).most_common(1)[0]
     seconds = Counter(o[1] for o in outputs if o[0] == first)
 
@@ -109,7 +109,7 @@ def test_a_verified_token_from_sampled_drafts_is_distributed_as_the_target_says(
     assert chi_square(observed, target[target > 0]) < CHI2_CRITICAL_2_DOF, observed
     firsts = Counter(o[0] for o in outputs)
     kept = sum(n * float(torch.minimum(top3(tiny_llama, t), top3(one_layer_draft, t)).sum()) for t, n in firsts.items())
-    rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    rate = stats.spec_decoding.num_accepted_tokens / stats.spec_decoding.num_draft_tokens
     assert abs(rate - kept / len(outputs)) < 0.05, (rate, kept / len(outputs))  # 3 sigma at n = 600
 
 
@@ -156,7 +156,7 @@ def test_the_policy_asks_the_workers_for_fewer_drafts_from_a_poor_draft(tiny_lla
     for policy in (False, True):
         llm = drafting(tiny_llama, one_layer_draft, k=4, policy=policy)
         assert generate(llm, PROMPTS, params) == expected
-        drafted.append(llm.engine.stats().spec_decode_num_draft_tokens)
+        drafted.append(llm.engine.stats().spec_decoding.num_draft_tokens)
     assert drafted[1] < drafted[0]
 
 
@@ -179,4 +179,4 @@ def test_default_model_drafted_by_itself_and_by_its_first_layers_gives_the_plain
         assert [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)] == plain
         stats = llm.engine.stats()
         if layers == 30:
-            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+            assert stats.spec_decoding.num_accepted_tokens == stats.spec_decoding.num_draft_tokens > 0

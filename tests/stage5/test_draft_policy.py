@@ -91,9 +91,9 @@ def test_the_draft_cost_ratio_is_the_drafts_weights_per_token_over_the_targets(t
     from dataclasses import replace
 
     from shared.config import ModelConfig
-    from shared.draft_checkpoint import write_layer_prefix_checkpoint
     from stage5_server.config import EngineConfig
     from stage5_server.spec_decode import make_draft_policy
+    from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
     from stage5_server.spec_decode.policy import forward_weights
 
     tiny = ModelConfig.from_pretrained(tiny_llama)
@@ -131,7 +131,7 @@ def test_the_engine_drafts_less_with_the_policy_and_gives_the_same_tokens(tiny_l
             llm.engine.draft_policy = None
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
         stats = llm.engine.stats()
-        drafted[name] = (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+        drafted[name] = (stats.spec_decoding.num_draft_tokens, stats.spec_decoding.num_accepted_tokens)
         if name == "adaptive":
             assert not llm.engine.draft_policy.requests  # finished requests are forgotten
     assert drafted["adaptive"][0] < drafted["fixed"][0]

@@ -18,7 +18,6 @@ from openai import OpenAI
 
 from shared import SamplingParams
 from shared.metrics import RequestTimeline, SchedulerStats
-from shared.output_processor import OutputProcessor
 from shared.request import Request
 from stage5_server.cli.serve import serving_process_count
 from stage5_server.core.core_proc import ZmqCoreLoop
@@ -35,6 +34,7 @@ from stage5_server.core.messages import (
     output_decoder,
 )
 from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
+from stage5_server.engine.output_processor import OutputProcessor
 from stage5_server.server import create_app
 from stage5_server.server.metrics import request_phases
 from stage5_server.server.serving import TIMELINE_HEADER

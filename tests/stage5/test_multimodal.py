@@ -11,12 +11,12 @@ import io
 import numpy as np
 import pytest
 import torch
+from stage5_server.multimodal.kv_cache import block_extra_keys
 
 from shared import SamplingParams
 from stage4_prefix_cache.kv_cache_utils import request_extra_keys
 from stage5_server import LLM
 from stage5_server.multimodal.inputs import MultiModalFeature, hash_image
-from stage5_server.multimodal.kv_cache import block_extra_keys
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 

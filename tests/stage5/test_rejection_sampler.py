@@ -9,8 +9,8 @@ import torch
 
 from shared import SamplingParams
 from shared.request import Request
-from shared.sampler import sample, target_probs
-from stage5_server.spec_decode import rejection_sample
+from shared.sampler import sample
+from stage5_server.spec_decode.rejection_sampler import rejection_sample, target_probs
 
 VOCAB = 6
 TRIALS = 6000

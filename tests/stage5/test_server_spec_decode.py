@@ -78,9 +78,9 @@ def test_openai_client_gets_the_plain_greedy_answer_and_metrics_count_the_drafts
     accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="tiny", engine="0")
     assert drafts and drafts > 0 and draft_tokens >= drafts and accepted is not None
     stats = llm.engine.stats()
-    assert (drafts, draft_tokens, accepted) == (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
-                                                stats.spec_decode_num_accepted_tokens)
-    for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+    assert (drafts, draft_tokens, accepted) == (stats.spec_decoding.num_drafts, stats.spec_decoding.num_draft_tokens,
+                                                stats.spec_decoding.num_accepted_tokens)
+    for position, count in enumerate(stats.spec_decoding.num_accepted_tokens_per_pos):
         assert metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="tiny", engine="0",
                       position=str(position)) == count
 
@@ -90,7 +90,7 @@ def test_openai_client_gets_the_plain_greedy_answer_and_metrics_count_the_drafts
 def test_stagedserve_serve_with_speculative_config_answers_the_plain_tokens(tiny_llama, tmp_path, method):
     """Through the engine process: the n-gram proposer in the core, or a draft model (the target's
     first layer and head) on the worker there."""
-    from shared.draft_checkpoint import write_layer_prefix_checkpoint
+    from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
 
     plain = make_llm(tiny_llama, max_model_len=128).generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]

@@ -11,10 +11,10 @@ from prometheus_client import REGISTRY
 
 from shared import CompletionOutput, RequestOutput, RequestTimeline, SamplingParams
 from shared.metrics import SchedulerStats
-from shared.output_processor import OutputProcessor, RequestOutputKind
 from stage4_prefix_cache import LoggingStatLogger, format_stats_line
 from stage5_server.core.messages import EngineCoreOutput
 from stage5_server.demo import histogram_quantile, summarize_metrics
+from stage5_server.engine.output_processor import OutputProcessor, RequestOutputKind
 from stage5_server.engine.stream import RequestStream
 from stage5_server.server.errors import loc_to_param
 from stage5_server.server.metrics import PrometheusStatLogger, build_1_2_5_buckets

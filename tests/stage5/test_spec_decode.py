@@ -15,8 +15,8 @@ import pytest
 
 from shared import SamplingParams
 from stage5_server import LLM
+from stage5_server.core.stats import LoggingStatLogger
 from stage5_server.spec_decode import NgramProposer
-from stage5_server.spec_decode.metrics import LoggingStatLogger
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=160, max_num_seqs=8, max_num_batched_tokens=16,
               block_size=4)
@@ -68,7 +68,7 @@ def test_replayed_drafts_give_the_plain_tokens_through_chunked_prefill_preemptio
     assert generate(tight, PROMPTS * 2, GREEDY) == expected
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # some of each
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens  # some of each
     assert_no_block_held(tight)
 
 
@@ -103,7 +103,7 @@ def test_seeded_sampling_with_drafts_samples_the_plain_tokens(tiny_llama):
     runs = [PROMPTS[i // 2] + e for i, e in enumerate(expected)]
     llm = replaying(tiny_llama, runs)
     assert generate(llm, PROMPTS, params) == expected
-    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0
 
 
 def test_stop_strings_and_stop_tokens_end_the_output_where_plain_decoding_ends_it(tiny_llama):
@@ -135,7 +135,7 @@ def test_max_tokens_cuts_the_drafts_and_logprobs_come_one_per_token(tiny_llama):
         assert [list(e) for e in a.outputs[0].logprobs] == [list(e) for e in b.outputs[0].logprobs]
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-    assert llm.engine.stats().spec_decode_num_draft_tokens <= 6 * len(PROMPTS)  # never past max_tokens
+    assert llm.engine.stats().spec_decoding.num_draft_tokens <= 6 * len(PROMPTS)  # never past max_tokens
 
 
 def test_aborting_a_request_with_drafts_in_flight_frees_its_blocks(tiny_llama):
@@ -162,12 +162,12 @@ def test_acceptance_is_counted_per_position_and_shown_in_the_stats_line(tiny_lla
     before = llm.engine.stats()
     generate(llm, PROMPTS, GREEDY)
     stats = llm.engine.stats()
-    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens and list(per_pos) == sorted(per_pos, reverse=True)
-    assert stats.spec_decode_num_draft_tokens <= 3 * stats.spec_decode_num_drafts
+    per_pos = stats.spec_decoding.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.spec_decoding.num_accepted_tokens and list(per_pos) == sorted(per_pos, reverse=True)
+    assert stats.spec_decoding.num_draft_tokens <= 3 * stats.spec_decoding.num_drafts
     line = LoggingStatLogger.format_line(before, stats, 1.0)
-    rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
-    length = 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
+    rate = stats.spec_decoding.num_accepted_tokens / stats.spec_decoding.num_draft_tokens
+    length = 1 + stats.spec_decoding.num_accepted_tokens / stats.spec_decoding.num_drafts
     assert f"Spec decode acceptance rate: {100 * rate:.1f}%, mean acceptance length: {length:.2f}" in line
     assert "Spec decode" not in LoggingStatLogger.format_line(stats, stats, 1.0)  # nothing verified: nothing shown
 
@@ -188,7 +188,7 @@ def test_drafts_under_a_grammar_are_verified_against_one_mask_per_position(tiny_
     stats = llm.engine.stats()
     # Most wrong replayed drafts are ones the grammar forbids, cut before scheduling; how many of the
     # rest are rejected depends on when each grammar is built (in a thread), so only acceptance is fixed.
-    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decoding.num_accepted_tokens > 0
     assert stats.num_steps < sum(len(e) for e in expected)  # several tokens a step under the grammar
 
 
@@ -210,7 +210,7 @@ def test_a_draft_the_grammar_forbids_is_never_scheduled(tiny_llama):
     llm.engine.proposer = LetterProposer()
     assert generate(llm, [PROMPTS[0]], params) == [plain]
     stats = llm.engine.stats()
-    assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_accepted_tokens == 1
+    assert stats.spec_decoding.num_draft_tokens == stats.spec_decoding.num_accepted_tokens == 1
 
 
 def test_ngram_engine_gives_the_plain_greedy_tokens_and_accepts_repeated_text(tiny_llama):
@@ -221,7 +221,7 @@ def test_ngram_engine_gives_the_plain_greedy_tokens_and_accepts_repeated_text(ti
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     llm = LLM(str(tiny_llama), **ENGINE, speculative_config=spec)
     assert generate(llm, prompts, GREEDY) == expected
-    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert llm.engine.stats().spec_decoding.num_drafts > 0
 
 
 @pytest.mark.parametrize("tokens, expected", [
@@ -256,4 +256,4 @@ def test_default_model_with_ngram_gives_the_plain_greedy_tokens_and_accepts_copi
     llm = LLM(**engine, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)] == plain
     stats = llm.engine.stats()
-    assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens  # the copy is drafted
+    assert stats.spec_decoding.num_accepted_tokens > 0.5 * stats.spec_decoding.num_draft_tokens  # the copy is drafted

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from shared.draft_checkpoint import write_layer_prefix_checkpoint
+from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
 from tests.shared.test_model_and_weights import our_logits
 
 TOKENS = [3, 14, 15, 92, 65, 35, 89]

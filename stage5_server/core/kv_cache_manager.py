@@ -1,0 +1,35 @@
+"""Stage 4's KV cache manager, with stage 5's extra keys in each block's hash.
+
+Stage 4 hashes a block from its parent's hash, its token ids and its extra keys (the seeds'
+``extra_hashes``: there, the cache salt). Stage 5's requests carry two more things that decide what
+a block's K/V are, so its blocks carry two more sources (``block_extra_keys``), in this order:
+
+1. ``("lora", name)`` and ``("lora", path)``: the adapter the request runs under (``lora/``), on
+   every block; the same name reloaded from another directory is another adapter;
+2. ``("mm", image hash)``: each image whose placeholder tokens the block overlaps (``multimodal/``),
+   in the order the images appear. An image's placeholders are all one token id, so two prompts
+   with the same text and different images have the same token ids: without this key the second
+   would get the first one's K/V. Blocks before the first image keep their text-only hash and are
+   shared with text-only prompts; every block from the image's on differs (its own key, or its
+   parent's hash chained from it);
+3. stage 4's ``("salt", cache salt)``.
+
+vLLM: ``generate_block_hash_extra_keys`` (``_gen_lora_extra_hash_keys``, ``_gen_mm_extra_hash_keys``)
+in ``vllm/v1/core/kv_cache_utils.py``.
+"""
+
+from __future__ import annotations
+
+from stage4_prefix_cache.kv_cache_manager import KVCacheManager as _KVCacheManager
+from stage4_prefix_cache.kv_cache_utils import ExtraKey
+from stage5_server.core.request import Request
+
+
+class KVCacheManager(_KVCacheManager):
+    def block_extra_keys(self, request: Request, start: int, end: int) -> tuple[ExtraKey, ...]:
+        keys: list[ExtraKey] = []
+        adapter = getattr(request, "lora_request", None)
+        if adapter is not None:
+            keys += [("lora", adapter.lora_name), ("lora", adapter.lora_path)]
+        keys += [("mm", f.identifier) for f in getattr(request, "mm_features", ()) if f.overlaps(start, end)]
+        return (*keys, *super().block_extra_keys(request, start, end))

@@ -1,0 +1,37 @@
+"""The engine core's stats: stage 4's snapshot with the counters of stage 5's systems, and the periodic
+stats line that shows them.
+
+A snapshot (``Scheduler.stats()``) crosses to the front end in every ``EngineCoreOutputs``; ``/metrics``
+(``server/metrics.py``) and the stats line read it there. Stage 5 adds speculative decoding's counters
+(``spec_decode/metrics.py``), always present, all zero while nothing is drafted.
+
+vLLM: ``SchedulerStats`` in ``vllm/v1/metrics/stats.py`` (its ``spec_decoding_stats``) and
+``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.metrics import SchedulerStats as _SchedulerStats
+from stage4_prefix_cache.scheduler import LoggingStatLogger as _PrefixCacheStatLogger
+from stage5_server.spec_decode.metrics import SpecDecodingStats
+
+
+@dataclass
+class SchedulerStats(_SchedulerStats):
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+
+
+class LoggingStatLogger(_PrefixCacheStatLogger):
+    """Stage 4's stats line, plus the drafts' acceptance in the interval when any were verified."""
+
+    @staticmethod
+    def fields(before: _SchedulerStats, after: _SchedulerStats, seconds: float) -> list[str]:
+        fields = _PrefixCacheStatLogger.fields(before, after, seconds)
+        if isinstance(after, SchedulerStats) and isinstance(before, SchedulerStats):
+            fields += after.spec_decoding.log_fields(before.spec_decoding)
+        return fields
+
+
+format_stats_line = LoggingStatLogger.format_line
