@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    from shared.named_models import resolve_model
     from stage5_server import LLM
+    from stage5_server.config import resolve_model
 
     path = resolve_model("all-minilm-l6-v2")
     load_before = os.getloadavg()[0]

@@ -98,7 +98,7 @@ def run(model: str | None, batch_sizes: list[int], output_len: int, k: int, thre
         llm = LLM(model=model, device="cpu", max_model_len=1024, max_num_seqs=max(batch_sizes),
                   max_num_batched_tokens=2048, cpu_threads=threads, speculative_config=spec)
         if name == "ngram-fixed":
-            llm.engine.draft_policy = None  # every match drafts k
+            llm.engine.drafter.policy = None  # every match drafts k
         llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
         engines[name] = llm
     rows, names = [], list(engines)

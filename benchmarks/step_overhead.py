@@ -6,15 +6,16 @@ so the forward pass is short; it is not timed): they run long enough to outlast 
 the last ones, and the benchmark checks that each measured step holds all ``B``. For every
 measured step it times:
 
-- the scheduler: ``schedule()`` and ``update_from_output()`` (stage 4's, unchanged);
-- the inputs stage5 hands the model: ``Scheduler.runner_input`` (what the workers are sent: new
-  requests whole, running ones as deltas; ``stage5_server/core/``), then ``InputBatch.prepare``
-  (the rows brought up to date and the tensors gathered; ``stage5_server/worker/``);
-- on the same ``SchedulerOutput``, the preparation stages 3 and 4 do (``scheduled_batch``,
-  ``prepare_inputs``, ``kv_layout``, ``build_paged_metadata``), whose tensors are the same.
+- the scheduler: ``schedule()`` (stage 4's decision, described for the workers: new requests whole,
+  running ones as deltas; ``stage5_server/core/scheduler.py``) and ``update_from_output()`` (the
+  tokens appended, the front end's outputs made);
+- the inputs stage5 hands the model: ``InputBatch.prepare`` (the rows brought up to date and the
+  tensors gathered; ``stage5_server/worker/``);
+- on the same step's requests, the preparation stages 3 and 4 do (``prepare_inputs``,
+  ``kv_layout``, ``build_paged_metadata``), whose tensors are the same.
 
-"scheduler + inputs" is ``schedule`` + ``update_from_output`` + ``runner_input`` + ``prepare``: the engine's own
-work per step outside the forward pass and sampling, before output processing.
+"scheduler + inputs" is ``schedule`` + ``update_from_output`` + ``prepare``: the engine's own work per
+step outside the forward pass and sampling, before output processing.
 
     python -m benchmarks.step_overhead [--batch-sizes 64 256 --prompt-len 128 --steps 50]
 """
@@ -31,16 +32,17 @@ from benchmarks.common import benchmark_parser, provenance, run_info, write_resu
 from shared import SamplingParams, resolve_model, summarize
 from shared.model_runner import prepare_inputs
 from stage2_paged.attention import build_paged_metadata
-from stage3_continuous.engine import kv_layout, scheduled_batch
+from stage3_continuous.engine import kv_layout
 
 BLOCK_SIZE = 16
 
 
-def list_built_inputs(output, block_size: int) -> None:
-    """Stage 3's preparation of one step's inputs (the tensors are discarded)."""
-    batch = scheduled_batch(output)
+def list_built_inputs(step, scheduler, block_size: int) -> None:
+    """Stage 3's preparation of one step's inputs from the live requests (the tensors are discarded)."""
+    batch = [(scheduler.requests[rid], n) for rid, n in step.num_scheduled_tokens.items()]
+    tables = {rid: scheduler.kv_cache_manager.get_block_ids(rid) for rid in step.num_scheduled_tokens}
     inputs = prepare_inputs(batch, "cpu")
-    slots, tables = kv_layout(batch, output.block_tables, block_size)
+    slots, tables = kv_layout(batch, tables, block_size)
     build_paged_metadata(slots, inputs.query_start_loc, inputs.seq_lens, tables, "cpu")
 
 
@@ -59,8 +61,7 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     engine = llm.engine
     scheduler = engine.scheduler
     input_batch = engine.model_executor.driver_worker.model_runner.input_batch
-    timings: dict[str, list[float]] = {"schedule": [], "update": [], "runner_input": [], "prepare": [],
-                                       "prepare_lists": []}
+    timings: dict[str, list[float]] = {"schedule": [], "update": [], "prepare": [], "prepare_lists": []}
     recording = [False]
 
     def timed(name, fn):
@@ -76,23 +77,19 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     lists = timed("prepare_lists", list_built_inputs)
 
     schedule = timed("schedule", scheduler.schedule)
-    scheduled = []
-
     scheduled_outputs = []
 
     def schedule_and_keep():
-        scheduled[:] = [schedule()]
+        output = schedule()
         if recording[0]:
-            scheduled_outputs.append(scheduled[0])
-        return scheduled[0]
+            scheduled_outputs.append(output)
+        return output
 
     def prepare_both(step):
-        result = prepare(step)
-        lists(scheduled[0], input_batch.block_size)
-        return result
+        lists(step, scheduler, input_batch.block_size)  # before prepare: the requests as scheduled
+        return prepare(step)
 
     scheduler.schedule = schedule_and_keep
-    scheduler.runner_input = timed("runner_input", scheduler.runner_input)
     scheduler.update_from_output = timed("update", scheduler.update_from_output)
     input_batch.prepare = prepare_both
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -110,11 +107,11 @@ def measure(model: str, batch_size: int, prompt_len: int, steps: int, threads: i
     llm.abort([str(i) for i in range(batch_size)])
     p50 = {name: summarize(values)["p50"] * 1e3 for name, values in timings.items()}
     mean = {name: 1e3 * sum(values) / len(values) for name, values in timings.items()}
-    ours = p50["schedule"] + p50["update"] + p50["runner_input"] + p50["prepare"]
+    ours = p50["schedule"] + p50["update"] + p50["prepare"]
     return {"batch_size": batch_size, "steps": len(timings["schedule"]), "p50_ms": p50, "mean_ms": mean,
             "scheduler_and_inputs_ms_p50": ours,
             "scheduler_and_list_inputs_ms_p50": p50["schedule"] + p50["update"] + p50["prepare_lists"],
-            "prepare_speedup": p50["prepare_lists"] / (p50["runner_input"] + p50["prepare"])}
+            "prepare_speedup": p50["prepare_lists"] / p50["prepare"]}
 
 
 def to_markdown(result: dict) -> str:
@@ -134,7 +131,7 @@ def to_markdown(result: dict) -> str:
     for r in result["rows"]:
         p = r["p50_ms"]
         lines.append(f"| {r['batch_size']} | {p['schedule']:.3f} | {p['update']:.3f} | "
-                     f"{p['runner_input'] + p['prepare']:.3f} | "
+                     f"{p['prepare']:.3f} | "
                      f"{p['prepare_lists']:.3f} | {r['prepare_speedup']:.1f}x | "
                      f"{r['scheduler_and_inputs_ms_p50']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -405,7 +405,7 @@ only 4; a 9-token prompt whose first 8 are cached reuses 8. Count the lookup in
             tests=(
                 S4_CORE + "test_only_full_blocks_are_reused",
                 S4_CORE + "test_chained_hash_distinguishes_identical_block_tokens_after_different_prefixes",
-                S4_CORE + "test_salt_and_lora_with_the_same_name_hash_differently",
+                S4_CORE + "test_two_sources_with_the_same_value_hash_differently",
                 S4_CORE + "test_cache_salt_changes_reuse_identity",
                 S4_CORE + "test_hit_is_capped_at_prompt_minus_one_and_rounded_down_to_whole_blocks",
                 S4_CORE + "test_prefix_cache_stats_count_queried_and_hit_tokens",
@@ -450,38 +450,46 @@ without a GPU) and compares every slot exactly, for block sizes 8 and 16, fp32 a
                    "test_reshape_and_cache_writes_each_token_to_its_slot_and_skips_negative_slots",),
         ),
         Task(
-            name="engine_step",
-            file="stage5_server/core/busy_loop.py",
-            function="EngineCoreLoop.step",
+            name="workers_view",
+            file="stage5_server/core/scheduler.py",
+            function="Scheduler._for_workers",
             spec="""
-One iteration of the engine core's busy loop: step the core and publish what changed.
+Stage 4's decision for a step (``live``: its ``SchedulerOutput``, with live ``Request`` objects) as
+every worker receives it: plain data, each request whole the first time the workers see it and
+afterwards only what it gained since.
 
-- ``updated = self.core.step()``; if it raises, hand the exception to ``self.fail_step(exc)``
-  (which fails the requests of that step and keeps the loop serving) and return.
-- For each updated request still tracked in ``self.num_sent`` (one aborted meanwhile is not),
-  build ``EngineCoreOutput.from_request(request, num_sent)``: only the tokens not published yet.
-  A finished request is forgotten (``del self.requests[id], self.num_sent[id]``); otherwise
-  remember how many of its output tokens are now published.
-- Publish with ``self.send(outputs)`` when there are outputs, or when ``self.core.stats()``
-  differs from ``self._published_stats`` (so ``/metrics`` stays current).
-- If nothing was updated and nothing is running (the KV cache is full of waiting prompts),
-  wait briefly for new inputs instead of spinning:
-  ``self.handle(self.receive(NOTHING_SCHEDULABLE_WAIT_S))``.
+- ``self.sent_to_workers`` maps a request id to ``[tokens, blocks]`` the workers hold. First forget
+  every request of ``self.finished_on_workers`` and ``self.preempted_on_workers`` there: a
+  preempted request comes back whole.
+- Each scheduled running request's drafts (``live.scheduled_running_reqs``): its
+  ``spec_token_ids`` cut to ``live.num_scheduled_tokens[id] - 1`` (the budget may have cut some)
+  go into a dict of drafts when any are left; then its ``spec_token_ids`` become ``[]``.
+- For each request of ``live.scheduled_reqs`` (the running ones, then the new ones), its blocks are
+  ``self.kv_cache_manager.req_to_blocks[id]``. A request the workers do not hold becomes a
+  ``NewRequestData`` (its prompt and output tokens, sampling parameters, EOS and bad-words ids, block
+  ids, ``num_computed_tokens``, ``len(request.prompt_logprobs)``, images and adapter), and the workers
+  now hold ``[request.num_tokens, len(blocks)]``. A request they hold adds to one
+  ``CachedRequestData`` its id, the tokens after the ones they hold, the block ids after theirs and its
+  ``num_computed_tokens``; what they hold is updated.
+- Reset ``finished_on_workers`` and ``preempted_on_workers`` to empty sets and return
+  ``SchedulerOutput(new, cached, num_scheduled_tokens, live.total_num_scheduled_tokens, drafts,
+  finished, preempted)``, the counts in the order the workers pack the requests: the cached ones,
+  then the new ones.
 
-The tests drive ``AsyncLLM`` (this loop on a thread): streamed outputs are cumulative and end
-like offline ``generate``; an abort ends the stream and frees the KV blocks; a failed step
-fails every request in flight and the next request is still served.
+The tests run stage 5 offline and compare the persistent input batch the workers build from these
+messages with the inputs stage 3 builds from the live requests, step after step, through chunked
+prefill, preemption and aborts.
 """,
             hints=(
-                "`EngineCoreOutput.from_request(request, num_sent)` takes the tokens after index `num_sent`.",
-                "Read `fail_step` and `send` just below: they do the rest.",
+                "`request.all_token_ids[num_tokens:]` is what a running request gained since the workers last "
+                "saw it; `blocks[num_blocks:]` the blocks it gained.",
+                "Keep the sets to send (`finished`, `preempted`) before you reset the attributes.",
             ),
             tests=(
-                "tests/stage5/test_server_async_llm.py::"
-                "test_generate_streams_cumulative_outputs_that_end_like_offline_generate",
-                "tests/stage5/test_server_async_llm.py::test_abort_ends_the_stream_and_frees_the_kv_blocks",
-                "tests/stage5/test_server_async_llm.py::"
-                "test_a_failed_step_fails_every_request_in_flight_and_the_loop_keeps_serving",
+                "tests/stage5/test_input_batch.py::"
+                "test_inputs_match_the_list_built_ones_through_chunked_prefill_and_preemption",
+                "tests/stage5/test_input_batch.py::test_an_aborted_request_id_taken_again_gets_a_fresh_row",
+                "tests/stage5/test_input_batch.py::test_rows_of_requests_aborted_while_nothing_ran_are_taken_back",
             ),
         ),
         Task(
@@ -583,7 +591,7 @@ block starts with ``data: ``, a usage chunk comes last, then ``[DONE]``).
         ),
         Task(
             name="stream_deltas",
-            file="shared/output_processor.py",
+            file="stage5_server/engine/output_processor.py",
             function="RequestState.text_delta",
             spec="""
 The part of the text not streamed yet: ``(new text, first new token index, end token index)``, or

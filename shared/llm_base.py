@@ -337,10 +337,15 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int, 
         raise ValueError("prompt: empty prompt; at least one token is needed")
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
-    if max_model_len is not None and len(token_ids) >= max_model_len:
-        raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                         f"max_model_len={max_model_len}")
+    if max_model_len is not None:
+        check_prompt_fits(len(token_ids), max_model_len)
     return token_ids
+
+
+def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt: {num_tokens} tokens leave no room to generate within max_model_len={max_model_len}")
 
 
 def check_kv_cache_memory(memory: Any) -> int | None:

@@ -27,6 +27,7 @@ from stage4_prefix_cache import *  # noqa: F403  (re-export the whole surface of
 from stage4_prefix_cache import __all__ as _stage4_all
 from stage5_server.config import EngineConfig  # noqa: F401  (in __all__ below)
 from stage5_server.core import EngineCore, Scheduler, SchedulerOutput, build_engine_core  # noqa: F401
+from stage5_server.core.request import Request  # noqa: F401
 from stage5_server.llm import LLM  # noqa: F401
 
 _EXPORTS = {
@@ -46,5 +47,5 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-_OWN = ["EngineConfig", "EngineCore", "LLM", "Scheduler", "SchedulerOutput", "build_engine_core"]
+_OWN = ["EngineConfig", "EngineCore", "LLM", "Request", "Scheduler", "SchedulerOutput", "build_engine_core"]
 __all__ = [n for n in _stage4_all if n not in _OWN] + _OWN + list(_EXPORTS)

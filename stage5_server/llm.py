@@ -35,6 +35,7 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, STAGE, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
+from stage5_server.core.errors import StepFailed
 from stage5_server.core.request import Request
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.output_processor import OutputProcessor
@@ -61,7 +62,8 @@ class LLM(PoolingAPI, BaseLLM):
         self.kv_cache_capacity = self.engine.num_kv_blocks * config.cache.block_size
         images = None if config.multimodal is None else ImageProcessor(config.model_path, config.multimodal)
         self.input_processor = InputProcessor(self.tokenizer, config.model_config.vocab_size, self.max_model_len,
-                                              config.model_config.eos_token_ids, images, config.lora is not None)
+                                              config.model_config.eos_token_ids, images, config.lora is not None,
+                                              check_max_tokens=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._checked_adapters: set[tuple[int, str]] = set()
@@ -86,7 +88,10 @@ class LLM(PoolingAPI, BaseLLM):
         return request_id, parent, [self.engine.preprocess_add_request(r) for r in requests]
 
     def _engine_step(self) -> list[OutputDelta]:
-        return self.engine.step()  # the scheduler made them: each request's new tokens
+        try:
+            return self.engine.step()  # the scheduler made them: each request's new tokens
+        except StepFailed as exc:  # the core aborted the step's requests; the caller sees what failed
+            raise exc.cause from None
 
     def check_lora_request(self, lora_request: object) -> None:
         """An adapter is served only with ``enable_lora``, and only once its directory passed the checks

@@ -52,7 +52,7 @@ class StageSpec:
         if spec and spec.get("model") == SELF_DRAFT:
             # A draft as costly as the target never pays, so the draft-length policy would stop it
             # drafting; the suite wants every step drafted, so it runs without the policy.
-            llm.engine.draft_policy = None
+            llm.engine.drafter.policy = None
         return llm
 
     def __str__(self) -> str:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
 
-from shared import Request, SamplingParams  # noqa: E402
+from shared import SamplingParams  # noqa: E402
 from stage4_prefix_cache import CacheConfig, SchedulerConfig  # noqa: E402
 from stage5_server.core import Scheduler  # noqa: E402
+from stage5_server.core.request import Request  # noqa: E402
 from stage5_server.spec_decode import NgramProposer  # noqa: E402
 
 BUDGET = 6
@@ -29,8 +30,8 @@ def letters(tokens: list[int]) -> str:
 def step(sched: Scheduler, proposer: NgramProposer, label: str) -> None:
     output = sched.schedule()
     sampled, parts = {}, []
-    for request in output.scheduled_reqs:
-        rid, num_new = request.request_id, output.num_scheduled_tokens[request.request_id]
+    for rid, num_new in output.num_scheduled_tokens.items():  # the running requests, then the new ones
+        request = sched.requests[rid]
         drafts = output.scheduled_spec_decode_tokens.get(rid, [])
         truth = TRUTH[rid][request.num_output_tokens:]
         if request.num_computed_tokens + num_new < request.num_tokens + len(drafts):

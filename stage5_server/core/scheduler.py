@@ -130,6 +130,8 @@ class Scheduler(_PrefixCachingScheduler):
         self.finished_outputs += [EngineCoreOutput.from_request(r, 0) for r in live.aborted_reqs]
         self.finished_on_workers |= live.finished_req_ids
         self.preempted_on_workers |= live.preempted_req_ids
+        if live.total_num_scheduled_tokens == 0:  # nothing runs: the workers hear of these with the next step
+            return SchedulerOutput([], CachedRequestData(), {}, 0)
         output = self._for_workers(live)
         self._add_grammar_bitmask(live, output)
         return output

@@ -12,8 +12,10 @@ of the messages (``image_pil``, or an ``image_url`` holding a ``data:`` URL; the
 http(s) URLs under its media rules before the request gets here: ``server/media.py``). Here they
 become placeholder tokens and pixels (``multimodal/processor.py``).
 
-A length error is a ``ContextLengthExceeded`` (a ``ValueError`` naming ``prompt`` or ``max_tokens``),
-worded as vLLM's, which the server answers with ``code: context_length_exceeded``. With ``n > 1``
+A prompt must leave room to generate within ``max_model_len``. For the server (``check_max_tokens``)
+``max_tokens`` must fit too, as vLLM's server asks: a length error is then a ``ContextLengthExceeded``
+(a ``ValueError`` naming ``prompt`` or ``max_tokens``), worded as vLLM's, which the server answers with
+``code: context_length_exceeded``; offline, a request simply stops at ``max_model_len``. With ``n > 1``
 the request fans out into children (``shared/parallel_sampling.py``); the core only ever sees ``n = 1``.
 A pooling model's input is token ids checked by the pooling room (``pooling_request``).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from shared.llm_base import PromptType, check_inputs
+from shared.llm_base import PromptType, check_inputs, check_prompt_fits
 from shared.parallel_sampling import ParentRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -47,13 +49,15 @@ class InputProcessor:
     """Runs on the caller's thread (the server's: a worker thread, under the front end's tokenizer lock)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 image_processor: ImageProcessor | None = None, enable_lora: bool = False):
+                 image_processor: ImageProcessor | None = None, enable_lora: bool = False,
+                 check_max_tokens: bool = True):
         self.tokenizer = tokenizer
         self.image_processor = image_processor  # None: the model takes no images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.enable_lora = enable_lora
+        self.check_max_tokens = check_max_tokens  # the server's rule: prompt + max_tokens fit in max_model_len
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
                        cache_salt: str | None = None, lora_request: LoRARequest | None = None,
@@ -68,8 +72,9 @@ class InputProcessor:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
         images, processor_kwargs = None, None
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            images = images_of(prompt["multi_modal_data"])
+        if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:
+                images = images_of(prompt["multi_modal_data"])
             processor_kwargs = prompt.get("mm_processor_kwargs")
             prompt = {k: v for k, v in prompt.items() if k not in ("multi_modal_data", "mm_processor_kwargs")}
         if isinstance(prompt, dict) and "messages" in prompt:
@@ -82,8 +87,10 @@ class InputProcessor:
             if self.image_processor is None:
                 raise ValueError(f"multi_modal_data: {NO_IMAGES}")
             token_ids, features = self.image_processor.process(token_ids, images, processor_kwargs)
-        self.check_lengths(len(token_ids), params.max_tokens,  # vLLM's messages, not ``prompt_token_ids``'s
-                           params.min_tokens)
+        if self.check_max_tokens:
+            self.check_lengths(len(token_ids), params.max_tokens, params.min_tokens)  # vLLM's messages
+        else:
+            check_prompt_fits(len(token_ids), self.max_model_len)
         now = time.monotonic()
 
         def make(rid: str, child_params: SamplingParams) -> EngineCoreRequest:

@@ -13,6 +13,28 @@ vLLM: ``vllm/v1/executor/abstract.py`` (``Executor.get_class``), ``uniproc_execu
 
 from __future__ import annotations
 
-from stage5_server.executor.abstract import DoneStep, Executor, PendingStep, make_executor, make_worker
+from typing import TYPE_CHECKING
+
+from stage5_server.executor.abstract import DoneStep, Executor, PendingStep, make_worker
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor for ``config``: Ray actors, one worker process per rank of a split model, or this process
+    (vLLM's ``Executor.get_class``)."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from stage5_server.executor.ray_executor import RayExecutor  # Ray is imported only when asked for
+
+        return RayExecutor(config)
+    if config.parallel.world_size > 1:
+        from stage5_server.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from stage5_server.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)
+
 
 __all__ = ["DoneStep", "Executor", "PendingStep", "make_executor", "make_worker"]

@@ -11,7 +11,7 @@ its share of the CPU's threads, its place in the process group when the model is
 worker its runner kind names (``EngineConfig.worker_cls``: the generating ``Worker``, or the pooling
 room's), built without this package importing the room it lives in.
 
-vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``, ``Executor.get_class``) and ``WorkerWrapperBase``
+vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``) and ``WorkerWrapperBase``
 in ``vllm/v1/worker/worker_base.py`` (the worker built from ``parallel_config.worker_cls``).
 """
 
@@ -50,21 +50,6 @@ class Executor:
     world_size: int = 1
     driver_rank: int = 0
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor for ``config``: Ray actors, one worker process per rank of a split model, or this process."""
-        if config.parallel.distributed_executor_backend == "ray":
-            from stage5_server.executor.ray_executor import RayExecutor  # Ray is imported only when asked for
-
-            return RayExecutor
-        if config.parallel.world_size > 1:
-            from stage5_server.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor
-        from stage5_server.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor
-
     def collective_rpc(self, method: str | Callable, *args: Any) -> list:
         """``method(*args)`` on every worker (a function: ``method(worker, *args)``); their results in rank order."""
         raise NotImplementedError
@@ -77,10 +62,6 @@ class Executor:
 
     def shutdown(self) -> None:
         pass
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    return Executor.get_class(config)(config)
 
 
 def call(worker: Any, method: str | Callable, args: tuple) -> Any:

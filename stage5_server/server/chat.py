@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
-from stage5_server.multimodal.processor import count_image_parts, has_image_parts, split_image_parts
+from stage5_server.multimodal.processor import count_image_parts, has_image_parts, load_image_parts
 from stage5_server.server.completions import token_text
 from stage5_server.server.errors import APIError
 from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
@@ -203,23 +203,21 @@ async def conversation_prompt(serving: OpenAIServing, body: ChatCompletionReques
                            "vision-language model); send text content only", param=f"messages[{first}].content")
         check_image_count(serving.media.options, count_image_parts(messages))
         loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
-        prompt["messages"], images = await asyncio.to_thread(split_image_parts, messages, loader)
-        prompt["multi_modal_data"] = {"image": images}
+        prompt["messages"] = await asyncio.to_thread(load_image_parts, messages, loader)  # the engine renders them
         if body.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
     return prompt
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:
-    salt = serving.admit(request, body.model, body.cache_salt)
+    admission = serving.admit(request, body.model, body.cache_salt)
     tool_calls, structured = tool_plan(serving, body)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, structured)
     prompt = await conversation_prompt(serving, body)
     responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", body.model or serving.served_model_name, request,
                               body.include_usage, body.continuous_usage, n=params.n,
                               top_logprobs=body.top_logprobs or 0, tool_calls=tool_calls)
-    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "messages",
-                                  lora_request=serving.check_model(body.model))
+    return await serving.generate(request, [prompt], params, admission, responder, body.stream, "messages")
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

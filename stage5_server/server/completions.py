@@ -138,7 +138,7 @@ class CompletionResponder(Responder):
 
 
 async def create_completion(serving: OpenAIServing, request: Request, body: CompletionRequest) -> Response:
-    salt = serving.admit(request, body.model, body.cache_salt)
+    admission = serving.admit(request, body.model, body.cache_salt)
     generate = not (body.echo and body.max_tokens == 0)  # vLLM's echo_without_generation: generate one, show none
     params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
                                   body.requested_structured_outputs())
@@ -148,8 +148,7 @@ async def create_completion(serving: OpenAIServing, request: Request, body: Comp
                                     body.include_usage, body.continuous_usage, n=params.n,
                                     echo=body.echo, generate=generate,
                                     special_token_ids=serving.engine.tokenizer.special_token_ids)
-    return await serving.generate(request, list(body.prompts), params, salt, responder, body.stream,
-                                  lora_request=serving.check_model(body.model))
+    return await serving.generate(request, list(body.prompts), params, admission, responder, body.stream)
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

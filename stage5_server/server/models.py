@@ -14,8 +14,6 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import model_validator
 
-from stage5_server.multimodal.processor import has_image_parts, split_image_parts
-from stage5_server.server.errors import APIError
 from stage5_server.server.protocol import ChatMessage, StrictModel
 from stage5_server.server.serving import OpenAIServing
 from stage5_server.server.tool_protocol import ChatTool
@@ -77,15 +75,8 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
             conversation = [m.as_template_message() for m in body.messages]
             control = serving.chat_options.control_tokens_in_messages  # as the real prompt would be
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            images = engine.image_processor
-            if has_image_parts(conversation):  # each image's placeholders; its count needs no image
-                if images is None:
-                    raise APIError(400, "messages: this model takes no images", param="messages")
-                conversation, _ = split_image_parts(conversation, lambda part: None)
-            ids = await serving.on_engine(lambda: tokenizer.apply_chat_template(
+            ids = await serving.on_engine(lambda: engine.input_processor.tokenize_messages(  # images as placeholders
                 conversation, body.add_generation_prompt, tools=tools, control_tokens_in_messages=control))
-            if images is not None:
-                ids = images.expand(ids)
         else:
             ids = await serving.on_engine(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

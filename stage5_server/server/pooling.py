@@ -35,7 +35,7 @@ class PoolingServing:
         self.serving, self.engine = serving, serving.engine
 
     def admit(self, request: Request, model: str | None, api: str) -> str:
-        salt = self.serving.admit(request, model, None)
+        salt = self.serving.admit(request, model, None).cache_salt
         if not self.engine.is_pooling:
             raise APIError(400, f"The model does not support {api} API")
         return salt

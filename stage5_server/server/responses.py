@@ -378,7 +378,7 @@ def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, A
 
 
 async def create_response(serving: OpenAIServing, request: Request, body: ResponsesRequest) -> Response:
-    salt = serving.admit(request, body.model, body.cache_salt)
+    admission = serving.admit(request, body.model, body.cache_salt)
     try:
         chat_body = body.as_chat_request()
     except ValueError as exc:
@@ -388,8 +388,7 @@ async def create_response(serving: OpenAIServing, request: Request, body: Respon
     prompt = await conversation_prompt(serving, chat_body)
     responder = ResponsesResponder(f"resp_{uuid.uuid4().hex}", body.model or serving.served_model_name, request, False,
                                    body=body, tool_calls=tool_calls)
-    return await serving.generate(request, [prompt], params, salt, responder, body.stream, "input",
-                                  lora_request=serving.check_model(body.model))
+    return await serving.generate(request, [prompt], params, admission, responder, body.stream, "input")
 
 
 def add_routes(app: FastAPI, serving: OpenAIServing) -> None:

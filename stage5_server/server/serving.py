@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -85,6 +85,11 @@ def choices_of(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """One output per choice (prompt i's sample j is choice ``i * n + j``, vLLM's order), each with its one
     completion and finished when that is."""
     return [replace(o, outputs=[c], finished=c.finished) for o in outputs for c in o.outputs]
+
+
+class Admission(NamedTuple):
+    cache_salt: str  # the trust group's prefix-cache salt
+    lora_request: LoRARequest | None  # the adapter the request's ``model`` names (lora_models.py); None: the base
 
 
 class Responder:
@@ -200,10 +205,11 @@ class OpenAIServing:
             for i in range(0, len(num_tokens), n):
                 self.metrics.record_parent_finished(n, num_tokens[i:i + n])
 
-    def admit(self, request: Request, model: str | None, client_salt: str | None) -> str:
-        """Check the model name; return the request's prefix-cache salt (its trust group's)."""
-        self.check_model(model)
-        return self.cache_salt(request, client_salt)
+    def admit(self, request: Request, model: str | None, client_salt: str | None) -> Admission:
+        """What a request's ``model`` and key decide, once: the adapter the model names (404 for an unknown
+        name), then the prefix-cache salt of its trust group."""
+        lora_request = self.check_model(model)
+        return Admission(self.cache_salt(request, client_salt), lora_request)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """404 unless ``model`` names the base model or a loaded adapter; returns the adapter, if one."""
@@ -223,12 +229,13 @@ class OpenAIServing:
         with engine_errors():
             return await self.engine.call(fn, *args)
 
-    async def generate(self, request: Request, prompts: list[PromptType], params: SamplingParams, salt: str,
-                       responder: Responder, stream: bool, prompt_param: str = "prompt",
-                       lora_request: LoRARequest | None = None) -> Response:
+    async def generate(self, request: Request, prompts: list[PromptType], params: SamplingParams,
+                       admission: Admission, responder: Responder, stream: bool,
+                       prompt_param: str = "prompt") -> Response:
         """One engine request per prompt (the engine fans ``n > 1`` out), answered with a JSON body or an SSE
-        stream. ``prompt_param``: the field a prompt too long for the context is blamed on; ``lora_request``:
-        the adapter the request's ``model`` named (``lora_models.py``)."""
+        stream. ``admission``: the adapter and the salt ``admit`` found; ``prompt_param``: the field a prompt
+        too long for the context is blamed on."""
+        salt, lora_request = admission
         if self.engine.is_pooling:  # vLLM's answer when the model lacks the task
             raise APIError(400, f"The model does not support {GENERATION_APIS.get(responder.object, 'this')} API")
         self.check_limits(prompts, params, prompt_param)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import requests
 
-from shared.named_models import resolve_model
 from stage5_server import LLM
+from stage5_server.config import resolve_model
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server
 

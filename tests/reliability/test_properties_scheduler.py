@@ -35,6 +35,7 @@ from stage3_continuous.config import SchedulerConfig
 from stage3_continuous.scheduler import Scheduler as ContinuousScheduler
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage4_prefix_cache.scheduler import Scheduler as PrefixCacheScheduler
+from stage5_server.core.request import Request as EngineRequest
 from stage5_server.core.scheduler import Scheduler as SpeculativeScheduler
 from tests.reliability.figures import count
 from tests.reliability.settings import machine_settings
@@ -69,6 +70,7 @@ def reference_output(request: Request, max_model_len: int) -> tuple[list[int], R
 
 class SchedulerMachine(RuleBasedStateMachine):
     scheduler_class = ContinuousScheduler
+    request_class = Request
     section = "scheduler_stage3"
 
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(4, 10), budget=st.integers(1, 12),
@@ -96,13 +98,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     def make_cache_config(self, block_size, num_blocks):
         return PagedCacheConfig(block_size, num_blocks)
 
+    def _live(self, output) -> tuple[list[Request], list[Request], dict[str, list[int]]]:
+        """The scheduled requests (in packing order), those of them admitted this step, and their block tables,
+        read from a step's output just after it was scheduled."""
+        return output.scheduled_reqs, output.scheduled_new_reqs, output.block_tables
+
     # -- the fake model runner ---------------------------------------------------------------
     def _execute(self, output) -> dict[str, list[int]]:
         """Write each scheduled position into its block, then sample for requests at their last token."""
         sampled = {}
-        for request in output.scheduled_reqs:
+        scheduled, _, tables = self._live(output)
+        for request in scheduled:
             n = output.num_scheduled_tokens[request.request_id]
-            table = output.block_tables[request.request_id]
+            table = tables[request.request_id]
             start = request.num_computed_tokens
             for pos in range(start, start + n):
                 self.content[table[pos // self.block_size]] = (request.cache_salt,
@@ -125,23 +133,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert output.total_num_scheduled_tokens == sum(scheduled.values()) <= config.max_num_batched_tokens
         assert len(scheduled) <= config.max_num_seqs
         assert len(sched.running) <= config.running_cap
-        assert {r.request_id for r in output.scheduled_reqs} == set(scheduled)
+        requests, new, tables = self._live(output)
+        assert {r.request_id for r in requests} == set(scheduled)
         if output.preempted_req_ids:
-            assert not output.scheduled_new_reqs, "a step that preempted also admitted"
+            assert not new, "a step that preempted also admitted"
             assert output.preempted_req_ids.isdisjoint(scheduled)
-        for request in output.scheduled_reqs:
+        for request in requests:
             n = scheduled[request.request_id]
             assert 1 <= n <= request.num_tokens - request.num_computed_tokens
-            if request in output.scheduled_new_reqs and not config.enable_chunked_prefill:
+            if request in new and not config.enable_chunked_prefill:
                 assert n == request.num_tokens - request.num_computed_tokens, "a prompt was chunked"
-            table = output.block_tables[request.request_id]
+            table = tables[request.request_id]
             assert len(table) == math.ceil((request.num_computed_tokens + n) / self.block_size)
             assert request.status == RequestStatus.RUNNING
 
     def _check_prefix_hits(self, output) -> None:
         """After the step's writes (a hit may be on a block another request fills in the same step)."""
-        for request in output.scheduled_new_reqs:  # a prefix hit must serve exactly this request's prefix
-            table = output.block_tables[request.request_id]
+        _, new, tables = self._live(output)
+        for request in new:  # a prefix hit must serve exactly this request's prefix
+            table = tables[request.request_id]
             for i in range(request.num_computed_tokens // self.block_size):
                 prefix = tuple(request.all_token_ids[:(i + 1) * self.block_size])
                 assert self.content.get(table[i]) == (request.cache_salt, prefix), "a hit served the wrong KV"
@@ -166,8 +176,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=list(stop))
-        request = Request(rid, prompt, params, arrival_time=self.clock, priority=priority, cache_salt=salt,
-                          eos_token_ids=(EOS,))
+        request = self.request_class(rid, prompt, params, arrival_time=self.clock, priority=priority,
+                                     cache_salt=salt, eos_token_ids=(EOS,))
         fits = math.ceil(min(len(prompt) + 1, self.max_model_len) / self.block_size) <= self.num_blocks
         if len(prompt) >= self.max_model_len or not fits:
             return  # the engine's front end refuses these before the scheduler sees them
@@ -311,7 +321,14 @@ class SpeculativeSchedulerMachine(PrefixCacheSchedulerMachine):
     """Stage 5's scheduler: each decode also verifies up to ``k`` drafts inside the same budget."""
 
     scheduler_class = SpeculativeScheduler
+    request_class = EngineRequest
     section = "scheduler_stage5_spec"
+
+    def _live(self, output):
+        """Stage 5's output is the workers' plain data: the live requests are the scheduler's own."""
+        requests = [self.scheduler.requests[rid] for rid in output.num_scheduled_tokens]
+        new = [self.scheduler.requests[data.req_id] for data in output.scheduled_new_reqs]
+        return requests, new, {r.request_id: self.kv.get_block_ids(r.request_id) for r in requests}
 
     @initialize(k=st.integers(1, 4), seed=st.integers(0, 2**16))
     def setup_drafts(self, k, seed):
@@ -320,10 +337,11 @@ class SpeculativeSchedulerMachine(PrefixCacheSchedulerMachine):
     def _execute(self, output) -> dict[str, list[int]]:
         """Write every scheduled position, drafts included, then keep each draft while the model agrees."""
         sampled = {}
-        for request in output.scheduled_reqs:
+        scheduled, _, tables = self._live(output)
+        for request in scheduled:
             drafts = output.scheduled_spec_decode_tokens.get(request.request_id, [])
             n = output.num_scheduled_tokens[request.request_id]
-            table = output.block_tables[request.request_id]
+            table = tables[request.request_id]
             tokens = request.all_token_ids + drafts
             start = request.num_computed_tokens
             for pos in range(start, start + n):
@@ -357,11 +375,12 @@ class SpeculativeSchedulerMachine(PrefixCacheSchedulerMachine):
 
     def _check_schedule(self, output) -> None:
         drafts = output.scheduled_spec_decode_tokens
-        for request in output.scheduled_reqs:
+        requests, _, tables = self._live(output)
+        for request in requests:
             n, num_drafts = output.num_scheduled_tokens[request.request_id], len(drafts.get(request.request_id, []))
             if num_drafts:  # a decode: its last token and its drafts, each with a slot
                 assert request.num_tokens - request.num_computed_tokens == 1 and n == 1 + num_drafts <= 1 + self.k
-                table = output.block_tables[request.request_id]
+                table = tables[request.request_id]
                 assert len(table) >= math.ceil((request.num_computed_tokens + n) / self.block_size)
         plain = {rid: n - len(drafts.get(rid, [])) for rid, n in output.num_scheduled_tokens.items()}
         assert output.total_num_scheduled_tokens == sum(output.num_scheduled_tokens.values())

@@ -31,14 +31,14 @@ MAX_BODY = 64 << 10
 def servers(tiny_llama):
     llm = make_llm(tiny_llama)
     recorder = EngineCallRecorder(llm)
-    engine = AsyncLLM(llm, log_stats_interval=None)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=None)
     strict = create_app(engine, api_keys=KEYS, served_model_name=MODEL, max_body_bytes=MAX_BODY)
     trusting = create_app(engine, api_keys=KEYS, served_model_name=MODEL, trust_client_cache_salt=True,
                           metrics_public=True)
     try:
         with running_server(strict) as s1, running_server(trusting) as s2:
             yield {"strict": (strict, s1.url), "trusting": (trusting, s2.url), "recorder": recorder,
-                   "engine": engine}
+                   "engine": engine, "llm": llm}
     finally:
         engine.shutdown()
         recorder.restore()
@@ -260,7 +260,6 @@ SECRETS = ["alice-key", "alan-key", "bob-key", "guessed-key-12345"]
 def test_errors_and_logs_carry_no_stack_trace_or_key_material(servers, monkeypatch, caplog):
     """Every kind of error, the server's logger at DEBUG: no traceback in a body, no key or salt anywhere."""
     _, url = servers["strict"]
-    engine = servers["engine"]
     recorder = servers["recorder"]
     bodies = []
     with caplog.at_level("DEBUG"), httpx.Client(base_url=url, timeout=30) as client:
@@ -277,7 +276,7 @@ def test_errors_and_logs_carry_no_stack_trace_or_key_material(servers, monkeypat
         post("/v1/nothing-here", "alice-key")
         ok = post("/v1/completions", "alice-key", json={"model": MODEL, "prompt": "remember me", "max_tokens": 2})
         assert ok.status_code == 200
-        fail_execute(monkeypatch, engine.llm, on_call=1, times=1)
+        fail_execute(monkeypatch, servers["llm"], on_call=1, times=1)
         failed = post("/v1/completions", "alice-key", json={"model": MODEL, "prompt": "fail me", "max_tokens": 2})
         assert failed.status_code == 500
     salts = set(recorder.salts.values()) - {None}

@@ -11,7 +11,6 @@ class FakeRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
-    lora_name: str | None = None
     num_prompt_tokens: int = -1
 
     def __post_init__(self) -> None:

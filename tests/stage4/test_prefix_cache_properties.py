@@ -22,27 +22,8 @@ from hypothesis.stateful import (
 )
 
 from stage4_prefix_cache.kv_cache_manager import KVCacheManager
-from stage4_prefix_cache.kv_cache_utils import (
-    EXTRA_KEY_SOURCES,
-    encode_block,
-    hash_request_tokens,
-)
+from stage4_prefix_cache.kv_cache_utils import encode_block, hash_request_tokens
 from tests.stage4.fake_request import FakeRequest
-
-
-def identity(request: FakeRequest) -> tuple:
-    """The extra keys a block's hash must include: the adapter, then the salt.
-
-    Spelled out here rather than taken from the module, so dropping either
-    from the real hash makes a hit serve another identity's KV and fail.
-    """
-    keys = []
-    if request.lora_name is not None:
-        keys.append(("lora", request.lora_name))
-    if request.cache_salt is not None:
-        keys.append(("salt", request.cache_salt))
-    return tuple(keys)
-
 
 # Few distinct tokens and shared stems make prefix hits frequent.
 STEMS = [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 1, 1], [3, 2, 1, 0, 0, 1, 2, 3], []]
@@ -54,6 +35,13 @@ prompts = st.builds(
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
+    manager_class = KVCacheManager
+
+    def identity(self, request: FakeRequest) -> tuple:
+        """The extra keys a block's hash must include: the salt. Spelled out here rather than taken from the
+        module, so dropping it from the real hash makes a hit serve another identity's KV and fail."""
+        return () if request.cache_salt is None else (("salt", request.cache_salt),)
+
     @initialize(
         block_size=st.sampled_from([2, 4]),
         num_blocks=st.integers(3, 12),
@@ -61,7 +49,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     )
     def setup(self, block_size: int, num_blocks: int, hash_fn: str) -> None:
         self.block_size = block_size
-        self.kv = KVCacheManager(block_size, num_blocks, hash_fn=hash_fn)
+        self.kv = self.manager_class(block_size, num_blocks, hash_fn=hash_fn)
         self.running: dict[str, FakeRequest] = {}
         self.preempted: dict[str, FakeRequest] = {}
         # What each physical block holds: (reuse identity, tokens of the
@@ -74,13 +62,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _write(self, request: FakeRequest, start: int, end: int) -> None:
         """Model the step: KV for positions [start, end) lands in the table's blocks."""
         table = self.kv.get_block_ids(request.request_id)
-        extra = identity(request)
+        extra = self.identity(request)
         for pos in range(start, end):
             block_id = table[pos // self.block_size]
             self.content[block_id] = (extra, tuple(request.all_token_ids[: pos + 1]))
 
     def _check_hits(self, request: FakeRequest, hits: list) -> None:
-        extra = identity(request)
+        extra = self.identity(request)
         for i, block in enumerate(hits):
             prefix = tuple(request.all_token_ids[: (i + 1) * self.block_size])
             assert self.content[block.block_id] == (extra, prefix), "a hit served wrong KV"
@@ -116,14 +104,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------
 
-    @rule(
-        prompt=prompts,
-        salt=st.sampled_from([None, "tenant-A"]),
-        lora=st.sampled_from([None, "tenant-A"]),
-        chunk=st.integers(1, 12),
-    )
-    def add_request(self, prompt, salt, lora, chunk) -> None:
-        request = FakeRequest(f"r{self.next_id}", list(prompt), cache_salt=salt, lora_name=lora)
+    @rule(prompt=prompts, salt=st.sampled_from([None, "tenant-A"]), chunk=st.integers(1, 12))
+    def add_request(self, prompt, salt, chunk) -> None:
+        self._add(FakeRequest(f"r{self.next_id}", list(prompt), cache_salt=salt), chunk)
+
+    def _add(self, request: FakeRequest, chunk: int) -> None:
         self.next_id += 1
         if self._schedule(request, chunk):
             self.running[request.request_id] = request
@@ -257,7 +242,7 @@ extra_values = st.one_of(st.text(max_size=6), st.binary(max_size=6), st.integers
 @given(
     parent=st.none() | st.binary(min_size=8, max_size=32),
     tokens=st.lists(st.integers(0, 2**64 - 1), max_size=6),
-    extra=st.lists(st.tuples(st.sampled_from(EXTRA_KEY_SOURCES), extra_values), max_size=3),
+    extra=st.lists(st.tuples(st.sampled_from(["salt", "lora", "mm"]), extra_values), max_size=3),
 )
 def test_block_encoding_round_trips_so_distinct_identities_never_share_hash_input(parent, tokens, extra):
     assert _decode(encode_block(parent, tokens, tuple(extra))) == (parent, tokens, tuple(extra))

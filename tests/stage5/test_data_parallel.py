@@ -27,9 +27,9 @@ import psutil
 import pytest
 
 from shared import SamplingParams
-from shared.metrics import SchedulerStats
 from stage5_server.cli import make_parser
 from stage5_server.cli.serve import resolve_topology, serving_process_count
+from stage5_server.core.stats import SchedulerStats
 from stage5_server.data_parallel.launcher import plan_devices
 from stage5_server.data_parallel.routing import LEAST_LOADED, PREFIX_AFFINITY, Router, rank_load
 from stage5_server.engine import EngineDeadError, EngineError, RequestAborted

@@ -29,7 +29,7 @@ def drafting(target, draft, k: int = 3, policy: bool = False, **engine) -> LLM:
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     llm = LLM(str(target), **{**ENGINE, **engine}, speculative_config=spec)
     if not policy:
-        llm.engine.draft_policy = None
+        llm.engine.drafter.policy = None
     return llm
 
 
@@ -53,7 +53,7 @@ def test_a_one_layer_draft_gives_the_plain_greedy_tokens(tiny_llama, one_layer_d
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # the first two share a prefix
     expected = generate(LLM(str(tiny_llama), **{**ENGINE, **engine}), prompts, params)
     llm = drafting(tiny_llama, one_layer_draft, k=4, **engine)
-    llm.engine.draft_policy = None  # draft k every step, however many are rejected
+    llm.engine.drafter.policy = None  # draft k every step, however many are rejected
     assert generate(llm, prompts, params) == expected
     stats = llm.engine.stats()
     assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
@@ -175,7 +175,7 @@ def test_default_model_drafted_by_itself_and_by_its_first_layers_gives_the_plain
         draft = write_layer_prefix_checkpoint(default_model(), tmp_path / f"draft{layers}", layers)
         spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
         llm = LLM(**engine, speculative_config=spec)
-        llm.engine.draft_policy = None
+        llm.engine.drafter.policy = None
         assert [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)] == plain
         stats = llm.engine.stats()
         if layers == 30:

@@ -126,14 +126,14 @@ def test_the_engine_drafts_less_with_the_policy_and_gives_the_same_tokens(tiny_l
     drafted = {}
     for name in ("fixed", "adaptive"):
         llm = LLM(str(tiny_llama), **engine, speculative_config=spec)
-        assert llm.engine.draft_policy is not None
+        assert llm.engine.drafter.policy is not None
         if name == "fixed":
-            llm.engine.draft_policy = None
+            llm.engine.drafter.policy = None
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
         stats = llm.engine.stats()
         drafted[name] = (stats.spec_decoding.num_draft_tokens, stats.spec_decoding.num_accepted_tokens)
         if name == "adaptive":
-            assert not llm.engine.draft_policy.requests  # finished requests are forgotten
+            assert not llm.engine.drafter.policy.requests  # finished requests are forgotten
     assert drafted["adaptive"][0] < drafted["fixed"][0]
     rate = {name: accepted / max(tokens, 1) for name, (tokens, accepted) in drafted.items()}
     assert rate["adaptive"] >= rate["fixed"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from shared import SamplingParams
-from stage4_prefix_cache import CacheConfig, Request, SchedulerConfig
-from stage5_server import LLM
+from stage4_prefix_cache import CacheConfig, SchedulerConfig
+from stage5_server import LLM, Request
 from stage5_server.core import Scheduler
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,

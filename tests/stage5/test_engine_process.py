@@ -17,8 +17,7 @@ import pytest
 from openai import OpenAI
 
 from shared import SamplingParams
-from shared.metrics import RequestTimeline, SchedulerStats
-from shared.request import Request
+from shared.metrics import RequestTimeline
 from stage5_server.cli.serve import serving_process_count
 from stage5_server.core.core_proc import ZmqCoreLoop
 from stage5_server.core.messages import (
@@ -33,6 +32,8 @@ from stage5_server.core.messages import (
     input_decoder,
     output_decoder,
 )
+from stage5_server.core.request import Request
+from stage5_server.core.stats import SchedulerStats
 from stage5_server.engine import AsyncLLM, EngineDeadError, MPAsyncLLM, RequestAborted, make_async_llm
 from stage5_server.engine.output_processor import OutputProcessor
 from stage5_server.server import create_app
@@ -138,7 +139,7 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
     sockets["core_in"].connect("inproc://to_core")
     sockets["core_out"].bind("inproc://from_core")
     sockets["from_core"].connect("inproc://from_core")
-    core = ZmqCoreLoop(llm.engine, None, 0, sockets["core_in"], sockets["core_out"], None, os.getppid())
+    core = ZmqCoreLoop(llm.engine, 0, sockets["core_in"], sockets["core_out"], None, os.getppid())
 
     def add(request_id: str) -> None:
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], arrival_time=time.monotonic(),
@@ -162,7 +163,7 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
         core.step()
         core.step()
         first, second = received(), received()
-        tokens = core.requests["a"].output_token_ids
+        tokens = llm.engine.scheduler.requests["a"].output_token_ids
         assert len(tokens) == 2  # one per step, each sent once
         assert [o.new_token_ids for o in first.outputs + second.outputs] == [tokens[:1], tokens[1:]]
         assert second.scheduler_stats.num_running == 1
@@ -172,7 +173,8 @@ def test_the_core_loop_streams_new_tokens_and_fails_in_flight_requests_when_a_st
         failed = received()
         assert failed.failed.request_ids == ["a"] and "RuntimeError" in failed.failed.error
         assert not failed.failed.engine_dead
-        assert not core.stopping and not core.num_sent and failed.scheduler_stats.num_running == 0
+        assert not core.stopping and not llm.engine.unfinished_request_ids()
+        assert failed.scheduler_stats.num_running == 0
 
         add("b")
         monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(EngineDeadError("rank 1 died")))
@@ -209,7 +211,7 @@ def eos_checkpoint(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(eos_checkpoint):
     split = MPAsyncLLM(str(eos_checkpoint), log_stats_interval=None, startup_timeout_s=120, **ENGINE_KWARGS)
-    in_process = AsyncLLM(make_llm(eos_checkpoint), log_stats_interval=None)
+    in_process = AsyncLLM.from_llm(make_llm(eos_checkpoint), log_stats_interval=None)
     yield split, in_process
     split.shutdown()
     in_process.shutdown()

@@ -12,10 +12,10 @@ import torch
 from shared import SamplingParams
 from shared.model_runner import prepare_inputs
 from stage2_paged.attention import build_paged_metadata
-from stage3_continuous.engine import kv_layout, scheduled_batch
+from stage3_continuous.engine import kv_layout
 from stage4_prefix_cache import LLM as PrefixCachingLLM
 from stage5_server import LLM
-from stage5_server.executor import UniProcExecutor
+from stage5_server.executor.uniproc import UniProcExecutor
 from stage5_server.worker import InputBatch, input_batch
 
 ENGINE = dict(device="cpu", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=24, block_size=4)
@@ -28,22 +28,19 @@ def rows_of(llm: LLM) -> InputBatch:
 def checked_against_lists(llm: LLM) -> list[int]:
     """Make every step of ``llm`` compare its gathered inputs with the list-built ones; returns the
     number of tokens of each step compared."""
-    batch_of_rows = rows_of(llm)
-    prepare, schedule = batch_of_rows.prepare, llm.engine.scheduler.schedule
+    batch_of_rows, scheduler = rows_of(llm), llm.engine.scheduler
+    prepare = batch_of_rows.prepare
     checked: list[int] = []
-    scheduled = []
-
-    def scheduled_and_kept():
-        scheduled.append(schedule())
-        return scheduled[-1]
 
     def compared(step):
+        # The engine's own requests, as the scheduler left them for this step (stage 3's packing order).
+        expected_batch = [(scheduler.requests[rid], n) for rid, n in step.num_scheduled_tokens.items()]
+        tables = {rid: scheduler.kv_cache_manager.get_block_ids(rid) for rid in step.num_scheduled_tokens}
         prepared = prepare(step)
-        inputs, meta, output = prepared.inputs, prepared.attn_metadata, scheduled[-1]
+        inputs, meta = prepared.inputs, prepared.attn_metadata
         batch = list(zip(prepared.states, prepared.num_scheduled))
-        expected_batch = scheduled_batch(output)
         expected = prepare_inputs(expected_batch, "cpu")
-        slots, tables = kv_layout(expected_batch, output.block_tables, batch_of_rows.block_size)
+        slots, tables = kv_layout(expected_batch, tables, batch_of_rows.block_size)
         expected_meta = build_paged_metadata(slots, expected.query_start_loc, expected.seq_lens, tables, "cpu")
         assert [(r.request_id, n) for r, n in batch] == [(r.request_id, n) for r, n in expected_batch]
         for name in ("input_ids", "positions"):
@@ -58,7 +55,6 @@ def checked_against_lists(llm: LLM) -> list[int]:
         return prepared
 
     batch_of_rows.prepare = compared
-    llm.engine.scheduler.schedule = scheduled_and_kept
     return checked
 
 

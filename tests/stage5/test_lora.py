@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from shared import SamplingParams, Tokenizer
-from shared.request import Request
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.scheduler import CacheConfig
 from stage5_server import LLM, LoRARequest
+from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.lora import LoRALoadError, load_adapter
 from tests.stage5.lora_adapters import make_adapter, peft_greedy
@@ -91,12 +91,14 @@ def test_the_scheduler_admits_no_more_distinct_adapters_than_max_loras():
     for i, lora in enumerate(plan):
         scheduler.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), lora_request=lora))
     first = scheduler.schedule()
-    assert [r.request_id for r in first.scheduled_new_reqs] == ["r0", "r1", "r3", "r4"]  # a2's wait
-    assert {r.lora_request for r in first.scheduled_reqs} - {None} == {loras[0], loras[1]}
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["r0", "r1", "r3", "r4"]  # a2's wait
+    assert {r.lora_request for r in first.scheduled_new_reqs} - {None} == {loras[0], loras[1]}
+    scheduler.update_from_output(first, {rid: [7] for rid in first.num_scheduled_tokens})
     while scheduler.has_unfinished_requests():  # each step: every scheduled request gets a token
         output = scheduler.schedule()
-        assert len({r.lora_request for r in output.scheduled_reqs} - {None}) <= 2
-        scheduler.update_from_output(output, {r.request_id: [7] for r in output.scheduled_reqs})
+        adapters = {scheduler.requests[rid].lora_request for rid in output.num_scheduled_tokens}
+        assert len(adapters - {None}) <= 2
+        scheduler.update_from_output(output, {rid: [7] for rid in output.num_scheduled_tokens})
     assert not scheduler.requests
 
 

@@ -11,12 +11,10 @@ import io
 import numpy as np
 import pytest
 import torch
-from stage5_server.multimodal.kv_cache import block_extra_keys
 
 from shared import SamplingParams
-from stage4_prefix_cache.kv_cache_utils import request_extra_keys
 from stage5_server import LLM
-from stage5_server.multimodal.inputs import MultiModalFeature, hash_image
+from stage5_server.multimodal.inputs import hash_image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -128,17 +126,6 @@ def test_a_text_only_model_refuses_an_image(tiny_llama):
 
 # ---- the prefix cache ------------------------------------------------------------------------------
 
-def test_the_image_hash_is_added_only_to_blocks_its_placeholders_overlap():
-    class Req:
-        cache_salt = "tenant"
-        mm_features = [MultiModalFeature("img", offset=20, length=25, pixel_values=b"", shape=(0,))]
-
-    assert block_extra_keys(Req(), 0, 16) == request_extra_keys(Req()) == (("salt", "tenant"),)
-    assert block_extra_keys(Req(), 16, 32) == (("mm", "img"), ("salt", "tenant"))
-    assert block_extra_keys(Req(), 32, 48) == (("mm", "img"), ("salt", "tenant"))  # 20 + 25 = 45
-    assert block_extra_keys(Req(), 48, 64) == (("salt", "tenant"),)
-
-
 def cached_tokens(llm, messages) -> int:
     before = llm.engine.stats().prefix_cache_hits
     llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -152,7 +139,7 @@ def test_same_text_with_another_image_shares_no_block_after_the_image_start(llm)
     llm.reset_prefix_cache()
     rendered = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
     prefix = llm.tokenizer.apply_chat_template(rendered, True).index(  # where the image starts
-        llm.model_config.vision["image_token_index"])
+        llm.config.multimodal.image_token_index)
     assert prefix >= 16
     cached_tokens(llm, user(text, first, "Describe."))
     assert cached_tokens(llm, user(text, second, "Describe.")) == prefix // 16 * 16  # the text's blocks only
@@ -164,7 +151,7 @@ def test_a_users_text_spelling_the_image_token_stays_text(llm):
     """Placeholders come only from the template: ``<image>`` typed in a message is text, so this
     conversation has one image token for its one image (two would be refused)."""
     out = llm.chat(user("my <image> tag:", picture(9)), GREEDY, use_tqdm=False)[0]
-    assert out.prompt_token_ids.count(llm.model_config.vision["image_token_index"]) == 25
+    assert out.prompt_token_ids.count(llm.config.multimodal.image_token_index) == 25
 
 
 def test_a_prefix_cache_hit_that_ends_inside_an_image_still_matches_transformers(llm, hf):
@@ -175,7 +162,7 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image_still_matches_transformers
     llm.chat(user(text, image, "First?"), GREEDY, use_tqdm=False)
     messages = user(text, image, "Second question, longer?")
     prompt_ids, expected = reference(hf, messages)
-    start = prompt_ids.index(llm.model_config.vision["image_token_index"])
+    start = prompt_ids.index(llm.config.multimodal.image_token_index)
     before = llm.engine.stats().prefix_cache_hits
     out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     hits = llm.engine.stats().prefix_cache_hits - before
@@ -187,5 +174,5 @@ def test_stages_before_five_refuse_images_rather_than_drop_them(tiny_llama):
     from stage4_prefix_cache import LLM as Stage4LLM
 
     stage4 = Stage4LLM(str(tiny_llama), num_kv_blocks=32, max_model_len=256)
-    with pytest.raises(ValueError, match="takes no images"):
+    with pytest.raises(ValueError, match="^multi_modal_data: this engine does not take it"):
         stage4.generate({"prompt": "hi", "multi_modal_data": {"image": picture(0)}}, GREEDY)

@@ -16,10 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import SamplingParams
-from shared.request import Request, RequestStatus
+from shared.request import RequestStatus
 from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
 from stage5_server.cli.serve import serving_process_count
+from stage5_server.core.messages import EngineCoreRequest
 from stage5_server.parallel.pipeline import stage_layers
 from stage5_server.server import create_app
 from tests.invariants.prompts import hf_greedy
@@ -141,16 +142,18 @@ def test_an_abort_while_its_batch_is_in_flight_loses_nothing_else(pair):
     expected = token_ids(single.generate(PROMPTS, GREEDY, use_tqdm=False))
     for i, prompt in enumerate(PROMPTS):
         ids = split.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        core.add_request(Request(f"abort-test-{i}", ids, GREEDY))
+        core.add_request(core.preprocess_add_request(EngineCoreRequest(
+            request_id=f"abort-test-{i}", prompt_token_ids=ids, sampling_params=GREEDY, arrival_time=0.0)))
     core.step()  # one batch in flight
     assert core.batch_queue
     victim = next(iter(core.batch_queue[0][0].num_scheduled_tokens))
     core.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
-    finished = {}
+    tokens, finished = {}, {}
     while core.has_unfinished_requests():
-        for request in core.step():
-            if request.is_finished:
-                finished[request.request_id] = request.output_token_ids
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finished[output.request_id] = tokens[output.request_id]
     for i, want in enumerate(expected):
         if f"abort-test-{i}" != victim:
             assert finished[f"abort-test-{i}"] == want

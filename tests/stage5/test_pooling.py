@@ -13,8 +13,9 @@ import pytest
 import requests
 import torch
 
-from shared.named_models import resolve_model
 from stage5_server import LLM
+from stage5_server.config import resolve_model
+from stage5_server.pooling.config import is_encoder
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server
 
@@ -44,7 +45,7 @@ def reference(model_dir):
 
 
 def test_the_named_embedding_model_resolves_to_a_bert_checkpoint_that_pools(llm):
-    assert llm.config.runner == "pooling" and llm.config.model_config.is_encoder
+    assert llm.config.runner == "pooling" and is_encoder(llm.config.model_config)
     assert (llm.config.pooler.pooling_type, llm.config.pooler.normalize) == ("MEAN", True)
     assert llm.max_model_len == 256  # sentence-transformers' max_seq_length
 

@@ -21,7 +21,7 @@ def llm(tiny_llama):
 
 @pytest.fixture
 def engine(llm):
-    engine = AsyncLLM(llm, log_stats_interval=None)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=None)
     yield engine
     engine.shutdown()
 
@@ -32,7 +32,7 @@ async def collect(engine: AsyncLLM, prompt: str, params: SamplingParams = GREEDY
 
 def test_generate_streams_cumulative_outputs_that_end_like_offline_generate(llm):
     reference = llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0]
-    engine = AsyncLLM(llm, log_stats_interval=None)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=None)
     try:
         outputs = asyncio.run(collect(engine, "Hello there"))
     finally:
@@ -45,7 +45,7 @@ def test_generate_streams_cumulative_outputs_that_end_like_offline_generate(llm)
 
 def test_every_llm_call_happens_on_the_engine_thread(llm):
     recorder = EngineCallRecorder(llm)
-    engine = AsyncLLM(llm, log_stats_interval=None)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=None)
     try:
         async def run():
             await asyncio.gather(*[collect(engine, f"prompt {i}") for i in range(4)])
@@ -110,7 +110,7 @@ def test_a_failed_step_fails_every_request_in_flight_and_the_loop_keeps_serving(
 
 
 def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(llm):
-    engine = AsyncLLM(llm, log_stats_interval=None)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=None)
 
     async def run():
         stream = await engine.add_request("in flight at shutdown", LONG)
@@ -128,7 +128,7 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(llm):
 
 
 def test_the_stats_line_is_logged_periodically(llm, caplog):
-    engine = AsyncLLM(llm, log_stats_interval=0.05, idle_poll_s=0.01)
+    engine = AsyncLLM.from_llm(llm, log_stats_interval=0.05, idle_poll_s=0.01)
     try:
         with caplog.at_level("INFO", logger="stagedserve"):
             asyncio.run(collect(engine, "log me", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))

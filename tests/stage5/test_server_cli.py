@@ -123,7 +123,7 @@ def test_serve_builds_the_app_logs_its_configuration_and_runs_uvicorn(tiny_llama
     assert app.state.api_keys.groups == ["key#2", "ops"]
     assert app.state.public_paths == {"/health", "/metrics"}
     assert app.state.serving.served_model_name == str(tiny_llama)
-    assert app.state.engine.llm.max_model_len == 128
+    assert app.state.engine.max_model_len == 128
     log = caplog.text
     assert "engine arguments from the command line: {'max_model_len': 128, 'num_kv_blocks': 16}" in log
     assert "server batch defaults: max_num_seqs=128 max_num_batched_tokens=2048" in log

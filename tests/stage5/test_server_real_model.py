@@ -65,9 +65,9 @@ def test_serve_with_no_engine_flags_starts_on_every_test_checkpoint(checkpoints,
         model_arg = [] if model is None else [str(model)]
         assert main(["serve", *model_arg, "--port", "0", "--no-engine-process", "--log-stats-interval", "0"]) == 0, name
         app = fake_uvicorn_run.pop()
-        llm = app.state.engine.llm
+        core = app.state.engine.core
         try:
-            assert llm.max_model_len == llm.model_config.max_position_embeddings, name
-            assert llm.kv_cache_capacity >= llm.max_model_len, name
+            assert core.max_model_len == core.config.model_config.max_position_embeddings, name
+            assert core.num_kv_blocks * core.config.cache.block_size >= core.max_model_len, name
         finally:
             app.state.engine.shutdown()

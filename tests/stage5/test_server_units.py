@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from shared import CompletionOutput, RequestOutput, RequestTimeline, SamplingParams
-from shared.metrics import SchedulerStats
 from stage4_prefix_cache import LoggingStatLogger, format_stats_line
 from stage5_server.core.messages import EngineCoreOutput
+from stage5_server.core.stats import SchedulerStats
 from stage5_server.demo import histogram_quantile, summarize_metrics
 from stage5_server.engine.output_processor import OutputProcessor, RequestOutputKind
 from stage5_server.engine.stream import RequestStream

@@ -16,7 +16,7 @@ import pytest
 from shared import SamplingParams
 from stage5_server import LLM
 from stage5_server.core.stats import LoggingStatLogger
-from stage5_server.spec_decode import NgramProposer
+from stage5_server.spec_decode import NgramDrafter, NgramProposer
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=160, max_num_seqs=8, max_num_batched_tokens=16,
               block_size=4)
@@ -50,7 +50,7 @@ def generate(llm: LLM, prompts, params) -> list[list[int]]:
 
 def replaying(model, runs: list[list[int]], **engine) -> LLM:
     llm = LLM(str(model), **{**ENGINE, **engine})
-    llm.engine.proposer = ReplayProposer(runs)
+    llm.engine.drafter = NgramDrafter(ReplayProposer(runs))
     return llm
 
 
@@ -207,7 +207,7 @@ def test_a_draft_the_grammar_forbids_is_never_scheduled(tiny_llama):
             return plain[done:done + 1] + letter * 2 if done < 3 else letter * 3 if done == 3 else []
 
     llm = LLM(str(tiny_llama), **ENGINE)
-    llm.engine.proposer = LetterProposer()
+    llm.engine.drafter = NgramDrafter(LetterProposer())
     assert generate(llm, [PROMPTS[0]], params) == [plain]
     stats = llm.engine.stats()
     assert stats.spec_decoding.num_draft_tokens == stats.spec_decoding.num_accepted_tokens == 1

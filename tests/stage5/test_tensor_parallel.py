@@ -23,7 +23,7 @@ from shared import SamplingParams
 from shared.config import ModelConfig
 from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
-from stage5_server.executor import MultiprocExecutor, TensorParallelError
+from stage5_server.executor.multiproc import MultiprocExecutor, TensorParallelError
 from stage5_server.parallel import tensor_parallel_shape
 from stage5_server.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from stage5_server.parallel.parallel_state import check_tensor_parallel_size, resolve_interface
