@@ -27,7 +27,7 @@ def chat_options_from(args: argparse.Namespace):
 
 def add_media_flags(group) -> None:
     """Where images may come from (``server/media.py``); the caps are vLLM's environment variables."""
-    from stage5_server.cli.args import positive_int
+    from stage5_server.arg_types import positive_int
 
     group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                        help="hosts whose http(s) image URLs the server fetches (default: none, data: URLs only)")
@@ -53,7 +53,7 @@ def media_options_from(args: argparse.Namespace):
 
 def add_limit_flags(group) -> None:
     """The ``RequestLimits`` caps as flags (``server/limits.py``): ``--max-prompts-per-request`` and so on."""
-    from stage5_server.cli.args import positive_int
+    from stage5_server.arg_types import positive_int
     from stage5_server.server.limits import FLAGS, RequestLimits
 
     helps = {"max_prompts_per_request": "prompts in one completion request",

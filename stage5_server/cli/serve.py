@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Any
 
-from stage5_server.cli.args import fraction, json_object, non_negative_float, parse_size, port, positive_int
+from stage5_server.arg_types import fraction, json_object, non_negative_float, parse_size, port, positive_int
 from stage5_server.cli.options import (
     API_KEY_ENV,
     add_limit_flags,

@@ -10,8 +10,8 @@ import types
 import httpx
 import pytest
 
+from stage5_server.arg_types import parse_size
 from stage5_server.cli import main, make_parser
-from stage5_server.cli.args import parse_size
 from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys, server_batch_defaults
 from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, stop_serve, wait_until
 
