@@ -2,11 +2,12 @@
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
-Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
-``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'``
-puts a key in a trust group (the key is always the whole first word, as vLLM takes it). The engine
-core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs
-N cores (``data_parallel/launcher.py``) and ``--api-server-count A`` A API servers on one port
+Engine flags use vLLM's names and are made from the engine argument table (``ENGINE_ARG_TABLE`` in
+``config.py``); only those given reach ``LLM(...)``. API keys come from ``--api-key`` or else
+``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'`` puts a key in a trust
+group (the key is always the whole first word, as vLLM takes it). The engine core runs in a process
+of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs N cores
+(``data_parallel/launcher.py``) and ``--api-server-count A`` A API servers on one port
 (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
@@ -21,7 +22,7 @@ import signal
 import sys
 from typing import Any
 
-from stage5_server.arg_types import fraction, json_object, non_negative_float, parse_size, port, positive_int
+from stage5_server.arg_types import non_negative_float, parse_size, port, positive_int
 from stage5_server.cli.options import (
     API_KEY_ENV,
     add_limit_flags,
@@ -33,6 +34,7 @@ from stage5_server.cli.options import (
     media_options_from,
     request_limits_from,
 )
+from stage5_server.config import ENGINE_ARG_TABLE
 from stage5_server.data_parallel.routing import LEAST_LOADED, ROUTING_POLICIES
 
 logger = logging.getLogger("stagedserve")
@@ -44,15 +46,6 @@ SWITCH_INTERVAL_S = 0.0005
 # The engine core in its own process by default? Decided by measurement: docs/serving.md.
 DEFAULT_ENGINE_PROCESS = True
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
-# CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
-ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-               "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
-               "attention_backend", "seed", "tensor_parallel_size", "pipeline_parallel_size", "distributed_interface",
-               "distributed_executor_backend", "enforce_eager",
-               "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear",
-               "enable_lora", "max_loras", "max_lora_rank")
-QUANTIZATION_CHOICES = ("gguf", "int8", "int4", "none")  # stage5_server.quantization's methods, and none
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
@@ -88,6 +81,9 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
                      help="run the engine core in a separate process, HTTP and (de)tokenization in this one "
                           f"(default: {'on' if DEFAULT_ENGINE_PROCESS else 'off'}; see docs/serving.md)")
+    net.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                     help="LoRA adapters served from the start (PEFT directories; needs --enable-lora); run-time "
+                          "loading also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     chat = p.add_argument_group("chat: tools and the chat template")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='tool_choice "auto": read tool calls out of the model\'s text (needs --tool-call-parser)')
@@ -99,57 +95,7 @@ def add_serve_subcommand(subparsers) -> None:
                       help="tokenize control-token strings inside messages as control tokens (trusted callers "
                            "only: any caller could then forge a system turn or a tool result)")
     add_media_flags(p.add_argument_group("images: where they may come from (docs/multimodal.md)"))
-    eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
-    eng.add_argument("--max-model-len", type=positive_int, default=None)
-    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
-    eng.add_argument("--block-size", type=positive_int, default=None)
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    eng.add_argument("--gpu-memory-utilization", type=fraction, default=None)
-    eng.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes of K/V, e.g. 2GiB")
-    eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
-    eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
-    eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
-    eng.add_argument("--attention-backend", default=None, help="torch, triton or cpu (default: the device's)")
-    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                     help="run every step eagerly; default: on a CPU in bfloat16, decode batches of up to 8 rows "
-                          "run a graph compiled at start-up (--no-enforce-eager: in float32 too)")
-    eng.add_argument("--cpu-threads", type=positive_int, default=None,
-                     help="torch threads of the engine on a CPU (default: one per physical core)")
-    eng.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                     help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                          '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)')
-    eng.add_argument("--runner", choices=("auto", "generate", "pooling"), default=None,
-                     help="generate tokens, or pool each input into a vector (embeddings, score, rerank); "
-                          "default auto: pooling for an encoder checkpoint such as BERT")
-    eng.add_argument("--convert", choices=("auto", "none", "embed"), default=None,
-                     help="embed: serve a decoder as an embedding model (its last token, normalized)")
-    eng.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
-                     help="gguf: a .gguf model's Q4_0/Q4_1 blocks as int4 linears; int8/int4: weight-only, "
-                          "quantized at load; none: the float weights (CPU; default: as measured, "
-                          "docs/performance.md)")
-    eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
-                     help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
-    eng.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
-                     help="serve LoRA adapters beside the base model (the request's model field names one)")
-    eng.add_argument("--max-loras", type=positive_int, default=None,
-                     help="distinct adapters in one step: the adapter slots (default: 1)")
-    eng.add_argument("--max-lora-rank", type=positive_int, default=None,
-                     help="the largest adapter rank a slot holds (default: 16)")
-    net.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                     help="LoRA adapters served from the start (PEFT directories; needs --enable-lora); run-time "
-                          "loading also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-    eng.add_argument("--seed", type=int, default=None)
-    eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
-                     help="split each layer over N devices")
-    eng.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=None,
-                     help="split the layers into P stages, one batch in flight per stage (default: 1)")
-    eng.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
-                     help="where the ranks of a split model run: mp, processes on this host (default); ray, actors "
-                          "on the Ray cluster of RAY_ADDRESS (hosts joined with ray start)")
-    eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
-                     help="network interface of the ranks' unauthenticated traffic (default: loopback); "
-                          "never one reachable from an untrusted network")
+    add_engine_flags(p.add_argument_group("engine (only the flags you give are passed to the engine)"))
     top = p.add_argument_group("serving topology")
     top.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                      help="N engine cores, each a whole model replica with its own scheduler and KV cache; on "
@@ -165,9 +111,24 @@ def add_serve_subcommand(subparsers) -> None:
     p.set_defaults(func=serve)
 
 
+def add_engine_flags(group) -> None:
+    """A flag for each engine argument of ``ENGINE_ARG_TABLE`` (``config.py``) that has one. Its default is
+    None, not the engine's: a flag left out is not passed, and the engine's own default applies."""
+    for arg in ENGINE_ARG_TABLE:
+        if not arg.cli:
+            continue
+        if arg.is_flag:
+            group.add_argument(arg.flag, *arg.aliases, dest=arg.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=arg.help)
+        else:
+            group.add_argument(arg.flag, *arg.aliases, dest=arg.name, type=arg.type, choices=arg.choices,
+                               default=None, metavar=arg.metavar, help=arg.help)
+
+
 def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
-    return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
+    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
+            if arg.cli and getattr(args, arg.name, None) is not None}
 
 
 # A server is sized for many clients at once, the offline ``LLM`` for a course's small runs (16

@@ -1,8 +1,10 @@
-"""The ``stagedserve`` CLI: vLLM's flag names, only the flags given reach the engine, API keys
-from flags or the environment, ``make-tiny-model``, the ``bench`` hook, and a real ``serve``."""
+"""The ``stagedserve`` CLI: vLLM's flag names, the engine flags made from the engine argument table and
+only those given reach the engine, API keys from flags or the environment, ``make-tiny-model``, the
+``bench`` hook, and a real ``serve``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import types
@@ -10,14 +12,36 @@ import types
 import httpx
 import pytest
 
+from shared.llm_base import COMMON_ARGS
+from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.arg_types import parse_size
 from stage5_server.cli import main, make_parser
-from stage5_server.cli.serve import ENGINE_ARGS, build_engine_kwargs, resolve_api_keys, server_batch_defaults
+from stage5_server.cli.serve import build_engine_kwargs, resolve_api_keys, server_batch_defaults
+from stage5_server.config import ENGINE_ARG_TABLE, ENGINE_ARGS, SERVER_ENGINE_ARGS
 from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, stop_serve, wait_until
+
+# Stage 5's engine arguments and their defaults as they were before the table: it must keep them all.
+ENGINE_ARGS_BEFORE_THE_TABLE = {
+    "tokenizer": None, "seed": 0, "dtype": "auto", "device": None, "max_model_len": None, "max_num_seqs": 16,
+    "kv_cache_memory": None, "block_size": 16, "num_kv_blocks": None, "block_shuffle_seed": None,
+    "max_num_batched_tokens": 512, "max_num_active_seqs": None, "enable_chunked_prefill": True,
+    "scheduling_policy": "fcfs", "log_stats_interval": None, "enable_prefix_caching": True,
+    "prefix_caching_hash_algo": "sha256", "attention_backend": None, "gpu_memory_utilization": 0.9,
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "distributed_executor_backend": None,
+    "distributed_interface": None, "enforce_eager": None, "cpu_threads": None, "speculative_config": None,
+    "runner": "auto", "convert": "auto", "quantization": None, "prepack_linear": None, "enable_lora": False,
+    "max_loras": 1, "max_lora_rank": 16}
+# Engine arguments without a serve flag: a server flag sets log_stats_interval; the others are no use to a server.
+NO_SERVE_FLAG = {"block_shuffle_seed", "log_stats_interval", "prefix_caching_hash_algo", "scheduling_policy"}
 
 
 def parse(*argv: str):
     return make_parser().parse_args(list(argv))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    subparsers = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["serve"]
 
 
 def test_serve_defaults_bind_loopback_and_pass_no_engine_arguments():
@@ -51,8 +75,63 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "runner": "generate",
         "convert": "none", "quantization": "int8", "prepack_linear": False, "enable_lora": True, "max_loras": 4,
         "max_lora_rank": 32}
-    assert set(build_engine_kwargs(args)) == set(ENGINE_ARGS)
+    assert set(build_engine_kwargs(args)) == {arg.name for arg in ENGINE_ARG_TABLE if arg.cli} - {
+        "tokenizer", "max_num_active_seqs", "enable_chunked_prefill"}  # the flags added since: below
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
+    assert build_engine_kwargs(parse("serve", "--tokenizer", "/tokenizers/t", "--max-num-active-seqs", "4",
+                                     "--no-enable-chunked-prefill")) == {
+        "max_num_active_seqs": 4, "enable_chunked_prefill": False, "tokenizer": "/tokenizers/t"}
+
+
+def test_the_engine_table_keeps_every_engine_argument_and_each_earlier_stages_default():
+    assert ENGINE_ARGS == ENGINE_ARGS_BEFORE_THE_TABLE
+    assert SERVER_ENGINE_ARGS == {k: v for k, v in ENGINE_ARGS_BEFORE_THE_TABLE.items() if k not in COMMON_ARGS}
+    earlier = {**COMMON_ARGS, **PREFIX_CACHING_ARGS}
+    assert {name: ENGINE_ARGS[name] for name in earlier} == earlier
+    assert len({arg.name for arg in ENGINE_ARG_TABLE}) == len(ENGINE_ARG_TABLE)
+
+
+def test_every_engine_table_entry_is_a_serve_flag_and_every_engine_flag_an_engine_argument():
+    [group] = [g for g in serve_parser()._action_groups if g.title.startswith("engine")]
+    flags = {action.dest: action for action in group._group_actions}
+    assert {arg.name for arg in ENGINE_ARG_TABLE if not arg.cli} == NO_SERVE_FLAG
+    assert set(flags) == set(ENGINE_ARGS) - NO_SERVE_FLAG  # EngineConfig.create accepts exactly ENGINE_ARGS
+    for arg in ENGINE_ARG_TABLE:
+        if not arg.cli:
+            continue
+        action = flags[arg.name]
+        negative = ["--no-" + arg.flag[2:]] if arg.is_flag else []
+        assert action.option_strings == [arg.flag, *negative, *arg.aliases]
+        assert isinstance(action, argparse.BooleanOptionalAction) == arg.is_flag
+        assert (action.default, action.type, action.help) == (None, arg.type, arg.help)  # None: not passed
+        assert action.choices == arg.choices
+    assert flags["quantization"].option_strings == ["--quantization", "-q"]
+    assert flags["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp"]
+    assert flags["pipeline_parallel_size"].option_strings == ["--pipeline-parallel-size", "-pp"]
+
+
+def test_log_stats_interval_and_lora_modules_stay_server_flags():
+    args = parse("serve", "--log-stats-interval", "5", "--lora-modules", "a=/adapters/a")
+    assert build_engine_kwargs(args) == {}
+    assert (args.log_stats_interval, parse("serve").log_stats_interval) == (5.0, 10.0)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-model-len", "abc"], "argument --max-model-len: not an integer: 'abc'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1, got '0'"),
+    (["-tp", "0"], "argument --tensor-parallel-size/-tp: must be an integer >= 1, got '0'"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be in (0, 1], got '1.5'"),
+    (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a size: 'lots' (e.g. 1073741824, 512MiB, 2GiB)"),
+    (["-q", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
+    (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+    (["--speculative-config", "[1]"], "argument --speculative-config: not a JSON object: '[1]'"),
+    (["--enable-lora=yes"], "argument --enable-lora/--no-enable-lora: ignored explicit argument 'yes'"),
+])
+def test_a_bad_engine_flag_is_refused_with_its_parsers_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv])
+    assert exc.value.code == 2
+    assert f"stagedserve serve: error: {message}" in capsys.readouterr().err
 
 
 def test_a_server_gets_vllms_batch_limits_for_its_device_unless_the_flags_set_them():
