@@ -3,12 +3,12 @@
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
 Engine flags use vLLM's names and are made from the engine argument table (``ENGINE_ARG_TABLE`` in
-``config.py``); only those given reach ``LLM(...)``. API keys come from ``--api-key`` or else
-``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'`` puts a key in a trust
-group (the key is always the whole first word, as vLLM takes it). The engine core runs in a process
-of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs N cores
-(``data_parallel/launcher.py``) and ``--api-server-count A`` A API servers on one port
-(``cli/api_servers.py``).
+``config.py``); only those given reach ``LLM(...)``. The server's own flags become one ``ServerConfig``
+(``options.py``) for ``create_app``. API keys come from ``--api-key`` or else ``STAGEDSERVE_API_KEY``
+(command lines show in ``ps``); ``'KEY group=NAME'`` puts a key in a trust group (the key is always
+the whole first word, as vLLM takes it). The engine core runs in a process of its own unless
+``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``data_parallel/launcher.py``) and
+``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from typing import Any
@@ -27,31 +26,22 @@ from stage5_server.cli.options import (
     API_KEY_ENV,
     add_limit_flags,
     add_media_flags,
-    chat_options_from,
     log_api_keys,
     log_engine,
     log_level,
-    media_options_from,
-    request_limits_from,
+    server_config_from,
 )
 from stage5_server.config import ENGINE_ARG_TABLE
 from stage5_server.data_parallel.routing import LEAST_LOADED, ROUTING_POLICIES
 
 logger = logging.getLogger("stagedserve")
 
-DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 # The engine thread and the event loop share one GIL; a shorter switch interval than
 # Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
 SWITCH_INTERVAL_S = 0.0005
 # The engine core in its own process by default? Decided by measurement: docs/serving.md.
 DEFAULT_ENGINE_PROCESS = True
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
-    from stage5_server.server.lora_models import parse_lora_modules as parse
-
-    return parse(values)
 
 
 def add_serve_subcommand(subparsers) -> None:
@@ -150,38 +140,6 @@ def server_batch_defaults(engine_kwargs: dict[str, Any]) -> dict[str, int]:
     return {name: value * scale for name, value in SERVER_BATCH_DEFAULTS[kind].items() if name not in engine_kwargs}
 
 
-GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
-
-
-def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
-    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``.
-
-    An entry is ``KEY`` or ``KEY group=NAME``. The key is the whole first word, colons and all (as vLLM
-    takes it): nothing inside a key is ever read as a group, so no spelling of a key weakens it, and
-    an error never repeats one."""
-    entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
-    if not entries:
-        return None
-    keys: dict[str, str | None] = {}
-    for i, entry in enumerate(entries, start=1):
-        words = entry.split()
-        if not words:
-            raise ValueError(f"api_key: entry #{i} is empty (expected KEY or 'KEY group=NAME')")
-        key, group = words[0], None
-        if len(words) > 1:
-            if len(words) != 2 or not words[1].startswith(GROUP_PREFIX) or words[1] == GROUP_PREFIX:
-                raise ValueError(f"api_key: entry #{i} must be KEY or 'KEY group=NAME' (a key holds no "
-                                 "whitespace)")
-            group = words[1][len(GROUP_PREFIX):]
-        if key in keys:
-            raise ValueError(f"api_key: entry #{i} repeats a key given before it")
-        if group is None and ":" in key:
-            logger.warning("API key #%d contains ':'; the whole string is the key (a trust group is given as "
-                           "'KEY group=NAME', not KEY:GROUP)", i)
-        keys[key] = group
-    return keys
-
-
 def resolve_topology(args: argparse.Namespace) -> None:
     """Fill in ``--api-server-count`` (N when DP > 1, else 1) and refuse what cannot run."""
     if args.api_server_count is None:
@@ -215,10 +173,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine_kwargs = build_engine_kwargs(args)
         batch_defaults = server_batch_defaults(engine_kwargs)
-        api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
+        server_config = server_config_from(args)
         resolve_topology(args)
-        parse_lora_modules(args.lora_modules)
-        if args.lora_modules and not engine_kwargs.get("enable_lora"):
+        if server_config.lora_modules and not engine_kwargs.get("enable_lora"):
             raise ValueError("lora_modules: adapters are served only with --enable-lora")
     except ValueError as exc:
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
@@ -227,16 +184,12 @@ def serve(args: argparse.Namespace) -> int:
     if batch_defaults:
         logger.info("server batch defaults: %s (the flags override them)",
                     " ".join(f"{name}={value}" for name, value in batch_defaults.items()))
-    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
-
-    served_model_name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
     if args.api_server_count > 1:
         from shared.named_models import default_model, resolve_model
         from stage5_server.cli.api_servers import run_multi_api_server
 
         resolve_model(args.model) if args.model else default_model()  # a .gguf converted once, before the cores
-        return run_multi_api_server(args, args.model, engine_kwargs, api_keys, served_model_name,
-                                    args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, batch_defaults)
+        return run_multi_api_server(args, args.model, engine_kwargs, server_config, batch_defaults)
     import uvicorn
 
     from stage5_server.core.cpu_threads import configure_frontend_threads
@@ -247,16 +200,11 @@ def serve(args: argparse.Namespace) -> int:
         configure_frontend_threads()  # the model runs in the engine process: its threads get the cores
     engine = None
     try:
-        chat_options = chat_options_from(args)
         engine = make_async_llm(args.model, engine_process=args.engine_process,
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
-                                log_stats_interval=args.log_stats_interval or None, **batch_defaults,
+                                log_stats_interval=server_config.log_stats_interval, **batch_defaults,
                                 **engine_kwargs)
-        app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
-                         limits=request_limits_from(args), media=media_options_from(args),
-                         lora_modules=parse_lora_modules(args.lora_modules),
-                         trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
-                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        app = create_app(engine, server_config)
     except ValueError as exc:
         if engine is not None:
             engine.shutdown()
@@ -266,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     # SIGTERM's default action would end this process there, before the engine is stopped.
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_after_sigterm)
     try:
-        _log_configuration(args, app, engine, engine_kwargs, api_keys)
+        _log_configuration(args, app, engine, engine_kwargs)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)
@@ -296,12 +244,10 @@ def _log_topology(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> No
                 args.data_parallel_size, tp, pp, args.dp_routing)
 
 
-def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
-                       api_keys: dict[str, str | None] | None) -> None:
-    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any]) -> None:
     from stage5_server.server.openapi import describe_routes
 
-    serving = app.state.serving
+    serving, config = app.state.serving, app.state.server_config
     log_engine(engine.model_path, serving.served_model_name, engine_kwargs, engine.stage, engine.engine_args)
     if not engine.engine_process:
         logger.info("engine core: a thread of the server process")
@@ -311,8 +257,8 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
         logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
                     ", ".join(map(str, engine.engine_pids)))
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
-                "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
-                args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
-    log_api_keys(args, api_keys, app.state.api_keys.groups if api_keys else [])
+                "log_stats_interval=%s", args.host, args.port, config.trust_client_cache_salt, config.metrics_public,
+                config.max_body_bytes, config.log_stats_interval or "off")
+    log_api_keys(args, config.api_keys, app.state.api_keys.groups if config.api_keys else [])
     for line in describe_routes(app):
         logger.info("route: %s", line)

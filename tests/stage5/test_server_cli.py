@@ -1,24 +1,34 @@
 """The ``stagedserve`` CLI: vLLM's flag names, the engine flags made from the engine argument table and
-only those given reach the engine, API keys from flags or the environment, ``make-tiny-model``, the
-``bench`` hook, and a real ``serve``."""
+only those given reach the engine, the server's options as one ``ServerConfig``, API keys from flags or
+the environment, ``make-tiny-model``, the ``bench`` hook, and a real ``serve``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
+import re
 import sys
 import types
+from dataclasses import replace
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from shared.llm_base import COMMON_ARGS
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.arg_types import parse_size
 from stage5_server.cli import main, make_parser
-from stage5_server.cli.serve import build_engine_kwargs, resolve_api_keys, server_batch_defaults
+from stage5_server.cli.options import API_KEY_ENV, resolve_api_keys, server_config_from
+from stage5_server.cli.serve import build_engine_kwargs, server_batch_defaults
 from stage5_server.config import ENGINE_ARG_TABLE, ENGINE_ARGS, SERVER_ENGINE_ARGS
-from tests.stage5.server_fixtures import auth, serving_or_exited, spawn_serve, stop_serve, wait_until
+from stage5_server.engine.thread_client import AsyncLLM
+from stage5_server.server import ServerConfig, create_app
+from stage5_server.server.chat_options import ChatOptions
+from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from stage5_server.server.media import MediaOptions
+from tests.stage5.server_fixtures import auth, make_llm, serving_or_exited, spawn_serve, stop_serve, wait_until
 
 # Stage 5's engine arguments and their defaults as they were before the table: it must keep them all.
 ENGINE_ARGS_BEFORE_THE_TABLE = {
@@ -114,6 +124,8 @@ def test_log_stats_interval_and_lora_modules_stay_server_flags():
     args = parse("serve", "--log-stats-interval", "5", "--lora-modules", "a=/adapters/a")
     assert build_engine_kwargs(args) == {}
     assert (args.log_stats_interval, parse("serve").log_stats_interval) == (5.0, 10.0)
+    assert server_config_from(args).log_stats_interval == 5.0
+    assert server_config_from(parse("serve", "--log-stats-interval", "0")).log_stats_interval is None  # off
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -171,6 +183,90 @@ def test_api_keys_come_from_flags_or_else_the_environment():
     for bad in (["a", "a"], [" "], ["k group="], ["k g"]):
         with pytest.raises(ValueError, match="api_key"):
             resolve_api_keys(bad, None)
+
+
+def test_serve_builds_one_server_config_from_its_flags(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "env-key group=ops")
+    args = parse("serve", "/models/m", "--trust-client-cache-salt", "--metrics-public", "--max-body-bytes", "1MiB",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-prompts-per-request", "4",
+                 "--allowed-media-domains", "example.com", "--lora-modules", "a=/adapters/a")
+    config = server_config_from(args)
+    assert config == ServerConfig(api_keys={"env-key": "ops"}, served_model_name="/models/m",
+                                  trust_client_cache_salt=True, metrics_public=True, max_body_bytes=1 << 20,
+                                  log_stats_interval=10.0, chat_options=ChatOptions(True, "hermes"),
+                                  limits=RequestLimits(max_prompts_per_request=4), media=config.media,
+                                  lora_modules=(("a", "/adapters/a"),))
+    assert config.media.allowed_media_domains == ("example.com",)
+    assert pickle.loads(pickle.dumps(config)) == config  # what each API server of --api-server-count gets
+    assert "env-key" not in repr(config) and "secret" not in repr(replace(config, cache_salt_secret=b"secret"))
+    monkeypatch.delenv(API_KEY_ENV)
+    defaults = server_config_from(parse("serve"))
+    assert (defaults.api_keys, defaults.served_model_name, defaults.max_body_bytes) == (
+        None, "stagedserve-default", DEFAULT_MAX_BODY_BYTES)
+
+
+def test_serve_refuses_a_bad_server_option_before_loading_the_model(capsys):
+    assert main(["serve", "/no/such/model", "--enable-auto-tool-choice"]) == 2
+    assert "tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", "/no/such/model", "--api-key", "k group=no spaces"]) == 2
+    assert "api_key: entry #1 must be KEY or 'KEY group=NAME'" in capsys.readouterr().err
+    assert main(["serve", "/no/such/model", "--api-key", "k group=bad!"]) == 2
+    assert "api_keys: group of key #1 must match" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    engine = AsyncLLM(make_llm(tiny_llama), log_stats_interval=None)
+    yield engine
+    engine.shutdown()
+
+
+SERVER_FIELDS = dict(api_keys={"k1": "ops", "k2": None}, served_model_name="m", trust_client_cache_salt=True,
+                     metrics_public=True, max_body_bytes=1024, cache_salt_secret=b"s" * 32,
+                     chat_options=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"),
+                     limits=RequestLimits(max_prompts_per_request=3),
+                     media=MediaOptions(allowed_media_domains=("example.com",)))
+
+
+def test_create_app_with_a_server_config_is_create_app_with_its_fields_as_keywords(engine):
+    by_config = create_app(engine, ServerConfig(**SERVER_FIELDS))
+    by_keywords = create_app(engine, **SERVER_FIELDS)
+    replaced = create_app(engine, ServerConfig(**SERVER_FIELDS), metrics_public=False, max_body_bytes=2048)
+    assert by_config.state.server_config == by_keywords.state.server_config == ServerConfig(**SERVER_FIELDS)
+    assert replaced.state.server_config == ServerConfig(**{**SERVER_FIELDS, "metrics_public": False,
+                                                           "max_body_bytes": 2048})
+    salts = set()
+    for app in (by_config, by_keywords):
+        serving = app.state.serving
+        assert app.state.api_keys.groups == ["key#2", "ops"]
+        assert app.state.public_paths == {"/health", "/metrics"}
+        assert (serving.served_model_name, serving.trust_client_cache_salt) == ("m", True)
+        assert (serving.chat_options, serving.limits) == (SERVER_FIELDS["chat_options"], SERVER_FIELDS["limits"])
+        assert serving.media.options == SERVER_FIELDS["media"]
+        salts.add(serving.salter.salt("ops"))
+        with TestClient(app) as client:
+            assert client.get("/v1/models").status_code == 401
+            assert client.get("/v1/models", headers=auth("k1")).json()["data"][0]["id"] == "m"
+            assert client.post("/v1/completions", headers=auth("k1"), content=b"x" * 1500).status_code == 413
+    assert len(salts) == 1  # the same secret: the same salt for a group
+    assert replaced.state.public_paths == {"/health"}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_body_bytes": 0}, "max_body_bytes: must be a positive integer, got 0"),
+    ({"max_body_bytes": "4MiB"}, "max_body_bytes: must be a positive integer, got '4MiB'"),
+    ({"api_keys": []}, "api_keys: empty; pass None to run without authentication"),
+    ({"api_keys": ["a", "a"]}, "api_keys: the same key is listed twice"),
+    ({"api_keys": {"a b": None}}, "api_keys: key #1 must be a non-empty string without whitespace"),
+    ({"api_keys": {"k": "no spaces"}}, "api_keys: group of key #1 must match"),
+])
+def test_a_bad_server_option_raises_the_value_error_create_app_raised(engine, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerConfig(**fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_app(engine, **fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_app(engine, ServerConfig(), **fields)
 
 
 @pytest.fixture
