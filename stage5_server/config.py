@@ -9,12 +9,18 @@ parallel ranks) reads this object and checks nothing again. The one value that c
 is ``max_model_len``: the builder lowers it when the user set no length and the automatically
 sized KV cache holds less.
 
+The names and defaults come from one table, ``ENGINE_ARG_TABLE``: an ``EngineArg`` per argument, with
+what ``stagedserve serve`` needs to make its flag of it (how a value parses, choices, short aliases,
+help). Arguments of earlier stages keep their defaults from their stage (``inherited``).
+
 vLLM: ``VllmConfig`` in ``vllm/config/__init__.py`` (``ModelConfig``, ``CacheConfig``,
-``SchedulerConfig``, ``ParallelConfig``), built from ``EngineArgs`` in ``vllm/engine/arg_utils.py``.
+``SchedulerConfig``, ``ParallelConfig``), built from ``EngineArgs`` in ``vllm/engine/arg_utils.py``
+(whose ``add_cli_args`` makes the flags of its fields, as ``cli/serve.py`` does of this table).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,7 @@ from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
+from stage5_server.arg_types import fraction, json_object, parse_size, positive_int
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.lora.request import LoRAConfig
 from stage5_server.multimodal.config import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
@@ -39,35 +46,116 @@ from stage5_server.parallel.parallel_state import (
 )
 from stage5_server.pooling.config import (
     BERT_ARCHITECTURE,
+    CONVERTS,
     EMBEDDING_MODEL_NAME,
+    RUNNERS,
     PoolerConfig,
     embedding_model,
     is_encoder,
     read_bert_config,
     resolve_runner,
 )
-from stage5_server.quantization import LinearConfig, resolve_linear_config, source_gguf_file
+from stage5_server.quantization import QUANTIZATION_METHODS, LinearConfig, resolve_linear_config, source_gguf_file
+from stage5_server.quantization.config import NO_QUANTIZATION
 from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
 STAGE = "stage5_server"
-SERVER_ENGINE_ARGS = {**PREFIX_CACHING_ARGS, "attention_backend": None, "gpu_memory_utilization": 0.9,
-                      "tensor_parallel_size": 1,
-                      "pipeline_parallel_size": 1,  # layers split into stages (parallel/pipeline.py)
-                      "distributed_executor_backend": None,  # "mp" (worker processes here) | "ray"; None: mp
-                      # network interface of the ranks' traffic; None: the one with VLLM_HOST_IP, or loopback
-                      "distributed_interface": None,
-                      # None: the compiled decode step on the CPU fast path (model/compile.py); True: eager
-                      "enforce_eager": None,
-                      "cpu_threads": None,  # torch threads on a CPU; None: one per physical core
-                      "speculative_config": None,  # a dict (or its JSON): spec_decode/config.py; None: off
-                      "runner": "auto",  # "generate" | "pooling"; auto: pooling for an encoder (pooling/config.py)
-                      "convert": "auto",  # "embed": a decoder pools (its last token)
-                      "quantization": None,  # gguf, int8, int4 (quantization/config.py); None: as measured
-                      "prepack_linear": None,  # float linears on oneDNN-packed weights; None: as measured
-                      "enable_lora": False,  # serve LoRA adapters beside the base model (lora/)
-                      "max_loras": 1,  # adapter slots: distinct adapters in one step
-                      "max_lora_rank": 16}  # the largest adapter rank a slot holds
-ENGINE_ARGS = {**COMMON_ARGS, **SERVER_ENGINE_ARGS}
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, NO_QUANTIZATION)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """One engine argument: its name and default, and how ``stagedserve serve`` takes it from a command line
+    (vLLM: a field of ``EngineArgs`` and the flag ``add_cli_args`` makes of it). The flag's own default is
+    None, so only the flags given reach the engine and the default here applies otherwise."""
+
+    name: str
+    default: Any
+    help: str | None = None
+    type: Callable[[str], Any] | None = None  # parses a command-line value (arg_types.py); None: the string
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()  # short spellings after the long one: -tp, -pp, -q
+    is_flag: bool = False  # a bool: --x / --no-x (argparse.BooleanOptionalAction)
+    metavar: str | None = None
+    cli: bool = True  # False: not a flag of stagedserve serve (the entry says why)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_EARLIER_STAGE_ARGS = {**COMMON_ARGS, **PREFIX_CACHING_ARGS}
+
+
+def inherited(name: str, **cli: Any) -> EngineArg:
+    """An argument of an earlier stage: the default stays its stage's, this table adds the flag's details."""
+    return EngineArg(name, _EARLIER_STAGE_ARGS[name], **cli)
+
+
+# In the order of the flags in ``stagedserve serve --help``.
+ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
+    inherited("max_model_len", type=positive_int),  # None: the model's max_position_embeddings
+    inherited("max_num_seqs", type=positive_int),
+    inherited("max_num_batched_tokens", type=positive_int),
+    inherited("max_num_active_seqs", type=positive_int,
+              help="the most requests running at once, each holding its KV blocks (default: --max-num-seqs)"),
+    inherited("enable_chunked_prefill", is_flag=True,
+              help="run a long prompt's prefill in chunks within each step's token budget (default: on; off for "
+                   "an encoder)"),
+    # The server's requests carry no priority, so "priority" would order them as "fcfs" does.
+    inherited("scheduling_policy", cli=False),
+    inherited("block_size", type=positive_int),
+    inherited("enable_prefix_caching", is_flag=True),
+    # The alternative, "fast", is a 64-bit non-cryptographic hash: a collision across tenants is a leak.
+    inherited("prefix_caching_hash_algo", cli=False),
+    EngineArg("gpu_memory_utilization", 0.9, type=fraction),
+    inherited("kv_cache_memory", type=parse_size, help="bytes of K/V, e.g. 2GiB"),
+    inherited("num_kv_blocks", type=positive_int),  # None: from kv_cache_memory, or sized automatically
+    inherited("block_shuffle_seed", cli=False),  # the tests' check that physical block order does not matter
+    inherited("tokenizer", help="tokenizer directory or name (default: MODEL's own)"),
+    inherited("dtype", choices=DTYPE_CHOICES),
+    inherited("device", help="cpu, cuda, cuda:1, ..."),
+    EngineArg("attention_backend", None, help="torch, triton or cpu (default: the device's)"),
+    # None: the compiled decode step on the CPU fast path (model/compile.py); True: eager
+    EngineArg("enforce_eager", None, is_flag=True,
+              help="run every step eagerly; default: on a CPU in bfloat16, decode batches of up to 8 rows run a "
+                   "graph compiled at start-up (--no-enforce-eager: in float32 too)"),
+    EngineArg("cpu_threads", None, type=positive_int,
+              help="torch threads of the engine on a CPU (default: one per physical core)"),
+    EngineArg("speculative_config", None, type=json_object, metavar="JSON",  # spec_decode/config.py; None: off
+              help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)'),
+    EngineArg("runner", "auto", choices=RUNNERS,  # auto: pooling for an encoder (pooling/config.py)
+              help="generate tokens, or pool each input into a vector (embeddings, score, rerank); default auto: "
+                   "pooling for an encoder checkpoint such as BERT"),
+    EngineArg("convert", "auto", choices=CONVERTS,
+              help="embed: serve a decoder as an embedding model (its last token, normalized)"),
+    EngineArg("quantization", None, choices=QUANTIZATION_CHOICES, aliases=("-q",),  # quantization/config.py
+              help="gguf: a .gguf model's Q4_0/Q4_1 blocks as int4 linears; int8/int4: weight-only, quantized at "
+                   "load; none: the float weights (CPU; default: as measured, docs/performance.md)"),
+    EngineArg("prepack_linear", None, is_flag=True,
+              help="run float linears on weights packed once for oneDNN (CPU; default: as measured)"),
+    EngineArg("enable_lora", False, is_flag=True,  # lora/
+              help="serve LoRA adapters beside the base model (the request's model field names one)"),
+    EngineArg("max_loras", 1, type=positive_int, help="distinct adapters in one step: the adapter slots (default: 1)"),
+    EngineArg("max_lora_rank", 16, type=positive_int, help="the largest adapter rank a slot holds (default: 16)"),
+    inherited("seed", type=int),
+    EngineArg("tensor_parallel_size", 1, type=positive_int, aliases=("-tp",), help="split each layer over N devices"),
+    EngineArg("pipeline_parallel_size", 1, type=positive_int, aliases=("-pp",),  # parallel/pipeline.py
+              help="split the layers into P stages, one batch in flight per stage (default: 1)"),
+    EngineArg("distributed_executor_backend", None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,  # None: mp
+              help="where the ranks of a split model run: mp, processes on this host (default); ray, actors on "
+                   "the Ray cluster of RAY_ADDRESS (hosts joined with ray start)"),
+    # None: the interface with VLLM_HOST_IP, or loopback
+    EngineArg("distributed_interface", None, metavar="IFACE",
+              help="network interface of the ranks' unauthenticated traffic (default: loopback); never one "
+                   "reachable from an untrusted network"),
+    inherited("log_stats_interval", cli=False),  # serve's own --log-stats-interval (default 10, 0: off) sets it
+)
+ENGINE_ARGS = {arg.name: arg.default for arg in ENGINE_ARG_TABLE}
+SERVER_ENGINE_ARGS = {name: default for name, default in ENGINE_ARGS.items() if name not in COMMON_ARGS}
 # bfloat16 pays on a CPU with native bf16 (AMX, AVX512-BF16) once the GEMMs are wide enough:
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
 # checkpoints of hidden 128 and 256 (oneDNN's per-call cost dominates there; performance page).
@@ -169,7 +257,7 @@ class EngineConfig:
                                                           pipeline_parallel_size)
         world_size = tensor_parallel_size * pipeline_parallel_size
         backend = args["distributed_executor_backend"] or "mp"
-        if backend not in ("mp", "ray"):
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend: must be 'mp' or 'ray', got {backend!r}")
         if args["enforce_eager"] not in (None, True, False):
             raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")

@@ -27,11 +27,11 @@ import sys
 import time
 from typing import Any
 
+from stage5_server.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from stage5_server.bench.datasets import DATASETS, DatasetConfig
 from stage5_server.bench.goodput import SLO
 from stage5_server.bench.report import format_result, format_sweep_table, plot_results, save_result, summarize_run
 from stage5_server.bench.serve import ServeConfig, run_serve
-from stage5_server.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def _rate(text: str) -> float:

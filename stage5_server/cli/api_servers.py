@@ -34,20 +34,10 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from stage5_server.cli.options import (
-    chat_options_from,
-    log_api_keys,
-    log_engine,
-    log_level,
-    media_options_from,
-    request_limits_from,
-)
+from stage5_server.cli.options import log_api_keys, log_engine, log_level
 from stage5_server.data_parallel.launcher import CoreEngineProcManager, EngineTopology
 from stage5_server.processes import configure_child, set_process_name, stop_processes
-from stage5_server.server.chat_options import ChatOptions
-from stage5_server.server.limits import RequestLimits
-from stage5_server.server.lora_models import parse_lora_modules
-from stage5_server.server.media import MediaOptions
+from stage5_server.server.config import ServerConfig
 
 logger = logging.getLogger("stagedserve")
 
@@ -61,19 +51,9 @@ class APIServerConfig:
     """What one API-server process needs (it pickles: the supervisor hands it over at spawn)."""
 
     topology: EngineTopology
-    api_keys: dict[str, str | None] | None
-    cache_salt_secret: bytes
-    served_model_name: str
-    trust_client_cache_salt: bool
-    metrics_public: bool
-    max_body_bytes: int
-    log_stats_interval: float | None
+    server: ServerConfig  # the same for every API server: keys, cache-salt secret, limits, adapters at start
     log_level: str
     shutdown_timeout: float
-    chat_options: ChatOptions = ChatOptions()
-    limits: RequestLimits = RequestLimits()
-    media: MediaOptions = MediaOptions()
-    lora_modules: tuple[tuple[str, str], ...] = ()  # every API server lists the same adapters at start
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -96,12 +76,9 @@ def run_api_server_worker(index: int, config: APIServerConfig, sock: socket.sock
     # uvicorn handles SIGTERM and SIGINT itself (a drain).
     configure_child(f"ss-api-{index}", f"api-server {index}", log_level(config.log_level), signals=False)
     parent = os.getppid()
-    engine = MPAsyncLLM.connect(config.topology, client_index=index, log_stats_interval=config.log_stats_interval)
-    app = create_app(engine, api_keys=config.api_keys, served_model_name=config.served_model_name,
-                     trust_client_cache_salt=config.trust_client_cache_salt, metrics_public=config.metrics_public,
-                     max_body_bytes=config.max_body_bytes, cache_salt_secret=config.cache_salt_secret,
-                     chat_options=config.chat_options, limits=config.limits, media=config.media,
-                     lora_modules=config.lora_modules)
+    engine = MPAsyncLLM.connect(config.topology, client_index=index,
+                                log_stats_interval=config.server.log_stats_interval)
+    app = create_app(engine, config.server)
     # log_config=None: uvicorn's own lines go through the format above, so each names its API server.
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, log_config=None, lifespan="on",
                                            timeout_graceful_shutdown=config.shutdown_timeout))
@@ -185,15 +162,13 @@ def _raise_stop(signum, frame) -> None:
 
 
 def run_multi_api_server(args: argparse.Namespace, model: str | None, engine_kwargs: dict[str, Any],
-                         api_keys: dict[str, str | None] | None, served_model_name: str, max_body_bytes: int,
-                         batch_defaults: dict[str, int] | None = None) -> int:
+                         server: ServerConfig, batch_defaults: dict[str, int] | None = None) -> int:
+    """``server`` was checked when it was built, before any process starts; the API servers get it with one
+    cache-salt secret for all, so a trust group's cached prefixes are shared across them."""
     from stage5_server.server.auth import APIKeys
 
-    try:  # refuse bad keys here, before any process starts
-        groups = APIKeys(api_keys).groups if api_keys is not None else []
-    except ValueError as exc:
-        print(f"stagedserve serve: error: {exc}", flush=True)
-        return 2
+    groups = APIKeys(server.api_keys).groups if server.api_keys is not None else []
+    server = dataclasses.replace(server, cache_salt_secret=server.cache_salt_secret or secrets.token_bytes(32))
     set_process_name("ss-supervisor")
     metrics_dir = tempfile.mkdtemp(prefix="stagedserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
@@ -202,20 +177,15 @@ def run_multi_api_server(args: argparse.Namespace, model: str | None, engine_kwa
     try:
         sock = bind_listening_socket(args.host, args.port)
         try:
-            chat_options = chat_options_from(args)
             manager = CoreEngineProcManager(model, {**(batch_defaults or {}), **engine_kwargs}, args.data_parallel_size,
                                             api_server_count=args.api_server_count, routing=args.dp_routing)
         except ValueError as exc:
             print(f"stagedserve serve: error: {exc}", flush=True)
             return 2
         ready = manager.topology.ready[0]
-        log_engine(ready.model_path, served_model_name, engine_kwargs, ready.stage, ready.engine_args)
-        log_api_keys(args, api_keys, groups)
-        config = APIServerConfig(manager.topology, api_keys, secrets.token_bytes(32), served_model_name,
-                                 args.trust_client_cache_salt, args.metrics_public, max_body_bytes,
-                                 args.log_stats_interval or None, args.uvicorn_log_level, args.shutdown_timeout,
-                                 chat_options, request_limits_from(args), media_options_from(args),
-                                 tuple(parse_lora_modules(args.lora_modules)))
+        log_engine(ready.model_path, server.served_model_name, engine_kwargs, ready.stage, ready.engine_args)
+        log_api_keys(args, server.api_keys, groups)
+        config = APIServerConfig(manager.topology, server, args.uvicorn_log_level, args.shutdown_timeout)
         api_servers = APIServerProcessManager(args.api_server_count, config, sock)
         logger.info("serving on http://%s:%d: %d API server(s) (pids %s) over %d engine core(s)", args.host,
                     args.port, args.api_server_count, ", ".join(map(str, api_servers.pids)),

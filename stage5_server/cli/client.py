@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from stage5_server.cli.args import positive_int
+from stage5_server.arg_types import positive_int
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 EXIT_COMMANDS = ("/exit", "/quit")

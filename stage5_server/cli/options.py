@@ -1,14 +1,69 @@
 """What the single-process server (``serve.py``) and the multi-API-server supervisor
-(``api_servers.py``) both take from the parsed ``stagedserve serve`` flags."""
+(``api_servers.py``) both take from the parsed ``stagedserve serve`` flags: the server's options as
+one ``ServerConfig`` (``server_config_from``), and the log lines that describe them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stage5_server.server.config import ServerConfig
 
 logger = logging.getLogger("stagedserve")
 
 API_KEY_ENV = "STAGEDSERVE_API_KEY"
+DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
+
+
+def server_config_from(args: argparse.Namespace) -> ServerConfig:
+    """The server's options from its flags (and the keys from ``$STAGEDSERVE_API_KEY`` unless ``--api-key``),
+    checked: a ValueError names a bad one."""
+    from stage5_server.server.config import ServerConfig
+    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+    from stage5_server.server.lora_models import parse_lora_modules
+
+    return ServerConfig(api_keys=resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV)),
+                        served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME,
+                        trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
+                        max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                        log_stats_interval=args.log_stats_interval or None, chat_options=chat_options_from(args),
+                        limits=request_limits_from(args), media=media_options_from(args),
+                        lora_modules=tuple(parse_lora_modules(args.lora_modules)))
+
+
+GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
+
+
+def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
+    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``.
+
+    An entry is ``KEY`` or ``KEY group=NAME``. The key is the whole first word, colons and all (as vLLM
+    takes it): nothing inside a key is ever read as a group, so no spelling of a key weakens it, and
+    an error never repeats one."""
+    entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
+    if not entries:
+        return None
+    keys: dict[str, str | None] = {}
+    for i, entry in enumerate(entries, start=1):
+        words = entry.split()
+        if not words:
+            raise ValueError(f"api_key: entry #{i} is empty (expected KEY or 'KEY group=NAME')")
+        key, group = words[0], None
+        if len(words) > 1:
+            if len(words) != 2 or not words[1].startswith(GROUP_PREFIX) or words[1] == GROUP_PREFIX:
+                raise ValueError(f"api_key: entry #{i} must be KEY or 'KEY group=NAME' (a key holds no "
+                                 "whitespace)")
+            group = words[1][len(GROUP_PREFIX):]
+        if key in keys:
+            raise ValueError(f"api_key: entry #{i} repeats a key given before it")
+        if group is None and ":" in key:
+            logger.warning("API key #%d contains ':'; the whole string is the key (a trust group is given as "
+                           "'KEY group=NAME', not KEY:GROUP)", i)
+        keys[key] = group
+    return keys
 
 
 def log_level(uvicorn_level: str) -> int:
@@ -27,7 +82,7 @@ def chat_options_from(args: argparse.Namespace):
 
 def add_media_flags(group) -> None:
     """Where images may come from (``server/media.py``); the caps are vLLM's environment variables."""
-    from stage5_server.cli.args import positive_int
+    from stage5_server.arg_types import positive_int
 
     group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                        help="hosts whose http(s) image URLs the server fetches (default: none, data: URLs only)")
@@ -53,7 +108,7 @@ def media_options_from(args: argparse.Namespace):
 
 def add_limit_flags(group) -> None:
     """The ``RequestLimits`` caps as flags (``server/limits.py``): ``--max-prompts-per-request`` and so on."""
-    from stage5_server.cli.args import positive_int
+    from stage5_server.arg_types import positive_int
     from stage5_server.server.limits import FLAGS, RequestLimits
 
     helps = {"max_prompts_per_request": "prompts in one completion request",

@@ -2,12 +2,13 @@
 
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
-Engine flags use vLLM's names; only those given reach ``LLM(...)``. API keys come from
-``--api-key`` or else ``STAGEDSERVE_API_KEY`` (command lines show in ``ps``); ``'KEY group=NAME'``
-puts a key in a trust group (the key is always the whole first word, as vLLM takes it). The engine
-core runs in a process of its own unless ``--no-engine-process``; ``--data-parallel-size N`` runs
-N cores (``data_parallel/launcher.py``) and ``--api-server-count A`` A API servers on one port
-(``cli/api_servers.py``).
+Engine flags use vLLM's names and are made from the engine argument table (``ENGINE_ARG_TABLE`` in
+``config.py``); only those given reach ``LLM(...)``. The server's own flags become one ``ServerConfig``
+(``options.py``) for ``create_app``. API keys come from ``--api-key`` or else ``STAGEDSERVE_API_KEY``
+(command lines show in ``ps``); ``'KEY group=NAME'`` puts a key in a trust group (the key is always
+the whole first word, as vLLM takes it). The engine core runs in a process of its own unless
+``--no-engine-process``; ``--data-parallel-size N`` runs N cores (``data_parallel/launcher.py``) and
+``--api-server-count A`` A API servers on one port (``cli/api_servers.py``).
 
 vLLM: ``vllm/entrypoints/cli/serve.py`` and ``run_server`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -16,49 +17,31 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
-from stage5_server.cli.args import fraction, json_object, non_negative_float, parse_size, port, positive_int
+from stage5_server.arg_types import non_negative_float, parse_size, port, positive_int
 from stage5_server.cli.options import (
     API_KEY_ENV,
     add_limit_flags,
     add_media_flags,
-    chat_options_from,
     log_api_keys,
     log_engine,
     log_level,
-    media_options_from,
-    request_limits_from,
+    server_config_from,
 )
+from stage5_server.config import ENGINE_ARG_TABLE
 from stage5_server.data_parallel.routing import LEAST_LOADED, ROUTING_POLICIES
 
 logger = logging.getLogger("stagedserve")
 
-DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 # The engine thread and the event loop share one GIL; a shorter switch interval than
 # Python's 5 ms default keeps the loop from waiting a whole slice to stream a token.
 SWITCH_INTERVAL_S = 0.0005
 # The engine core in its own process by default? Decided by measurement: docs/serving.md.
 DEFAULT_ENGINE_PROCESS = True
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
-# CLI dest -> LLM keyword (the same names, listed so that nothing else leaks into LLM(...)).
-ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-               "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks", "dtype", "device",
-               "attention_backend", "seed", "tensor_parallel_size", "pipeline_parallel_size", "distributed_interface",
-               "distributed_executor_backend", "enforce_eager",
-               "cpu_threads", "speculative_config", "runner", "convert", "quantization", "prepack_linear",
-               "enable_lora", "max_loras", "max_lora_rank")
-QUANTIZATION_CHOICES = ("gguf", "int8", "int4", "none")  # stage5_server.quantization's methods, and none
-
-
-def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
-    from stage5_server.server.lora_models import parse_lora_modules as parse
-
-    return parse(values)
 
 
 def add_serve_subcommand(subparsers) -> None:
@@ -88,6 +71,9 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
                      help="run the engine core in a separate process, HTTP and (de)tokenization in this one "
                           f"(default: {'on' if DEFAULT_ENGINE_PROCESS else 'off'}; see docs/serving.md)")
+    net.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                     help="LoRA adapters served from the start (PEFT directories; needs --enable-lora); run-time "
+                          "loading also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     chat = p.add_argument_group("chat: tools and the chat template")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='tool_choice "auto": read tool calls out of the model\'s text (needs --tool-call-parser)')
@@ -99,57 +85,7 @@ def add_serve_subcommand(subparsers) -> None:
                       help="tokenize control-token strings inside messages as control tokens (trusted callers "
                            "only: any caller could then forge a system turn or a tool result)")
     add_media_flags(p.add_argument_group("images: where they may come from (docs/multimodal.md)"))
-    eng = p.add_argument_group("engine (only the flags you give are passed to the engine)")
-    eng.add_argument("--max-model-len", type=positive_int, default=None)
-    eng.add_argument("--max-num-seqs", type=positive_int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
-    eng.add_argument("--block-size", type=positive_int, default=None)
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    eng.add_argument("--gpu-memory-utilization", type=fraction, default=None)
-    eng.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes of K/V, e.g. 2GiB")
-    eng.add_argument("--num-kv-blocks", type=positive_int, default=None)
-    eng.add_argument("--dtype", choices=DTYPE_CHOICES, default=None)
-    eng.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ...")
-    eng.add_argument("--attention-backend", default=None, help="torch, triton or cpu (default: the device's)")
-    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                     help="run every step eagerly; default: on a CPU in bfloat16, decode batches of up to 8 rows "
-                          "run a graph compiled at start-up (--no-enforce-eager: in float32 too)")
-    eng.add_argument("--cpu-threads", type=positive_int, default=None,
-                     help="torch threads of the engine on a CPU (default: one per physical core)")
-    eng.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                     help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                          '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)')
-    eng.add_argument("--runner", choices=("auto", "generate", "pooling"), default=None,
-                     help="generate tokens, or pool each input into a vector (embeddings, score, rerank); "
-                          "default auto: pooling for an encoder checkpoint such as BERT")
-    eng.add_argument("--convert", choices=("auto", "none", "embed"), default=None,
-                     help="embed: serve a decoder as an embedding model (its last token, normalized)")
-    eng.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
-                     help="gguf: a .gguf model's Q4_0/Q4_1 blocks as int4 linears; int8/int4: weight-only, "
-                          "quantized at load; none: the float weights (CPU; default: as measured, "
-                          "docs/performance.md)")
-    eng.add_argument("--prepack-linear", action=argparse.BooleanOptionalAction, default=None,
-                     help="run float linears on weights packed once for oneDNN (CPU; default: as measured)")
-    eng.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
-                     help="serve LoRA adapters beside the base model (the request's model field names one)")
-    eng.add_argument("--max-loras", type=positive_int, default=None,
-                     help="distinct adapters in one step: the adapter slots (default: 1)")
-    eng.add_argument("--max-lora-rank", type=positive_int, default=None,
-                     help="the largest adapter rank a slot holds (default: 16)")
-    net.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                     help="LoRA adapters served from the start (PEFT directories; needs --enable-lora); run-time "
-                          "loading also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-    eng.add_argument("--seed", type=int, default=None)
-    eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
-                     help="split each layer over N devices")
-    eng.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=None,
-                     help="split the layers into P stages, one batch in flight per stage (default: 1)")
-    eng.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
-                     help="where the ranks of a split model run: mp, processes on this host (default); ray, actors "
-                          "on the Ray cluster of RAY_ADDRESS (hosts joined with ray start)")
-    eng.add_argument("--distributed-interface", default=None, metavar="IFACE",
-                     help="network interface of the ranks' unauthenticated traffic (default: loopback); "
-                          "never one reachable from an untrusted network")
+    add_engine_flags(p.add_argument_group("engine (only the flags you give are passed to the engine)"))
     top = p.add_argument_group("serving topology")
     top.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                      help="N engine cores, each a whole model replica with its own scheduler and KV cache; on "
@@ -165,9 +101,24 @@ def add_serve_subcommand(subparsers) -> None:
     p.set_defaults(func=serve)
 
 
+def add_engine_flags(group) -> None:
+    """A flag for each engine argument of ``ENGINE_ARG_TABLE`` (``config.py``) that has one. Its default is
+    None, not the engine's: a flag left out is not passed, and the engine's own default applies."""
+    for arg in ENGINE_ARG_TABLE:
+        if not arg.cli:
+            continue
+        if arg.is_flag:
+            group.add_argument(arg.flag, *arg.aliases, dest=arg.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=arg.help)
+        else:
+            group.add_argument(arg.flag, *arg.aliases, dest=arg.name, type=arg.type, choices=arg.choices,
+                               default=None, metavar=arg.metavar, help=arg.help)
+
+
 def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
-    return {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
+    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
+            if arg.cli and getattr(args, arg.name, None) is not None}
 
 
 # A server is sized for many clients at once, the offline ``LLM`` for a course's small runs (16
@@ -187,38 +138,6 @@ def server_batch_defaults(engine_kwargs: dict[str, Any]) -> dict[str, int]:
     ranks = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
     scale = ranks if kind == "cpu" else 1
     return {name: value * scale for name, value in SERVER_BATCH_DEFAULTS[kind].items() if name not in engine_kwargs}
-
-
-GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one
-
-
-def resolve_api_keys(cli_keys: list[str] | None, env_value: str | None) -> dict[str, str | None] | None:
-    """``--api-key`` values (or else the env var's comma-separated list) -> ``{key: group or None}``.
-
-    An entry is ``KEY`` or ``KEY group=NAME``. The key is the whole first word, colons and all (as vLLM
-    takes it): nothing inside a key is ever read as a group, so no spelling of a key weakens it, and
-    an error never repeats one."""
-    entries = cli_keys if cli_keys else [e for e in (env_value or "").split(",") if e.strip()]
-    if not entries:
-        return None
-    keys: dict[str, str | None] = {}
-    for i, entry in enumerate(entries, start=1):
-        words = entry.split()
-        if not words:
-            raise ValueError(f"api_key: entry #{i} is empty (expected KEY or 'KEY group=NAME')")
-        key, group = words[0], None
-        if len(words) > 1:
-            if len(words) != 2 or not words[1].startswith(GROUP_PREFIX) or words[1] == GROUP_PREFIX:
-                raise ValueError(f"api_key: entry #{i} must be KEY or 'KEY group=NAME' (a key holds no "
-                                 "whitespace)")
-            group = words[1][len(GROUP_PREFIX):]
-        if key in keys:
-            raise ValueError(f"api_key: entry #{i} repeats a key given before it")
-        if group is None and ":" in key:
-            logger.warning("API key #%d contains ':'; the whole string is the key (a trust group is given as "
-                           "'KEY group=NAME', not KEY:GROUP)", i)
-        keys[key] = group
-    return keys
 
 
 def resolve_topology(args: argparse.Namespace) -> None:
@@ -254,10 +173,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine_kwargs = build_engine_kwargs(args)
         batch_defaults = server_batch_defaults(engine_kwargs)
-        api_keys = resolve_api_keys(args.api_key, os.environ.get(API_KEY_ENV))
+        server_config = server_config_from(args)
         resolve_topology(args)
-        parse_lora_modules(args.lora_modules)
-        if args.lora_modules and not engine_kwargs.get("enable_lora"):
+        if server_config.lora_modules and not engine_kwargs.get("enable_lora"):
             raise ValueError("lora_modules: adapters are served only with --enable-lora")
     except ValueError as exc:
         print(f"stagedserve serve: error: {exc}", file=sys.stderr)
@@ -266,16 +184,12 @@ def serve(args: argparse.Namespace) -> int:
     if batch_defaults:
         logger.info("server batch defaults: %s (the flags override them)",
                     " ".join(f"{name}={value}" for name, value in batch_defaults.items()))
-    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
-
-    served_model_name = args.served_model_name or args.model or DEFAULT_SERVED_MODEL_NAME
     if args.api_server_count > 1:
         from shared.named_models import default_model, resolve_model
         from stage5_server.cli.api_servers import run_multi_api_server
 
         resolve_model(args.model) if args.model else default_model()  # a .gguf converted once, before the cores
-        return run_multi_api_server(args, args.model, engine_kwargs, api_keys, served_model_name,
-                                    args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, batch_defaults)
+        return run_multi_api_server(args, args.model, engine_kwargs, server_config, batch_defaults)
     import uvicorn
 
     from stage5_server.core.cpu_threads import configure_frontend_threads
@@ -286,16 +200,11 @@ def serve(args: argparse.Namespace) -> int:
         configure_frontend_threads()  # the model runs in the engine process: its threads get the cores
     engine = None
     try:
-        chat_options = chat_options_from(args)
         engine = make_async_llm(args.model, engine_process=args.engine_process,
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
-                                log_stats_interval=args.log_stats_interval or None, **batch_defaults,
+                                log_stats_interval=server_config.log_stats_interval, **batch_defaults,
                                 **engine_kwargs)
-        app = create_app(engine, api_keys=api_keys, chat_options=chat_options, served_model_name=served_model_name,
-                         limits=request_limits_from(args), media=media_options_from(args),
-                         lora_modules=parse_lora_modules(args.lora_modules),
-                         trust_client_cache_salt=args.trust_client_cache_salt, metrics_public=args.metrics_public,
-                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        app = create_app(engine, server_config)
     except ValueError as exc:
         if engine is not None:
             engine.shutdown()
@@ -305,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     # SIGTERM's default action would end this process there, before the engine is stopped.
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_after_sigterm)
     try:
-        _log_configuration(args, app, engine, engine_kwargs, api_keys)
+        _log_configuration(args, app, engine, engine_kwargs)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)
@@ -335,12 +244,10 @@ def _log_topology(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> No
                 args.data_parallel_size, tp, pp, args.dp_routing)
 
 
-def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any],
-                       api_keys: dict[str, str | None] | None) -> None:
-    from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
+def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dict[str, Any]) -> None:
     from stage5_server.server.openapi import describe_routes
 
-    serving = app.state.serving
+    serving, config = app.state.serving, app.state.server_config
     log_engine(engine.model_path, serving.served_model_name, engine_kwargs, engine.stage, engine.engine_args)
     if not engine.engine_process:
         logger.info("engine core: a thread of the server process")
@@ -350,8 +257,8 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
         logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
                     ", ".join(map(str, engine.engine_pids)))
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
-                "log_stats_interval=%s", args.host, args.port, args.trust_client_cache_salt, args.metrics_public,
-                args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.log_stats_interval or "off")
-    log_api_keys(args, api_keys, app.state.api_keys.groups if api_keys else [])
+                "log_stats_interval=%s", args.host, args.port, config.trust_client_cache_salt, config.metrics_public,
+                config.max_body_bytes, config.log_stats_interval or "off")
+    log_api_keys(args, config.api_keys, app.state.api_keys.groups if config.api_keys else [])
     for line in describe_routes(app):
         logger.info("route: %s", line)

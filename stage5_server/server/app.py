@@ -6,7 +6,8 @@
          -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
-Errors are OpenAI error objects (errors.py); ``/metrics`` (metrics.py); the schema (openapi.py).
+The server's options are one ``ServerConfig`` (config.py); errors are OpenAI error objects (errors.py);
+``/metrics`` (metrics.py); the schema (openapi.py).
 
 vLLM: ``build_app`` and ``init_app_state`` in ``vllm/entrypoints/openai/api_server.py``.
 """
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
@@ -28,10 +29,9 @@ from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
 from stage5_server.server import chat, completions, lora_models, models, pooling, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
-from stage5_server.server.chat_options import ChatOptions
+from stage5_server.server.config import ServerConfig
 from stage5_server.server.errors import APIError, install_error_handlers
-from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware, RequestLimits
-from stage5_server.server.media import MediaOptions
+from stage5_server.server.limits import BodySizeLimitMiddleware
 from stage5_server.server.metrics import PrometheusStatLogger
 from stage5_server.server.openapi import openapi_with_openai_errors
 from stage5_server.server.serving import OpenAIServing
@@ -47,35 +47,33 @@ def version() -> str:
         return "0.1.0"
 
 
-def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] | list[str] | None = None,
-               served_model_name: str | None = None, trust_client_cache_salt: bool = False,
-               metrics_public: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               log_stats_interval: float | None = 10.0, cache_salt_secret: bytes | None = None,
-               chat_options: ChatOptions | None = None, limits: RequestLimits | None = None,
-               media: MediaOptions | None = None, lora_modules: Sequence[tuple[str, str]] = ()) -> FastAPI:
+def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **fields: Any) -> FastAPI:
     """The OpenAI-compatible app over an ``AsyncEngine`` or an ``LLM`` (wrapped, and shut down with the app).
-    ``api_keys``: ``{key: trust group}`` or a list of keys; None: no authentication (loopback only).
-    ``limits``: what one request may ask for (``limits.py``; the defaults unless given). ``media``: where
-    images may come from and how large they may be (``media.py``; safe defaults and vLLM's variables).
-    ``lora_modules``: ``(name, path)`` of each LoRA adapter served from the start (``lora_models.py``)."""
+    ``config``: the server's options (``config.py``), or its fields as keywords, e.g. ``api_keys={key: trust
+    group}`` or a list of keys (None: no authentication, loopback only), ``limits`` (what one request may ask
+    for, ``limits.py``), ``media`` (where images may come from, ``media.py``), ``lora_modules`` (``(name,
+    path)`` of each LoRA adapter served from the start, ``lora_models.py``). A keyword given with ``config``
+    replaces that field of it."""
+    if config is None:
+        config = ServerConfig(**fields)
+    elif fields:
+        config = replace(config, **fields)
     owns_engine = not isinstance(engine, AsyncEngine)
     if owns_engine:
-        engine = AsyncLLM.from_llm(engine, log_stats_interval=log_stats_interval)
-    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
-    keys = APIKeys(api_keys) if api_keys is not None else None
-    model_name = served_model_name or engine.model_path
+        engine = AsyncLLM.from_llm(engine, log_stats_interval=config.log_stats_interval)
+    keys = APIKeys(config.api_keys) if config.api_keys is not None else None
+    model_name = config.served_model_name or engine.model_path
     metrics = PrometheusStatLogger(model_name, lambda: engine.stats_by_engine, engine.max_model_len,
                                    engine.cache_configs)
     engine.stat_loggers.append(metrics)
-    serving = OpenAIServing(engine, model_name, CacheSalter(cache_salt_secret), trust_client_cache_salt,
-                            version(), metrics, chat_options, limits, media)
-    for name, path in lora_modules:  # a bad adapter stops the start, with the 400's reason
+    serving = OpenAIServing(engine, model_name, CacheSalter(config.cache_salt_secret), config.trust_client_cache_salt,
+                            version(), metrics, config.chat_options, config.limits, config.media)
+    for name, path in config.lora_modules:  # a bad adapter stops the start, with the 400's reason
         try:
             serving.models.load(name, path)
         except APIError as exc:
             raise ValueError(f"lora_modules: {name}={path}: {exc.message}") from None
-    public_paths = frozenset({"/health"} | ({"/metrics"} if metrics_public else set()))
+    public_paths = frozenset({"/health"} | ({"/metrics"} if config.metrics_public else set()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,12 +87,13 @@ def create_app(engine: AsyncEngine | Any, *, api_keys: Mapping[str, str | None] 
                   description="An OpenAI-compatible server over the stagedserve engine.")
     app.router.route_class = CheckedRoute  # every JSON body: well-formed Unicode, or a 400 (unicode.py)
     app.state.engine = engine
+    app.state.server_config = config
     app.state.metrics = metrics
     app.state.serving = serving
     app.state.api_keys = keys
     app.state.public_paths = public_paths
     # Added last = outermost: authentication runs before anything else looks at the request.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths)
     install_error_handlers(app)
 

@@ -19,8 +19,7 @@ from shared.config import ModelConfig
 from shared.gguf import convert_gguf, read_raw_tensors
 from stage5_server import LLM
 from stage5_server.cli import make_parser
-from stage5_server.cli.serve import QUANTIZATION_CHOICES
-from stage5_server.config import EngineConfig
+from stage5_server.config import QUANTIZATION_CHOICES, EngineConfig
 from stage5_server.cpu_kernels.int8_linear import int8_dot_problem
 from stage5_server.model import Linear
 from stage5_server.quantization import QUANTIZATION_METHODS, PackedLinearMethod, resolve_linear_config, weight_only
