@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from stage5_server import LLM
-    from stage5_server.config import resolve_model
+    from stage5_server.config.model import resolve_model
 
     path = resolve_model("all-minilm-l6-v2")
     load_before = os.getloadavg()[0]

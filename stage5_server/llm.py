@@ -35,10 +35,10 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, STAGE, EngineConfig
 from stage5_server.core import EngineCore, build_engine_core
-from stage5_server.core.errors import StepFailed
 from stage5_server.core.request import Request
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.output_processor import OutputProcessor
+from stage5_server.errors import StepFailed
 from stage5_server.lora import LoRARequest, load_adapter
 from stage5_server.multimodal.processor import ImageProcessor
 from stage5_server.pooling.offline import NOT_GENERATING, PoolingAPI

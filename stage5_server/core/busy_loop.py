@@ -19,7 +19,6 @@ import time
 from typing import TYPE_CHECKING
 
 from shared.request import RequestStatus
-from stage5_server.core.errors import EngineDeadError, StepFailed
 from stage5_server.core.messages import (
     AbortRequests,
     AddRequest,
@@ -31,6 +30,7 @@ from stage5_server.core.messages import (
     Shutdown,
 )
 from stage5_server.core.stats import SchedulerStats
+from stage5_server.errors import EngineDeadError, StepFailed
 
 if TYPE_CHECKING:
     from stage5_server.core.engine_core import EngineCore

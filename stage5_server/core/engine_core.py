@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 from shared.structured_output import StructuredOutputManager
 from stage3_continuous.engine import SchedulerFacade
-from stage5_server.core.errors import StepFailed
 from stage5_server.core.messages import EngineCoreOutput, EngineCoreRequest
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.core.stats import LoggingStatLogger
+from stage5_server.errors import StepFailed
 from stage5_server.executor import Executor, PendingStep
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "AsyncEngine": "engine.frontend", "StatLoggerBase": "engine.frontend", "RequestStream": "engine.stream",
     "AsyncLLM": "engine.thread_client", "MPAsyncLLM": "engine.mp_client", "InputProcessor": "engine.input_processor",
     "OutputProcessor": "engine.output_processor", "RequestOutputKind": "engine.output_processor",
-    "EngineError": "core.errors", "EngineDeadError": "core.errors", "RequestAborted": "core.errors",
+    "EngineError": "errors", "EngineDeadError": "errors", "RequestAborted": "errors",
 }
 
 

@@ -31,12 +31,12 @@ from shared.llm_base import PromptType
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage5_server.core.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.output_processor import OutputProcessor, RequestOutputKind
 from stage5_server.engine.stream import RequestStream
+from stage5_server.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor
 

@@ -31,8 +31,8 @@ from shared.llm_base import PromptType, check_inputs, check_prompt_fits
 from shared.parallel_sampling import ParentRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage5_server.core.errors import ContextLengthExceeded
 from stage5_server.core.messages import EngineCoreRequest
+from stage5_server.errors import ContextLengthExceeded
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import (
     ImageProcessor,

@@ -30,7 +30,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shared.named_models import default_model, resolve_model
 from shared.tokenizer import Tokenizer
-from stage5_server.core.errors import EngineDeadError, EngineError
 from stage5_server.core.messages import (
     AbortRequests,
     AddRequest,
@@ -48,6 +47,7 @@ from stage5_server.core.stats import SchedulerStats
 from stage5_server.data_parallel.launcher import DEFAULT_STARTUP_TIMEOUT_S, CoreEngineProcManager, EngineTopology
 from stage5_server.data_parallel.routing import LEAST_LOADED, Router, rank_load
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase, dead_core_stats
+from stage5_server.errors import EngineDeadError, EngineError
 
 logger = logging.getLogger("stagedserve")
 

@@ -21,9 +21,9 @@ from stage5_server.config import STAGE, EngineConfig
 from stage5_server.core.builder import build_engine_core
 from stage5_server.core.busy_loop import EngineCoreLoop
 from stage5_server.core.engine_core import EngineCore
-from stage5_server.core.errors import EngineDeadError
 from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, plain
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
+from stage5_server.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from stage5_server.llm import LLM

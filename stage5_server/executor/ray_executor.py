@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from stage5_server.core.errors import EngineDeadError
+from stage5_server.errors import EngineDeadError
 from stage5_server.executor.abstract import Executor, call, start_worker
 from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, resolve_interface
 

@@ -11,10 +11,11 @@ vLLM: ``vllm/lora/`` (``request.py``, ``lora_model.py``, ``worker_manager.py``, 
 ``punica_wrapper/``).
 """
 
+from stage5_server.config.lora import LoRAConfig
 from stage5_server.lora.adapter import LoRALoadError, LoRAModel, load_adapter, read_adapter_config
 from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping
 from stage5_server.lora.manager import LoRAModelManager
-from stage5_server.lora.request import LoRAConfig, LoRARequest
+from stage5_server.lora.request import LoRARequest
 
 __all__ = ["LoRAConfig", "LoRALinearMethod", "LoRALoadError", "LoRAMapping", "LoRAModel", "LoRAModelManager",
            "LoRARequest", "load_adapter", "read_adapter_config"]

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
+from stage5_server.config.lora import LoRAConfig
 from stage5_server.lora.adapter import LoRAModel, load_adapter
 from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping, SlotWeights, block_diagonal_b
-from stage5_server.lora.request import LoRAConfig, LoRARequest
+from stage5_server.lora.request import LoRARequest
 from stage5_server.model.linear import Linear
 from stage5_server.parallel.parallel_state import tensor_parallel_shape
 

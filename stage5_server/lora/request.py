@@ -1,12 +1,13 @@
-"""What names an adapter: the ``LoRARequest`` a request carries, and the engine's LoRA settings.
+"""What names an adapter: the ``LoRARequest`` a request carries (the engine's LoRA settings are
+``config/lora.py``'s).
 
 A request that runs under an adapter carries ``LoRARequest(lora_name, lora_int_id, lora_path)``,
 vLLM's own three fields: the name a client asks for (the server's ``model`` field), a number the
 server gives each load, and the PEFT directory the weights come from. The workers load the
 weights from ``lora_path`` the first time they meet ``(lora_int_id, lora_path)``; the prefix cache
-keys a block by the name and the path (``stage4_prefix_cache/kv_cache_utils.py``).
+keys a block by the name and the path (``core/kv_cache_manager.py``).
 
-vLLM: ``vllm/lora/request.py`` and ``LoRAConfig`` in ``vllm/config/lora.py``.
+vLLM: ``vllm/lora/request.py``.
 """
 
 from __future__ import annotations
@@ -32,20 +33,3 @@ class LoRARequest:
     def key(self) -> tuple[int, str]:
         """What the workers cache the loaded weights under."""
         return self.lora_int_id, self.lora_path
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """``enable_lora=True``'s settings: adapter slots per step, and the largest rank a slot holds."""
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-
-    @classmethod
-    def create(cls, enable_lora: object, max_loras: object, max_lora_rank: object) -> LoRAConfig | None:
-        if enable_lora not in (True, False):
-            raise ValueError(f"enable_lora: must be a bool, got {enable_lora!r}")
-        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        return cls(max_loras, max_lora_rank) if enable_lora else None

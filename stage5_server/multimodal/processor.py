@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import read_config_json
-from stage5_server.multimodal.config import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
+from stage5_server.config.multimodal import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
 from stage5_server.multimodal.image_io import decode_data_url, load_image
 from stage5_server.multimodal.inputs import MultiModalFeature, hash_image
 

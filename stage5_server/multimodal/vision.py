@@ -23,7 +23,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.weights import checkpoint_files
-from stage5_server.multimodal.config import MultiModalConfig
+from stage5_server.config.multimodal import MultiModalConfig
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -162,3 +162,11 @@ def load_vision_model(path: str | Path, config: ModelConfig, multimodal: MultiMo
         raise ValueError(f"model: checkpoint {path!s} lacks vision tensors {missing[:5]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     return model.eval()
+
+
+def decoder_tensor_name(name: str) -> str | None:
+    """The decoder parameter a LLaVA checkpoint tensor fills (its name with ``model.`` dropped, as
+    ``shared.weights.load_weights`` hands it over), or None for a vision-tower or projector tensor."""
+    if name.startswith("language_model."):  # language_model.model.* (older), or model.language_model.* (newer)
+        return name.removeprefix("language_model.").removeprefix("model.")
+    return name if name == "lm_head.weight" else None

@@ -9,7 +9,7 @@ vLLM: ``vllm/model_executor/layers/pooler.py``, ``vllm/model_executor/models/ber
 ``--runner`` / ``--convert`` choice in ``vllm/config/model.py``.
 """
 
-from stage5_server.pooling.config import PoolerConfig, resolve_runner
+from stage5_server.config.pooler import PoolerConfig, resolve_runner
 from stage5_server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringRequestOutput
 
 __all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PoolerConfig", "ScoringRequestOutput", "resolve_runner"]

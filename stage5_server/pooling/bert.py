@@ -19,7 +19,7 @@ from torch import nn
 
 from shared.config import read_config_json
 from shared.weights import load_weights
-from stage5_server.pooling.config import BERT_ARCHITECTURE, BertConfig, read_bert_config
+from stage5_server.config.model import BERT_ARCHITECTURE, BertConfig, read_bert_config
 
 logger = logging.getLogger(__name__)
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.tokenizer import Tokenizer
-from stage5_server.core.errors import ContextLengthExceeded
+from stage5_server.errors import ContextLengthExceeded
 from stage5_server.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 
 NOT_POOLING = ("{api} is only supported for pooling models; this model generates. A checkpoint with an "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stage5_server.pooling.config import PoolerConfig
+from stage5_server.config.pooler import PoolerConfig
 
 
 @dataclass

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stage5_server.config.model import is_encoder
 from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.pooling.bert import load_bert
-from stage5_server.pooling.config import is_encoder
 from stage5_server.pooling.pooler import Pooler
 from stage5_server.pooling.runner import DecoderPoolingRunner, EncoderModelRunner
 from stage5_server.worker import InputBatch, Worker

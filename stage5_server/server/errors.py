@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from stage5_server.core.errors import ContextLengthExceeded, EngineDeadError, EngineError, RequestAborted
+from stage5_server.errors import ContextLengthExceeded, EngineDeadError, EngineError, RequestAborted
 
 logger = logging.getLogger("stagedserve")
 

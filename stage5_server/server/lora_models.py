@@ -29,7 +29,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from shared.config import ModelConfig
-from stage5_server.config import read_model_config
+from stage5_server.config.model import read_model_config
 from stage5_server.lora import LoRALoadError, LoRARequest, load_adapter
 from stage5_server.server.errors import APIError
 

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, Response
 from shared.llm_base import PromptType
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
-from stage5_server.core.errors import EngineError, RequestAborted
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.output_processor import RequestOutputKind
 from stage5_server.engine.stream import RequestStream
+from stage5_server.errors import EngineError, RequestAborted
 from stage5_server.lora.request import LoRARequest
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.chat_options import ChatOptions

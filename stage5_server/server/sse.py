@@ -20,8 +20,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.outputs import RequestOutput
-from stage5_server.core.errors import EngineError
 from stage5_server.engine.stream import RequestStream
+from stage5_server.errors import EngineError
 
 
 class SSEResponse(StreamingResponse):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from shared.config import ModelConfig
 from shared.named_models import resolve_model
-from stage5_server.spec_decode.config import SPECULATIVE_METHODS, SpeculativeConfig
+from stage5_server.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from stage5_server.spec_decode.drafter import Drafter, DraftModelDrafter, NgramDrafter
 from stage5_server.spec_decode.ngram_proposer import NgramProposer
 from stage5_server.spec_decode.policy import DraftPolicy, forward_weights

@@ -33,9 +33,8 @@ from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutp
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_decode_step, compile_problem, fuse_projections
-from stage5_server.multimodal.config import decoder_tensor_name
 from stage5_server.multimodal.encoder import MultiModalEmbedder
-from stage5_server.multimodal.vision import load_vision_model
+from stage5_server.multimodal.vision import decoder_tensor_name, load_vision_model
 from stage5_server.parallel.parallel_state import RankPlace
 from stage5_server.parallel.pipeline import PipelineStage, load_stage_model
 from stage5_server.parallel.sharded_model import load_sharded_model

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from stage5_server import LLM
-from stage5_server.config import resolve_model
+from stage5_server.config.model import resolve_model
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server
 

@@ -14,8 +14,7 @@ import requests
 import torch
 
 from stage5_server import LLM
-from stage5_server.config import resolve_model
-from stage5_server.pooling.config import is_encoder
+from stage5_server.config.model import is_encoder, resolve_model
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import auth, running_server
 

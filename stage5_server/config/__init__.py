@@ -9,6 +9,10 @@ parallel ranks) reads this object and checks nothing again. The one value that c
 is ``max_model_len``: the builder lowers it when the user set no length and the automatically
 sized KV cache holds less.
 
+Each system's own settings are a module of this package, as vLLM's are: ``model.py`` (which
+checkpoint, and what it is), ``multimodal.py``, ``pooler.py``, ``speculative.py``, ``lora.py``. The
+rooms that implement the systems read them; this package imports none of those rooms.
+
 The names and defaults come from one table, ``ENGINE_ARG_TABLE``: an ``EngineArg`` per argument, with
 what ``stagedserve serve`` needs to make its flag of it (how a value parses, choices, short aliases,
 help). Arguments of earlier stages keep their defaults from their stage (``inherited``).
@@ -22,42 +26,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.config import ModelConfig, read_config_json
+from shared.config import ModelConfig
 from shared.llm_base import COMMON_ARGS, DTYPES, check_common_args, check_kv_cache_memory
 from shared.named_models import default_model, default_model_file
-from shared.named_models import resolve_model as resolve_named_model
 from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
 from stage5_server.arg_types import fraction, json_object, parse_size, positive_int
 from stage5_server.attention import resolve_attention_backend
-from stage5_server.lora.request import LoRAConfig
-from stage5_server.multimodal.config import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
+from stage5_server.config.lora import LoRAConfig, check_lora_support
+from stage5_server.config.model import read_model_config, resolve_model
+from stage5_server.config.multimodal import MultiModalConfig
+from stage5_server.config.pooler import CONVERTS, RUNNERS, PoolerConfig, pooling_args, resolve_runner
+from stage5_server.config.speculative import SpeculativeConfig, check_draft_model
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
     resolve_interface,
 )
-from stage5_server.pooling.config import (
-    BERT_ARCHITECTURE,
-    CONVERTS,
-    EMBEDDING_MODEL_NAME,
-    RUNNERS,
-    PoolerConfig,
-    embedding_model,
-    is_encoder,
-    read_bert_config,
-    resolve_runner,
-)
 from stage5_server.quantization import QUANTIZATION_METHODS, LinearConfig, resolve_linear_config, source_gguf_file
 from stage5_server.quantization.config import NO_QUANTIZATION
-from stage5_server.spec_decode.config import SpeculativeConfig, check_draft_model
 
 STAGE = "stage5_server"
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -160,30 +153,12 @@ SERVER_ENGINE_ARGS = {name: default for name, default in ENGINE_ARGS.items() if 
 # measured faster than float32 from SmolLM2-135M's hidden 576 up, slower for the random
 # checkpoints of hidden 128 and 256 (oneDNN's per-call cost dominates there; performance page).
 CPU_BF16_MIN_HIDDEN_SIZE = 512
-# Architectures whose config a room of stage 5 reads (the decoders are shared's): a vision-language model's
-# decoder and vision side, a BERT encoder's shape. vLLM: ``_VLLM_MODELS`` in ``model_executor/models/registry.py``.
-ARCHITECTURE_READERS = {LLAVA_ARCHITECTURE: read_llava_config, BERT_ARCHITECTURE: read_bert_config}
 # Each runner kind's scheduler and worker, by qualified name: the builder and every executor build them from
 # here without importing the room they live in (vLLM: ``SchedulerConfig.scheduler_cls``,
 # ``ParallelConfig.worker_cls``).
 RUNNER_KINDS = {"generate": ("stage5_server.core.scheduler:Scheduler", "stage5_server.worker.worker:Worker"),
                 "pooling": ("stage5_server.pooling.scheduler:PoolingScheduler",
                             "stage5_server.pooling.worker:make_pooling_worker")}
-
-
-def resolve_model(name: str) -> str:
-    """Stage 4's ``resolve_model``, plus the embedding model's name (a path that exists wins over a name)."""
-    if name == EMBEDDING_MODEL_NAME and not Path(name).exists():
-        return embedding_model()
-    return resolve_named_model(name)
-
-
-def read_model_config(path: str | Path) -> tuple[ModelConfig, MultiModalConfig | None]:
-    """The model's shape (a decoder's, or an encoder's) and, for a vision-language model, its vision side."""
-    raw = read_config_json(path)
-    reader = next((ARCHITECTURE_READERS[a] for a in raw.get("architectures") or [] if a in ARCHITECTURE_READERS),
-                  None)
-    return (ModelConfig.from_pretrained(path), None) if reader is None else reader(raw, path)
 
 
 @dataclass(frozen=True)
@@ -326,20 +301,6 @@ class EngineConfig:
         return RUNNER_KINDS[self.runner][1]
 
 
-def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: SpeculativeConfig | None,
-                       enforce_eager: bool | None) -> None:
-    """What ``enable_lora`` does not combine with here, refused before anything loads."""
-    if runner != "generate":
-        raise ValueError("enable_lora: adapters are served by the generate runner only, not runner='pooling'")
-    if pipeline_parallel_size > 1:
-        raise ValueError("enable_lora: adapters are not split into pipeline stages here; use "
-                         "pipeline_parallel_size=1 (tensor_parallel_size may be more)")
-    if speculative is not None and speculative.method == "draft_model":
-        raise ValueError("enable_lora: a draft model has no adapters; use ngram drafts or none")
-    if enforce_eager is False:
-        raise ValueError("enable_lora: the compiled decode step has no adapter deltas; leave enforce_eager unset")
-
-
 def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,
                            attention_backend: str, world_size: int, runner: str, lora: LoRAConfig | None) -> bool:
     """Whether decode steps of a few rows run a compiled graph (``model/compile.py``). It needs the
@@ -354,20 +315,6 @@ def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dty
                          f"backend, one rank and the generate runner (here: device {device.type}, attention "
                          f"backend {attention_backend}, {world_size} rank(s), runner {runner}); leave it unset")
     return supported and lora is None and (enforce_eager is False or dtype == torch.bfloat16)
-
-
-def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: PoolerConfig) -> dict[str, Any]:
-    """What the pooling runner changes: ``runner`` resolved; sentence-transformers' ``max_seq_length`` as the
-    default ``max_model_len``; an encoder runs each prompt whole (no chunked prefill: its attention looks both
-    ways) and reuses no cached prefix (a later token changes every earlier token's state), as in vLLM."""
-    changed: dict[str, Any] = {"runner": "pooling"}
-    if args["max_model_len"] is None and pooler.max_seq_length:
-        changed["max_model_len"] = min(pooler.max_seq_length, model_config.max_position_embeddings)
-    if is_encoder(model_config) or pooler.pooling_type != "LAST":  # a cached prefix has no hidden states
-        changed["enable_prefix_caching"] = False
-    if is_encoder(model_config):
-        changed["enable_chunked_prefill"] = False
-    return changed
 
 
 def cpu_has_native_bf16() -> bool:
