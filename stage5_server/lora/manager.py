@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,7 +35,10 @@ from stage5_server.lora.adapter import LoRAModel, load_adapter
 from stage5_server.lora.layers import LoRALinearMethod, LoRAMapping, SlotWeights, block_diagonal_b
 from stage5_server.lora.request import LoRARequest
 from stage5_server.model.linear import Linear
-from stage5_server.parallel.parallel_state import tensor_parallel_shape
+from stage5_server.parallel.parallel_state import RankPlace, tensor_parallel_shape
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
 
 # The fused model's adapted layers: attribute path under a decoder layer -> the projections it holds.
 ADAPTED_LAYERS = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),
@@ -69,6 +73,15 @@ class LoRAModelManager:
         self.steps = 0
         self.max_cpu_loras = max(max_cpu_loras, config.max_loras)
         self.cpu_cache: OrderedDict[tuple[int, str], LoRAModel] = OrderedDict()
+
+    @classmethod
+    def for_rank(cls, model: nn.Module, config: EngineConfig, place: RankPlace) -> LoRAModelManager | None:
+        """The manager of a rank's model (its part of each adapter, when the model is split); None without
+        ``enable_lora``."""
+        if config.lora is None:
+            return None
+        return cls(model, config.model_config, config.lora, tp_rank=place.tp_rank,
+                   tp_size=config.parallel.tensor_parallel_size)
 
     # ---- one step --------------------------------------------------------------------------
     def set_active_loras(self, requests: Sequence[LoRARequest | None], num_scheduled: Sequence[int]) -> None:

@@ -15,6 +15,7 @@ vLLM: ``vllm/model_executor/models/clip.py`` (the tower) and ``llava.py``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.weights import checkpoint_files
 from stage5_server.config.multimodal import MultiModalConfig
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -162,6 +166,14 @@ def load_vision_model(path: str | Path, config: ModelConfig, multimodal: MultiMo
         raise ValueError(f"model: checkpoint {path!s} lacks vision tensors {missing[:5]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     return model.eval()
+
+
+def load_vision_tower(config: EngineConfig, device: torch.device) -> LlavaVision | None:
+    """A vision-language model's tower and projector; None for a text model (one rank: ``EngineConfig``
+    refuses a split vision-language model)."""
+    if config.multimodal is None:
+        return None
+    return load_vision_model(config.model_path, config.model_config, config.multimodal, config.dtype, device)
 
 
 def decoder_tensor_name(name: str) -> str | None:

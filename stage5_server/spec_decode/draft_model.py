@@ -34,13 +34,30 @@ vLLM: ``vllm/v1/spec_decode/draft_model.py`` and ``eagle.py`` (``propose``, run 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from shared.model import DecoderModel
+from shared.named_models import resolve_model
 from shared.sampler import draw, sampling_probs
+from shared.weights import load_model
 from stage2_paged.attention import PagedAttentionMetadata
 from stage2_paged.kv_cache import PagedKVCache
+from stage5_server.model import fuse_projections
+
+if TYPE_CHECKING:
+    from stage5_server.config import EngineConfig
+
+
+def load_draft_model(config: EngineConfig, device: torch.device) -> DecoderModel | None:
+    """``speculative_config``'s draft model, rearranged as the target is; None without one (one rank:
+    ``EngineConfig`` refuses a draft model for a split target)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    return fuse_projections(load_model(resolve_model(spec.model), config.dtype, device)[0])
 
 
 class DraftModelProposer:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from stage5_server.cli import main
-from stage5_server.cli.serve import resolve_api_keys
+from stage5_server.cli.options import resolve_api_keys
 from tests.stage5.server_fixtures import auth, running_server
 
 SECRET = "sk:LongSecretPart"

@@ -216,7 +216,7 @@ def test_serve_refuses_a_bad_server_option_before_loading_the_model(capsys):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = AsyncLLM(make_llm(tiny_llama), log_stats_interval=None)
+    engine = AsyncLLM.from_llm(make_llm(tiny_llama), log_stats_interval=None)
     yield engine
     engine.shutdown()
 
