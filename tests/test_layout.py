@@ -77,3 +77,64 @@ def test_shared_imports_no_stage_and_no_stage_imports_a_later_one(index):
     offending = {name: sorted(n for n in imported(path) if n.split(".")[0] in later)
                  for name, path in modules(package).items()}
     assert {name: names for name, names in offending.items() if names} == {}
+
+
+# ---- the rooms of stage5_server ----------------------------------------------------------------------------------
+# Which rooms each room may import at run time (imports under ``if TYPE_CHECKING:`` aside): the chain runs front end ->
+# core -> executor -> worker -> model, attention and kernels; a system (speculative decoding, LoRA, pooling, images)
+# reaches the chain only where it plugs in (a request's fields, the drafter, a runner kind named by its qualified
+# name, the linear-layer seam); ``config``, ``errors`` and ``processes`` sit under everything. The worker reaches the
+# core only for the messages the core sends it.
+sys.path.insert(0, str(ROOT / "scripts"))
+import layering_report  # noqa: E402
+
+BASE = {"config", "errors", "processes", "arg_types"}
+MODEL = {"model", "attention", "kernels", "cpu_kernels", "quantization", "parallel"}
+ROOM_IMPORTS = {
+    "__main__": {"cli"},
+    "cli": {"server", "engine", "data_parallel", "core", "bench", "multimodal"} | BASE,  # multimodal: make-tiny-model
+    "bench": {"server", "llm"} | BASE,
+    "demo": {"__init__", "server"} | BASE,
+    "__init__": {"llm", "core"} | BASE,  # the rest on first use
+    "server": {"engine", "lora", "multimodal", "pooling"} | BASE,
+    "llm": {"engine", "core", "lora", "multimodal", "pooling"} | BASE,
+    "engine": {"core", "data_parallel", "lora", "multimodal"} | BASE,
+    "data_parallel": {"core"} | BASE,
+    "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
+    "core": {"executor", "attention", "spec_decode", "lora", "multimodal"} | BASE,
+    "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
+    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal"} | BASE,
+    "spec_decode": {"model"} | BASE,
+    "lora": {"model", "parallel"} | BASE,
+    "multimodal": BASE,
+    "quantization": {"model", "cpu_kernels"},
+    "parallel": {"model"},
+    "attention": {"kernels", "cpu_kernels"},
+    "model": set(), "kernels": set(), "cpu_kernels": set(),
+    "config": {"attention", "parallel", "quantization", "arg_types"},
+    "errors": set(), "processes": set(), "arg_types": set(),
+}
+
+
+def stage5_room_graph() -> dict[str, dict[str, list[str]]]:
+    return layering_report.room_graph(layering_report.ModuleIndex(ROOT))
+
+
+def test_every_room_imports_only_the_rooms_its_layer_may():
+    graph = stage5_room_graph()
+    assert set(graph) == set(ROOM_IMPORTS), "a room was added or removed: place it in ROOM_IMPORTS"
+    unexpected = {room: {target: where[:2] for target, where in targets.items() if target not in ROOM_IMPORTS[room]}
+                  for room, targets in graph.items()}
+    assert {room: found for room, found in unexpected.items() if found} == {}
+
+
+def test_no_two_rooms_import_each_other_even_through_others():
+    assert layering_report.simple_cycles(stage5_room_graph()) == []
+
+
+def test_the_worker_reaches_the_core_only_for_its_messages():
+    index = layering_report.ModuleIndex(ROOT)
+    reached = {target for module in index.path_of if module.startswith("stage5_server.worker")
+               for statement in layering_report.imports_of(index, module) if not statement.type_checking
+               for target in statement.named if target.startswith("stage5_server.core")}
+    assert reached == {"stage5_server.core.scheduler_output"}
