@@ -321,7 +321,7 @@ The chained hashes of every *full* block of ``token_ids``, from the first block 
 Block ``i`` covers ``token_ids[i * block_size : (i + 1) * block_size]``; its hash is
 ``hash_block_tokens(parent, block_tokens, extra_keys, hash_fn)`` where ``parent`` is block
 ``i - 1``'s hash (None for block 0). So equal tokens after different prefixes get different
-hashes, and a salt or adapter in ``extra_keys`` changes every hash. A trailing partial block
+hashes, and a salt in ``extra_keys`` changes every hash. A trailing partial block
 is never hashed (its contents will still change). ``block_size`` that is not a positive
 integer is a ``ValueError`` naming ``block_size``.
 """,
@@ -388,7 +388,7 @@ The longest run of cached blocks that matches the request from its first token.
 
 Return ``(blocks, num_computed_tokens)``. With caching off, return ``([], 0)`` and count
 nothing. Otherwise take the request's full-block hashes (``self._get_block_hashes(request)``,
-which includes its salt and adapter), and walk them from the start, looking each up with
+which includes its cache salt), and walk them from the start, looking each up with
 ``self.block_pool.get_cached_block``; stop at the first miss. The hit is capped at
 ``num_tokens - 1`` tokens, rounded down to whole blocks: the last prompt position is always
 computed, because its logits give the first output token. So with block size 4 a prompt sharing
@@ -405,7 +405,6 @@ only 4; a 9-token prompt whose first 8 are cached reuses 8. Count the lookup in
             tests=(
                 S4_CORE + "test_only_full_blocks_are_reused",
                 S4_CORE + "test_chained_hash_distinguishes_identical_block_tokens_after_different_prefixes",
-                S4_CORE + "test_two_sources_with_the_same_value_hash_differently",
                 S4_CORE + "test_cache_salt_changes_reuse_identity",
                 S4_CORE + "test_hit_is_capped_at_prompt_minus_one_and_rounded_down_to_whole_blocks",
                 S4_CORE + "test_prefix_cache_stats_count_queried_and_hit_tokens",
