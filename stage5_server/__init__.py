@@ -2,7 +2,7 @@
 engine core steps on its own (on a thread, or in a process of its own), and a secured
 OpenAI-compatible HTTP server streams its results.
 
-Stage 4's scheduler and KV cache manager run inside vLLM V1's chain: ``config.py``
+Stage 4's scheduler and KV cache manager run inside vLLM V1's chain: ``config/``
 (``EngineConfig``, every argument checked once), ``core/`` (``build_engine_core``, ``EngineCore``,
 the scheduler with draft tokens; ``vllm/v1/engine/core.py``), ``executor/`` and ``worker/`` (where
 the workers live, and each rank's ``Worker``, ``ModelRunner`` and ``InputBatch``;

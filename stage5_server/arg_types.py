@@ -1,5 +1,5 @@
 """Argument types: each parses one command-line value or raises ``argparse.ArgumentTypeError`` saying
-what was expected. The engine argument table (``config.py``) names them for its flags, the ``stagedserve``
+what was expected. The engine argument table (``config/__init__.py``) names them for its flags, the ``stagedserve``
 subcommands (``cli/``, ``bench/cli.py``) for theirs; this module imports nothing of the project.
 
 vLLM: the type functions beside ``EngineArgs`` in ``vllm/engine/arg_utils.py`` (``human_readable_int``).

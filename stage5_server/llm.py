@@ -1,7 +1,7 @@
 """``LLM`` for stage5: the offline API over an engine core built from one config, in this process.
 
 Where stages 1-4 build their engine by subclassing the stage before, stage 5 builds it as vLLM V1
-does: ``EngineConfig.create`` checks every argument once (``config.py``) and ``build_engine_core``
+does: ``EngineConfig.create`` checks every argument once (``config/``) and ``build_engine_core``
 starts the workers and sizes the KV cache (``core/builder.py``). The front end is the server's:
 ``InputProcessor`` turns every kind of prompt into engine requests (``engine/input_processor.py``) and
 ``OutputProcessor`` turns the core's outputs into ``RequestOutput``s (``engine/output_processor.py``);

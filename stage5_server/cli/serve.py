@@ -3,7 +3,7 @@
     stagedserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key 'KEY [group=NAME]']... [engine flags]
 
 Engine flags use vLLM's names and are made from the engine argument table (``ENGINE_ARG_TABLE`` in
-``config.py``); only those given reach ``LLM(...)``. The server's own flags become one ``ServerConfig``
+``config/__init__.py``); only those given reach ``LLM(...)``. The server's own flags become one ``ServerConfig``
 (``options.py``) for ``create_app``. API keys come from ``--api-key`` or else ``STAGEDSERVE_API_KEY``
 (command lines show in ``ps``); ``'KEY group=NAME'`` puts a key in a trust group (the key is always
 the whole first word, as vLLM takes it). The engine core runs in a process of its own unless
@@ -102,7 +102,7 @@ def add_serve_subcommand(subparsers) -> None:
 
 
 def add_engine_flags(group) -> None:
-    """A flag for each engine argument of ``ENGINE_ARG_TABLE`` (``config.py``) that has one. Its default is
+    """A flag for each engine argument of ``ENGINE_ARG_TABLE`` (``config/__init__.py``) that has one. Its default is
     None, not the engine's: a flag left out is not passed, and the engine's own default applies."""
     for arg in ENGINE_ARG_TABLE:
         if not arg.cli:

@@ -117,7 +117,7 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
                    "graph compiled at start-up (--no-enforce-eager: in float32 too)"),
     EngineArg("cpu_threads", None, type=positive_int,
               help="torch threads of the engine on a CPU (default: one per physical core)"),
-    EngineArg("speculative_config", None, type=json_object, metavar="JSON",  # spec_decode/config.py; None: off
+    EngineArg("speculative_config", None, type=json_object, metavar="JSON",  # config/speculative.py; None: off
               help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)'),
     EngineArg("runner", "auto", choices=RUNNERS,  # auto: pooling for an encoder (pooling/config.py)

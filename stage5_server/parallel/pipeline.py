@@ -4,7 +4,7 @@ With ``pipeline_parallel_size=P`` the decoder's layers are cut into P consecutiv
 (``stage_layers``); stage 0 also holds the token embedding, the last stage the final norm and the
 LM head. Each rank builds only its stage (``load_stage_model``: its layers renumbered from 0, so its
 KV cache has a slot for its own layers only) and reads only those tensors from the checkpoint.
-A step runs stage by stage: every stage gets the same ``ModelRunnerInput`` and prepares the same
+A step runs stage by stage: every stage gets the same ``SchedulerOutput`` and prepares the same
 positions, stage 0 embeds the tokens, each stage but the last sends its output to the next
 (``PipelineStage.forward``), and the last stage computes logits and samples. Under tensor
 parallelism too, each TP rank of a stage hands its (identical) hidden states to the same TP rank

@@ -3,7 +3,7 @@ model checks them all, and a request gains up to ``k + 1`` tokens per step inste
 
 The pieces, in the order a step meets them:
 
-- ``config.py``: ``speculative_config`` (vLLM's keys), checked once in ``EngineConfig``;
+- ``config/speculative.py``: ``speculative_config`` (vLLM's keys), checked once in ``EngineConfig``;
 - ``drafter.py``: what the engine core owns (``make_drafter``): after each step it proposes the next
   drafts of every request that goes on, from ``ngram_proposer.py`` (prompt lookup on the request's
   tokens) or from ``draft_model.py`` (a smaller model with the target's vocabulary and a paged KV cache
