@@ -46,8 +46,8 @@ Rows:
    ``DUMP_INTERVAL_S`` to a file in the directory ``LAYERING_TRACE_DIR`` names, and the parent keeps
    what intersects its window. Reported: API-process modules / engine-process modules / their
    union (distinct module names). ``--verbose`` lists every module with the functions that made it
-   count. The issue that asked for this row said "about 41 modules" without a definition; compare
-   against the numbers this definition gives, not against that estimate.
+   count. Earlier estimates of this row ("about 41 modules") had no definition; compare against
+   the numbers this definition gives, not against such estimates.
 4. ``stage5_server`` lines without ``bench/`` and ``kernels/``.
 5. Lines each stage-5 feature adds outside its room: every non-blank line (code, comment or
    docstring) of a ``.py`` file in ``shared/``, stages 1-4 and ``stage5_server`` (less ``bench/``
@@ -56,8 +56,8 @@ Rows:
    camel-case hump: ``enable_lora``, ``MaxLoRA``, ``num_draft_tokens`` match; ``Albert``,
    ``division`` do not) and may go on (``drafts``, ``adapters``); false friends (the table's
    ``false_friends`` and ``COMMON_FALSE_FRIENDS``) are blanked out of a line before it is matched.
-6. Stage-5 feature words in ``shared/`` and stages 1-4: lines matching ``STAGE5_WORDS`` (the issue's
-   expression, ``\\b`` boundaries as written, so a snake_case compound such as ``enable_lora`` or
+6. Stage-5 feature words in ``shared/`` and stages 1-4: lines matching ``STAGE5_WORDS`` (the
+   design's expression, ``\\b`` boundaries as written, so a snake_case compound such as ``enable_lora`` or
    ``num_draft_tokens`` is seen only by row 5), with ``COMMON_FALSE_FRIENDS`` blanked out first.
 7. Import cycles between ``stage5_server`` rooms: a room is a direct subpackage or a top-level
    module of ``stage5_server`` (its ``__init__.py`` is the room ``__init__``). An edge A -> B is an
@@ -149,7 +149,7 @@ COMMON_FALSE_FRIENDS: tuple[str, ...] = (
     r"\b\w*(?:Thread|Process)Pool\w*\b", r"\b(?:thread|process|worker|connection) pool\b",  # executors
 )
 
-# Row 6: the issue's expression, as written.
+# Row 6: the design's expression, as written.
 STAGE5_WORDS = r"\b(lora[a-z_]*|mm_[a-z_]+|spec_[a-z_]+|draft[a-z_]*|pooled[a-z_]*|bert[a-z_]*|vision[a-z_]*" \
                r"|image[a-z_]*|pool(ing|er))\b"
 

@@ -152,7 +152,7 @@ def test_feature_words_count_real_uses_and_ignore_the_documented_false_friends(t
     assert [n for n, _ in lora["shared/words.py"]] == [15, 16]
     spec = lr.feature_lines_outside(feature("speculative decoding"), root)
     assert [n for n, _ in spec["shared/words.py"]] == [17]
-    # Row 6: the expression, block_pool blanked; its \b boundaries miss enable_lora and num_draft_tokens.
+    # Row 6: the design's expression, block_pool blanked; its \b boundaries miss enable_lora and num_draft_tokens.
     words = lr.stage5_words_before_stage5(root)
     assert [n for n, _ in words["shared/words.py"]] == [12]
     assert "stage5_server/server/pooling.py" not in words
