@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from shared.outputs import Logprob, RequestOutput
 from shared.structured_output import StructuredOutputsParams
 from stage5_server.multimodal.processor import count_image_parts, has_image_parts, load_image_parts
-from stage5_server.server.completions import token_text
+from stage5_server.server.completions import token_text, wire_logprob
 from stage5_server.server.errors import APIError
 from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
 from stage5_server.server.protocol import ChatCompletionRequest
@@ -79,7 +79,7 @@ def chat_logprobs(output: RequestOutput, top_n: int) -> dict[str, Any] | None:
 
     def item(lp: Logprob) -> dict[str, Any]:
         token = token_text(lp)
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": wire_logprob(lp), "bytes": list(token.encode())}
 
     content = []
     for token_id, entry in zip(completion.token_ids, completion.logprobs):

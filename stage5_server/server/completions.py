@@ -27,6 +27,15 @@ def token_text(logprob: Logprob) -> str:
     return logprob.decoded_token or ""  # the front end decodes it
 
 
+# JSON has no infinity. A token the step could not sample (a grammar or a logit bias masked it out) has
+# logprob -inf; it goes out as this number, as vLLM sends it.
+MIN_WIRE_LOGPROB = -9999.0
+
+
+def wire_logprob(logprob: Logprob) -> float:
+    return max(logprob.logprob, MIN_WIRE_LOGPROB)
+
+
 def completion_logprobs(output: RequestOutput, text_offset: int,
                         special: frozenset[int] = frozenset()) -> dict[str, Any] | None:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset.
@@ -62,8 +71,9 @@ def _append(result: dict[str, list], token_id: int, entry: dict[int, Logprob], t
     chosen = entry[token_id]  # the sampler (or prefill) always records the chosen token
     token = token_text(chosen)
     result["tokens"].append(token)
-    result["token_logprobs"].append(chosen.logprob)
-    result["top_logprobs"].append({token_text(lp): lp.logprob for lp in sorted(entry.values(), key=lambda x: x.rank)})
+    result["token_logprobs"].append(wire_logprob(chosen))
+    ranked = sorted(entry.values(), key=lambda x: x.rank)
+    result["top_logprobs"].append({token_text(lp): wire_logprob(lp) for lp in ranked})
     result["text_offset"].append(text_offset)
     return token
 

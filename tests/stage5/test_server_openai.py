@@ -181,6 +181,25 @@ def test_chat_logprobs_with_top_logprobs(client):
         assert bytes(entry.bytes).decode(errors="replace") == entry.token
 
 
+def test_tokens_a_grammar_masks_out_get_vllms_floor_logprob_in_valid_json(client, http):
+    # Under a grammar most of the vocabulary is masked to -inf; JSON has no infinity, so those
+    # logprobs go out as -9999.0, as vLLM sends them (a 500 before).
+    grammar = {"structured_outputs": {"choice": ["yes", "no"]}}
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[10], max_tokens=4, temperature=0, logprobs=5,
+                                           extra_body=grammar)
+    logprobs = completion.choices[0].logprobs
+    assert completion.choices[0].text in ("yes", "no")
+    assert all(-9999.0 < lp <= 0 for lp in logprobs.token_logprobs)  # a sampled token was never masked
+    assert -9999.0 in logprobs.top_logprobs[0].values()
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=5, extra_body=grammar)
+    first = chat.choices[0].logprobs.content[0]
+    assert first.logprob > -9999.0 and -9999.0 in [t.logprob for t in first.top_logprobs]
+    streamed = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[10], "max_tokens": 4,
+                                                  "logprobs": 5, "stream": True, **grammar})
+    assert streamed.status_code == 200 and "Infinity" not in streamed.text and "data: [DONE]" in streamed.text
+
+
 def test_tokenize_and_detokenize_round_trip(http):
     tokens = http.post("/tokenize", json={"prompt": "Hello, world!"}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
