@@ -12,6 +12,7 @@ vLLM: ``SchedulerStats`` in ``vllm/v1/metrics/stats.py`` (its ``spec_decoding_st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.metrics import SchedulerStats as _SchedulerStats
 from stage4_prefix_cache.scheduler import LoggingStatLogger as _PrefixCacheStatLogger
@@ -25,6 +26,10 @@ class SchedulerStats(_SchedulerStats):
 
 class LoggingStatLogger(_PrefixCacheStatLogger):
     """Stage 4's stats line, plus the drafts' acceptance in the interval when any were verified."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.last = SchedulerStats()  # stage 5's zero, so drafts in the very first interval are shown too
 
     @staticmethod
     def fields(before: _SchedulerStats, after: _SchedulerStats, seconds: float) -> list[str]:

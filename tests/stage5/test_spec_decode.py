@@ -170,6 +170,8 @@ def test_acceptance_is_counted_per_position_and_shown_in_the_stats_line(tiny_lla
     length = 1 + stats.spec_decoding.num_accepted_tokens / stats.spec_decoding.num_drafts
     assert f"Spec decode acceptance rate: {100 * rate:.1f}%, mean acceptance length: {length:.2f}" in line
     assert "Spec decode" not in LoggingStatLogger.format_line(stats, stats, 1.0)  # nothing verified: nothing shown
+    first = LoggingStatLogger(1.0)  # a server whose first interval already verified drafts
+    assert "Spec decode acceptance rate" in first.maybe_log(stats, now=first.last_time + 1.0)
 
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "enum": ["a", "bb"]}},
