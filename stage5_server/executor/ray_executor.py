@@ -141,9 +141,12 @@ class RayWorkerWrapper:
 
         device = torch.device("cuda", 0) if config.device.type == "cuda" else torch.device("cpu")  # Ray's GPU
         threads = os.environ.get("OMP_NUM_THREADS")
-        interface = resolve_interface(config.args["distributed_interface"])  # named, this host's VLLM_HOST_IP's, lo
+        store = interface = None
+        if config.parallel.world_size > 1:  # named, or this host's VLLM_HOST_IP's, or the loopback
+            store = RendezvousStore(rendezvous, timeout_s)
+            interface = resolve_interface(config.args["distributed_interface"])
         self.worker = start_worker(config, rank, device, int(threads) if threads else 1,  # the bundle's one CPU
-                                   RendezvousStore(rendezvous, timeout_s), interface, timeout_s)
+                                   store, interface, timeout_s)
         return {**self.worker.describe(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def call(self, method: str | Callable, args: tuple):
