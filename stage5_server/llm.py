@@ -78,10 +78,10 @@ class LLM(PoolingAPI, BaseLLM):
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
                 request_id = str(next(self._ids))
-        if lora_request is not None:
-            self.check_lora_request(lora_request)
         parent, requests = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
                                                                cache_salt=cache_salt, lora_request=lora_request)
+        if lora_request is not None:  # a LoRARequest, with adapters on: process_inputs checked both
+            self.check_adapter(lora_request)
         taken = [r.request_id for r in requests if self.output_processor.has_request(r.request_id)]
         if taken and parent is not None:
             raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
@@ -93,16 +93,11 @@ class LLM(PoolingAPI, BaseLLM):
         except StepFailed as exc:  # the core aborted the step's requests; the caller sees what failed
             raise exc.cause from None
 
-    def check_lora_request(self, lora_request: object) -> None:
-        """An adapter is served only with ``enable_lora``, and only once its directory passed the checks
-        the workers will make (``lora/adapter.py``): a bad one fails here, before any request is queued."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
-        lora = self.config.lora
-        if lora is None:
-            raise ValueError("lora_request: this engine serves no adapters; build it with enable_lora=True")
+    def check_adapter(self, lora_request: LoRARequest) -> None:
+        """An adapter is served only once its directory passed the checks the workers will make
+        (``lora/adapter.py``), checked once: a bad one fails here, before any request is queued."""
         if lora_request.key not in self._checked_adapters:
-            load_adapter(lora_request.lora_path, self.model_config, lora.max_lora_rank)
+            load_adapter(lora_request.lora_path, self.model_config, self.config.lora.max_lora_rank)
             self._checked_adapters.add(lora_request.key)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
