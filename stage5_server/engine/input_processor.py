@@ -25,7 +25,8 @@ vLLM: ``vllm/v1/engine/input_processor.py`` (``processor.py`` in older versions)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from shared.llm_base import PromptType, check_inputs, check_prompt_fits
 from shared.parallel_sampling import ParentRequest
@@ -106,11 +107,7 @@ class InputProcessor:
 
     def render(self, prompt: dict) -> tuple[list[int], list]:
         """A conversation's token ids, each image part rendered as the image token; and the images, in order."""
-        messages, images = prompt["messages"], []
-        if count_image_parts(messages):
-            if self.image_processor is None:
-                raise ValueError(f"messages: {NO_IMAGES}")
-            messages, images = split_image_parts(messages, load_offline_part)
+        messages, images = self._split_images(prompt["messages"], load_offline_part)
         render = {k: v for k, v in prompt.items() if k != "messages"}
         add_generation_prompt = render.pop("add_generation_prompt", True)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **render), images
@@ -119,12 +116,17 @@ class InputProcessor:
                           **render: object) -> list[int]:
         """What ``/tokenize`` shows of a conversation: its token ids with each image's placeholders (the
         images themselves are not needed to count them)."""
-        if count_image_parts(messages):
-            if self.image_processor is None:
-                raise ValueError(f"messages: {NO_IMAGES}")
-            messages, _ = split_image_parts(messages, lambda part: None)
+        messages, _ = self._split_images(messages, lambda part: None)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **render)
         return ids if self.image_processor is None else self.image_processor.expand(ids)
+
+    def _split_images(self, messages: list[dict], load: Callable[[dict], Any]) -> tuple[list[dict], list]:
+        """The messages with each image part as the template's image token, and ``load(part)`` of each part."""
+        if not count_image_parts(messages):
+            return messages, []
+        if self.image_processor is None:
+            raise ValueError(f"messages: {NO_IMAGES}")
+        return split_image_parts(messages, load)
 
     def pooling_request(self, request_id: str, token_ids: list[int], cache_salt: str | None = None,
                         ) -> EngineCoreRequest:
