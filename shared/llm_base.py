@@ -180,10 +180,10 @@ class BaseLLM:
         return processed.outputs
 
     def _engine_step(self) -> list[OutputDelta]:
-        """One engine step: what it added to each request the front end tracks."""
+        """One engine step: what it added to each request the front end wants to hear of now."""
         processor = self.output_processor
         return [OutputDelta.from_request(req, processor.num_output_tokens(req.request_id)) for req in self.engine.step()
-                if processor.has_request(req.request_id)]
+                if processor.wants_delta(req.request_id, req.is_finished)]
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()

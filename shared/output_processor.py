@@ -22,6 +22,7 @@ request (``n > 1``) is merged into its parent's output (``shared/parallel_sampli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from shared.metrics import RequestTimeline
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
@@ -134,9 +135,15 @@ class RequestState:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
+    output_type: ClassVar[type[RequestOutput]] = RequestOutput  # what ``output`` makes
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def waits_for_finish(self) -> bool:
+        """A ``final_only`` request with no stop string to watch for needs its tokens only once it finishes."""
+        return self.final_only and not self.text.params.stop
 
     def update(self, delta: OutputDelta) -> bool:
         """Take in one step's delta; return True when a stop string just ended the request."""
@@ -152,8 +159,7 @@ class RequestState:
         was_finished = self.finished
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        params = self.text.params
-        if self.final_only and not self.finished and not params.stop:
+        if self.waits_for_finish() and not self.finished:
             return False  # its text is needed only at the end
         by_stop_token = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
         stop = self.text.update(self.token_ids, self.finished, by_stop_token)
@@ -176,7 +182,7 @@ class RequestState:
         """An output with ``text`` and output tokens ``start .. end``."""
         completion = CompletionOutput(self.index, text, self.token_ids[start:end], self.finish_reason,
                                       self.stop_reason, None if self.logprobs is None else self.logprobs[start:end])
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+        return self.output_type(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=self.finished, timeline=self.timeline,
                              num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
                              prompt_logprobs=self.prompt_logprobs)
@@ -204,6 +210,12 @@ class OutputProcessor:
 
     def num_output_tokens(self, request_id: str) -> int:
         return len(self.request_states[request_id].token_ids)
+
+    def wants_delta(self, request_id: str, finished: bool) -> bool:
+        """Whether this step's delta of engine request ``request_id`` is wanted: not for one it does not track,
+        and for one that waits for its finish, only then (its next delta carries every token since)."""
+        state = self.request_states.get(request_id)
+        return state is not None and (finished or not state.waits_for_finish())
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, *, final_only: bool = False, parent: ParentRequest | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from shared.metrics import RequestTimeline
 from shared.output_processor import OutputDelta, OutputProcessorOutput, OutputText
@@ -61,6 +61,7 @@ class RequestState(_RequestState):
     sent_chars: int = 0  # of the text, already in an output (DELTA)
     sent_tokens: int = 0
     pooled: list[float] | None = None
+    output_type: ClassVar[type[RequestOutput]] = RequestOutput  # with ``pooled``
 
     def update(self, delta: OutputDelta) -> bool:
         pooled = getattr(delta, "pooled", None)
@@ -89,7 +90,9 @@ class RequestState(_RequestState):
         return None if delta is None else self.output(*delta)
 
     def output(self, text: str, start: int, end: int) -> RequestOutput:
-        return RequestOutput(**vars(super().output(text, start, end)), pooled=self.pooled)
+        output = super().output(text, start, end)
+        output.pooled = self.pooled
+        return output
 
 
 @dataclass
