@@ -112,9 +112,13 @@ def add_limit_flags(group) -> None:
     from stage5_server.server.limits import FLAGS, RequestLimits
 
     helps = {"max_prompts_per_request": "prompts in one completion request",
-             "max_messages_per_request": "messages of one conversation (Responses: input items)",
+             "max_messages_per_request": "messages of one conversation (Responses: input items), and the content "
+                                         "parts of its messages",
+             "max_tools_per_request": "tools of one request",
              "max_choices_per_request": "choices of one request: prompts x n",
              "max_logprobs_per_request": "logprobs one request may ask for per token: prompts x n x logprobs",
+             "max_returned_logprobs_per_request": "logprobs one request may return in all: prompts x n x max_tokens "
+                                                  "x (logprobs + 1)",
              "max_structured_output_bytes": "bytes of one structured-output constraint (as JSON)"}
     for name, flag in FLAGS.items():
         group.add_argument(flag, type=positive_int, default=getattr(RequestLimits, name),

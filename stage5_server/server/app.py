@@ -1,7 +1,7 @@
 """``create_app``: the FastAPI app, its middleware, and which routes it has.
 
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
-         -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
+         -> BodySizeLimitMiddleware (413; limits.py) -> route: decoded, parsed and checked (body.py, 400),
             parse strictly (protocol.py, 400)
          -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
@@ -29,13 +29,13 @@ from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
 from stage5_server.server import chat, completions, lora_models, models, pooling, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
+from stage5_server.server.body import CheckedRoute
 from stage5_server.server.config import ServerConfig
 from stage5_server.server.errors import APIError, install_error_handlers
 from stage5_server.server.limits import BodySizeLimitMiddleware
 from stage5_server.server.metrics import PrometheusStatLogger
 from stage5_server.server.openapi import openapi_with_openai_errors
 from stage5_server.server.serving import OpenAIServing
-from stage5_server.server.unicode import CheckedRoute
 
 logger = logging.getLogger("stagedserve")
 
@@ -85,7 +85,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
 
     app = FastAPI(title="stagedserve", version=version(), lifespan=lifespan,
                   description="An OpenAI-compatible server over the stagedserve engine.")
-    app.router.route_class = CheckedRoute  # every JSON body: well-formed Unicode, or a 400 (unicode.py)
+    app.router.route_class = CheckedRoute  # every JSON body: decoded, parsed (off the loop if large), checked
     app.state.engine = engine
     app.state.server_config = config
     app.state.metrics = metrics

@@ -1,12 +1,15 @@
 """What one request may ask of the server, each capped before any work that grows with it.
 
 In the order they are checked, cheapest first: the body (413 by Content-Length up front, or
-counted as it arrives), then, once it is parsed and before anything is rendered or tokenized,
-the number of prompts, of messages, of choices (prompts x ``n``), of logprobs (choices x
-``logprobs``), the size of a structured-output constraint, and a text too long for the context
-whatever it tokenizes to (``RequestLimits``). Each is a 400 (413 for the body) that names the
-server flag setting it. The prompt's exact token count against the context comes after, in the
-engine's input processor, off the event loop.
+counted as it arrives); once it is parsed, and before the route's request model validates it
+(``body.py``), the length of each list in it that validation would walk (``check_lists``:
+prompts, messages, content parts, tools); then, before anything is rendered or tokenized, the
+number of choices (prompts x ``n``), of logprobs per token position (choices x ``logprobs``), of
+logprobs returned in all (choices x ``max_tokens`` x (``logprobs`` + 1)), the size of a
+structured-output constraint, and a text too long for the context whatever it tokenizes to
+(``check``). Each is a 400 (413 for the body) that names the server flag setting it. The
+prompt's exact token count against the context comes after, in the engine's input processor, off
+the event loop.
 
 vLLM has none of these of its own (uvicorn reads any body, a prompt list is any length); a server
 that tokenizes and samples for whatever it reads needs them.
@@ -31,9 +34,11 @@ class RequestLimits:
     """The caps on one request; each field's flag is ``--`` and its name with dashes (``FLAGS``)."""
 
     max_prompts_per_request: int = 256  # a completion's prompt list
-    max_messages_per_request: int = 2048  # a chat conversation, a Responses input list
+    max_messages_per_request: int = 2048  # a chat conversation, a Responses input list, and their content parts
+    max_tools_per_request: int = 128  # OpenAI's own cap on a request's tools
     max_choices_per_request: int = 256  # prompts x n
     max_logprobs_per_request: int = 1280  # prompts x n x logprobs (+ prompts x prompt logprobs)
+    max_returned_logprobs_per_request: int = 1 << 18  # prompts x n x max_tokens x (logprobs + 1)
     max_structured_output_bytes: int = 64 << 10  # the JSON of a schema, regex, choice list or grammar
 
     def __post_init__(self) -> None:
@@ -41,11 +46,29 @@ class RequestLimits:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
-    def check(self, prompts: list[Any], n: int, logprobs: int | None, prompt_logprobs: int | None,
-              structured: Any | None, context: tuple[int, int] | None = None, prompt_param: str = "prompt") -> None:
-        """Refuse a request over a cap, cheapest check first. ``context``: ``(max_model_len, the most
-        characters one token stands for)``; a text longer than their product cannot fit, whatever it
-        tokenizes to, and is refused before it is tokenized."""
+    def check_lists(self, route: str, body: Any) -> None:
+        """Refuse a parsed body whose lists are longer than the caps allow, before the route's request
+        model validates it (validating costs microseconds an item, on the event loop)."""
+        if not isinstance(body, dict):
+            return
+        for field, name in COUNTED_LISTS.get(route, ()):
+            items = body.get(field)
+            if not isinstance(items, list) or (field == "prompt" and items and isinstance(items[0], int)):
+                continue  # not a list of items (a prompt of token ids is one prompt)
+            if len(items) > getattr(self, name):
+                raise self._over(name, field, f"{len(items)} {ITEM_NAMES[name]}")
+            if name == "max_messages_per_request":  # each message's content parts count too
+                parts = sum(len(item["content"]) for item in items
+                            if isinstance(item, dict) and isinstance(item.get("content"), list))
+                if parts > self.max_messages_per_request:
+                    raise self._over(name, field, f"{parts} content parts")
+
+    def check(self, prompts: list[Any], params: Any, context: tuple[int, int] | None = None,
+              prompt_param: str = "prompt") -> None:
+        """Refuse a request over a cap, cheapest check first. ``params``: its ``SamplingParams``.
+        ``context``: ``(max_model_len, the most characters one token stands for)``; a text longer than
+        their product cannot fit, whatever it tokenizes to, and is refused before it is tokenized."""
+        n, logprobs, prompt_logprobs = params.n, params.logprobs, params.prompt_logprobs
         if len(prompts) > self.max_prompts_per_request:
             raise self._over("max_prompts_per_request", prompt_param, f"{len(prompts)} prompts")
         messages = sum(len(p["messages"]) for p in prompts if isinstance(p, dict) and "messages" in p)
@@ -57,6 +80,14 @@ class RequestLimits:
         if asked > self.max_logprobs_per_request:
             raise self._over("max_logprobs_per_request", "logprobs", f"{asked} logprobs per token position "
                              f"({len(prompts)} prompt(s) x n={n} x logprobs={logprobs or 0})")
+        if logprobs is not None:  # each output token's own logprob, and its ``logprobs`` alternatives
+            max_tokens = params.max_tokens if params.max_tokens is not None else (context or (0,))[0]
+            returned = len(prompts) * n * max_tokens * (logprobs + 1)
+            if returned > self.max_returned_logprobs_per_request:
+                raise self._over("max_returned_logprobs_per_request", "logprobs", f"up to {returned} logprobs in "
+                                 f"all ({len(prompts)} prompt(s) x n={n} x max_tokens={max_tokens} x "
+                                 f"(logprobs={logprobs} + 1))")
+        structured = params.structured_outputs
         if structured is not None:
             size = len(json.dumps(structured.key()[1], ensure_ascii=False, default=str).encode())
             if size > self.max_structured_output_bytes:
@@ -81,6 +112,16 @@ class RequestLimits:
 
 
 FLAGS = {name: "--" + name.replace("_", "-") for name in RequestLimits.__dataclass_fields__}
+
+# The lists of each route's body that ``check_lists`` counts, and the cap on each.
+COUNTED_LISTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "/v1/completions": (("prompt", "max_prompts_per_request"),),
+    "/v1/chat/completions": (("messages", "max_messages_per_request"), ("tools", "max_tools_per_request")),
+    "/v1/responses": (("input", "max_messages_per_request"), ("tools", "max_tools_per_request")),
+    "/tokenize": (("messages", "max_messages_per_request"), ("tools", "max_tools_per_request")),
+}
+ITEM_NAMES = {"max_prompts_per_request": "prompts", "max_messages_per_request": "messages",
+              "max_tools_per_request": "tools"}
 
 
 def text_chars(prompt: Any) -> int:

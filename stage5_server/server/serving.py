@@ -196,8 +196,7 @@ class OpenAIServing:
 
     def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
-        self.limits.check(prompts, params.n, params.logprobs, params.prompt_logprobs, params.structured_outputs,
-                          self.context, prompt_param)
+        self.limits.check(prompts, params, self.context, prompt_param)
 
     def record_parents(self, num_tokens: list[int], n: int) -> None:
         """``num_tokens``: each choice's output tokens; prompt i's samples are ``[i * n : (i + 1) * n]``."""

@@ -1,11 +1,13 @@
 """Inputs at the edge of what the server accepts: each is a clear 400 or a right answer, never a 500 or a
 200 that hides a failure, and nothing in a request can forge a turn of the conversation.
 
-- a lone UTF-16 surrogate in any text field (checked once, where the body is parsed);
+- a lone UTF-16 surrogate in any text field (checked once, where the body is parsed), whether the JSON
+  spells it as an escape or sends it as raw code units in a UTF-16, UTF-32 or CESU-8 body;
 - ``min_tokens`` beyond what the context leaves (vLLM's 400);
 - a structured-output grammar that fails while generating (an error, streamed or not);
 - ``$defs`` in a tool's parameters with ``tool_choice: "required"``;
-- control-token strings anywhere in a tool's schema (``/tokenize`` shows no control token added).
+- control-token strings anywhere in a tool's schema (``/tokenize`` shows no control token added);
+- one budget over what a request may make the server return: choices x ``max_tokens`` x logprobs.
 """
 
 from __future__ import annotations
@@ -73,11 +75,52 @@ SURROGATE_BODIES = {
 @pytest.mark.parametrize("name", list(SURROGATE_BODIES))
 def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(client, name):
     path, body, param = SURROGATE_BODIES[name]
+    if path != "/tokenize":  # short answers: the well-formed body below is generated
+        body = {**body, "max_output_tokens" if path == "/v1/responses" else "max_tokens": 2}
     response = _post_raw(client, path, json.dumps(body).replace("BAD", SURROGATE))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "Unicode" in error["message"]
     assert _post_raw(client, path, json.dumps(body).replace("BAD", "\\ud83d\\ude42")).status_code != 500  # a pair
+
+
+# JSON text may be UTF-8, UTF-16 or UTF-32 (RFC 8259 8.1); in these a lone surrogate arrives as raw code units,
+# not as an escape. CESU-8 is UTF-8 that spells a surrogate as three bytes, which UTF-8 forbids.
+ENCODINGS = ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "utf-16", "cesu-8"]
+ENCODED_ROUTES = {
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "aBADb", "max_tokens": 2}, "prompt"),
+    "chat": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": "hiBAD"}]}, "messages[0].content"),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "BAD", "max_output_tokens": 2}, "input"),
+    "tokenize": ("/tokenize", {"model": MODEL, "prompt": "BAD"}, "prompt"),
+}
+
+
+def _encoded(body: dict, text: str, encoding: str) -> bytes:
+    raw = json.dumps(body, ensure_ascii=False).replace("BAD", text)
+    return raw.encode("utf-8" if encoding == "cesu-8" else encoding, "surrogatepass")
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("route", list(ENCODED_ROUTES))
+def test_a_lone_surrogate_sent_as_raw_code_units_is_a_400_naming_the_field(client, route, encoding):
+    path, body, param = ENCODED_ROUTES[route]
+    response = client.post(path, content=_encoded(body, "\ud800", encoding),
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == param and "Unicode" in error["message"], error
+    # The same body, well-formed, in the same encoding: JSON allows it, and it is answered.
+    response = client.post(path, content=_encoded(body, "\u00e9\U0001f642", encoding),
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text[:300]
+
+
+def test_a_body_that_is_not_text_in_its_encoding_is_a_400(client):
+    body = b'{"model": "tiny", "prompt": "a' + bytes([0xFF, 0xFE]) + b'b"}'  # no UTF-8 text holds these bytes
+    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text[:300]
+    assert "UTF-8" in response.json()["error"]["message"]
 
 
 def test_min_tokens_beyond_what_the_context_leaves_is_a_400(client):
@@ -111,6 +154,40 @@ def test_a_grammar_that_fails_while_generating_ends_the_request_with_an_error(cl
         error = response.json()["error"]
     assert error["code"] == "grammar_failed"
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# A short free string first, then the recursive object: the grammar fails only after tokens were streamed.
+FAILS_LATER = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 5}, "a": {"$ref": "#/$defs/A"}},
+               "required": ["x", "a"], "$defs": RECURSIVE["$defs"]}
+FAILS_LATER_BODIES = {
+    "completions": ("/v1/completions", {"prompt": "x", "max_tokens": 900, "structured_outputs": {"json": FAILS_LATER}}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 900,
+                                      "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "a", "schema": FAILS_LATER}}}),
+    "responses": ("/v1/responses", {"input": "x", "max_output_tokens": 900,
+                                    "text": {"format": {"type": "json_schema", "name": "a", "schema": FAILS_LATER}}}),
+}
+
+
+@pytest.mark.parametrize("route", list(FAILS_LATER_BODIES))
+def test_a_grammar_that_fails_after_the_stream_started_ends_it_with_the_same_error(client, route):
+    path, fields = FAILS_LATER_BODIES[route]
+    body = {"model": MODEL, "temperature": 0, **fields}
+    whole = client.post(path, json=body)
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "grammar_failed", whole.text[:300]
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.read()
+    assert response.status_code == 200, response.text[:300]  # tokens had been sent before the grammar failed
+    if path == "/v1/responses":  # typed events: deltas, then an ``error`` event
+        events = sse_events(line for line in response.text.splitlines() if not line.startswith("event: "))
+        assert any(e["type"] == "response.output_text.delta" for e in events)
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "grammar_failed", events[-2:]
+        assert not any(e["type"] == "response.completed" for e in events)
+        return
+    events = sse_events(response.text.splitlines())
+    assert len(events) > 3 and events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["error"]["code"] == "grammar_failed", events[-3:]
+    assert not any(c.get("finish_reason") for e in events[:-2] for c in e["choices"])
 
 
 def test_tool_choice_required_takes_a_tool_whose_parameters_use_defs(client):
@@ -154,6 +231,10 @@ OVER_A_CAP = {  # the server's default caps (RequestLimits); each answer names t
     "choices": ({"prompt": ["a", "b", "c"], "n": 128}, "--max-choices-per-request", "n"),
     "logprobs": ({"prompt": "a", "n": 128, "logprobs": 20}, "--max-logprobs-per-request", "logprobs"),
     "prompts": ({"prompt": ["a"] * 300}, "--max-prompts-per-request", "prompt"),
+    "logprobs returned": ({"prompt": "a", "n": 128, "logprobs": 10, "max_tokens": 1000, "ignore_eos": True},
+                          "--max-returned-logprobs-per-request", "logprobs"),
+    "logprobs returned, to the end of the context": ({"prompt": "a", "n": 64, "logprobs": 5, "max_tokens": None},
+                                                     "--max-returned-logprobs-per-request", "logprobs"),
     "constraint": ({"prompt": "a", "structured_outputs": {"choice": [f"item{i:05d}" for i in range(10_000)]}},
                    "--max-structured-output-bytes", "structured_outputs"),
 }
@@ -166,3 +247,31 @@ def test_a_request_over_a_cap_is_a_400_naming_the_server_flag(client, name):
     assert response.status_code == 400, response.text[:300]
     error = response.json()["error"]
     assert error["code"] == "request_limit_exceeded" and error["param"] == param and flag in error["message"]
+
+
+CHAT_OVER_A_CAP = {
+    "logprobs returned": ({"n": 128, "logprobs": True, "top_logprobs": 10, "max_tokens": 1000, "ignore_eos": True},
+                          "--max-returned-logprobs-per-request", "logprobs"),
+    "tools": ({"tools": [_tool()] * 129}, "--max-tools-per-request", "tools"),
+    "messages": ({"messages": [{"role": "user", "content": "a"}] * 2049}, "--max-messages-per-request", "messages"),
+    "content parts": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 2049}]},
+                      "--max-messages-per-request", "messages"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_OVER_A_CAP))
+def test_a_chat_over_a_cap_is_a_400_naming_the_server_flag(client, name):
+    fields, flag, param = CHAT_OVER_A_CAP[name]
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **fields}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "request_limit_exceeded" and error["param"] == param and flag in error["message"]
+
+
+def test_logprobs_within_the_budget_are_answered(client):
+    body = {"model": MODEL, "prompt": "a", "n": 4, "logprobs": 5, "max_tokens": 8, "ignore_eos": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text[:300]
+    choices = response.json()["choices"]
+    assert len(choices) == 4 and all(len(c["logprobs"]["top_logprobs"]) == 8 for c in choices)
