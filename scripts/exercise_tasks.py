@@ -649,6 +649,114 @@ greedy target rows (one-hot) the drafts are kept exactly while they are the argm
                 "test_greedy_keeps_drafts_while_they_are_the_argmax_then_the_argmax",
             ),
         ),
+        Task(
+            name="ngram_proposer",
+            file="stage5_server/spec_decode/ngram_proposer.py",
+            function="NgramProposer.propose",
+            spec="""
+Draft up to ``k`` tokens for a request from its own history: the tokens that followed the most
+recent earlier occurrence of its last ``n`` tokens.
+
+``k`` defaults to ``self.k``. Return ``[]`` when ``k < 1`` or there are no more than
+``self.min_n`` tokens. Try ``n`` from ``min(self.max_n, len(token_ids) - 1)`` down to
+``self.min_n``: the suffix is the last ``n`` tokens; an occurrence is a window of ``n`` tokens
+equal to it that ends before the last token (so at least one token follows it, and the suffix
+does not match itself). The first ``n`` with an occurrence wins (a longer match is better
+evidence); of its occurrences take the one that starts last, and return the (up to) ``k``
+tokens after it, as plain ints. No ``n`` matches: ``[]``. So ``[1, 2, 3, 4, 1, 2]`` with
+``k = 3`` drafts ``[3, 4, 1]``, and ``[7, 7]`` drafts ``[7]``.
+""",
+            hints=(
+                "numpy's `sliding_window_view(tokens[:-1], n)` gives every window of `n` tokens that ends "
+                "before the last one; `(windows == tokens[-n:]).all(axis=1)` marks the matches.",
+                "`np.flatnonzero(mask)[-1]` is the latest start; the drafts begin `n` tokens after it.",
+            ),
+            tests=(
+                "tests/stage5/test_spec_decode.py::test_ngram_proposer_continues_the_most_recent_longest_match",
+                "tests/stage5/test_spec_decode.py::test_ngram_proposer_prefers_a_longer_match_and_respects_its_bounds",
+                "tests/stage5/test_spec_decode.py::test_ngram_engine_gives_the_plain_greedy_tokens_and_accepts_repeated_text",
+            ),
+        ),
+        Task(
+            name="int4_groups",
+            file="stage5_server/quantization/weight_only.py",
+            function="Int4Groups.quantize",
+            spec="""
+Quantize a float weight ``[N, K]`` to 4-bit codes in groups of ``GROUP_SIZE`` (32) along ``K``,
+the layout of a GGUF Q4_1 block.
+
+Reshape the weight (as float32) to ``[N, K // 32, 32]``. Each group maps its own ``[min, max]``
+onto the 16 codes: ``scale = (max - min) / 15`` (a constant group, scale 0, takes scale 1 so
+every code is 0), ``code = round((w - min) / scale)`` clamped to ``0..15``. The codes are stored
+as ``uint8`` ``[N, K]``. The kernel reads a weight back as ``(code - 8) * scale + zero``, so the
+stored ``zero`` is ``min + 8 * scale``. Return ``cls(codes, scale, zero)``, scale and zero
+``[N, K // 32]``. Every weight then reads back within half a scale of its value.
+""",
+            hints=(
+                "`groups.amin(-1)` and `groups.amax(-1)` give each group's bounds; broadcast them back with "
+                "`[..., None]`.",
+                "`torch.where(scale > 0, scale, torch.ones_like(scale))` keeps a flat group from dividing by zero.",
+            ),
+            tests=(
+                "tests/stage5/test_quantization.py::"
+                "test_a_q4_1_block_is_one_int4_group_whose_zero_is_the_minimum_plus_eight_scales",
+                "tests/stage5/test_quantization.py::test_each_linear_method_is_close_to_the_float32_model[int4]",
+            ),
+        ),
+        Task(
+            name="lora_delta",
+            file="stage5_server/lora/layers.py",
+            function="LoRALinearMethod._add_padded",
+            spec="""
+Add every adapter's LoRA delta to this layer's output ``out`` at once, for a step whose tokens use
+several adapters (``self.mapping`` has one segment per adapter slot in use).
+
+The slots' weights are stacked: ``self.stacked_a [slots, R, in]`` and ``self.stacked_b
+[slots, R, out]`` (``R`` = slices x max rank; a smaller adapter is zero-padded). The mapping
+gives ``slots`` (the slot of each segment, ascending), ``padded_rows`` (each segment's token
+rows, padded to one length by repeating a row) and ``padded_scaling [segments, rows, 1]`` (the
+slot's ``alpha / r``, 0 on the padding, so a repeated row adds nothing). Take the segments' A
+and B (when the segments are every slot, in order, the stacks themselves: no gather), gather the
+rows of ``x`` into ``[segments, rows, in]``, and compute ``(x A^T) B`` per segment with two
+batched products, times the scaling. Add the result back to ``out``'s rows with one
+``index_add_`` (a padding row adds zeros). The tests compare every request's greedy tokens, with
+adapters and the base model mixed in one batch, against peft's.
+""",
+            hints=(
+                "`tensor.index_select(0, rows)` gathers; `.view(num_segments, -1, x.shape[1])` makes the batch.",
+                "`torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b)` is the shrink then the expand.",
+            ),
+            tests=(
+                "tests/stage5/test_lora.py::"
+                "test_each_request_gets_peft_tokens_for_its_adapter_with_adapters_and_base_mixed_in_one_batch",
+            ),
+        ),
+        Task(
+            name="pooler",
+            file="stage5_server/pooling/pooler.py",
+            function="Pooler.pool_padded",
+            spec="""
+One vector per prompt from an encoder's final hidden states ``hidden [batch, seq, dim]``, the
+prompts right-padded to ``seq``, ``lengths [batch]`` their true lengths.
+
+By ``self.config.pooling_type``: ``"CLS"`` takes each prompt's first row; ``"LAST"`` its last
+real row (``lengths - 1``); ``"MEAN"`` (all-MiniLM-L6-v2's) the mean of its real rows only: a
+mask of ``position < length`` in the hidden states' dtype, the masked sum over ``seq`` divided by
+the mask's sum (clamped below at ``1e-9``, as sentence-transformers divides). Return
+``self.finish(pooled)``, which normalizes when the checkpoint asks for it. The tests compare the
+embeddings of the real all-MiniLM-L6-v2 with sentence-transformers', batched (padding present)
+and one at a time.
+""",
+            hints=(
+                "`torch.arange(seq)[None, :] < lengths[:, None]` is the `[batch, seq]` mask; "
+                "`.unsqueeze(-1)` lets it multiply the hidden states.",
+                "Padding rows are not zeros: leaving them out of the mean is the whole point of the mask.",
+            ),
+            tests=(
+                "tests/stage5/test_pooling.py::test_embeddings_match_sentence_transformers_batched_and_one_at_a_time",
+                "tests/stage5/test_pooling.py::test_score_is_the_cosine_similarity_of_the_embeddings",
+            ),
+        ),
     ],
 }
 
