@@ -700,7 +700,6 @@ stored ``zero`` is ``min + 8 * scale``. Return ``cls(codes, scale, zero)``, scal
             tests=(
                 "tests/stage5/test_quantization.py::"
                 "test_a_q4_1_block_is_one_int4_group_whose_zero_is_the_minimum_plus_eight_scales",
-                "tests/stage5/test_quantization.py::test_each_linear_method_is_close_to_the_float32_model[int4]",
             ),
         ),
         Task(
@@ -755,6 +754,112 @@ and one at a time.
             tests=(
                 "tests/stage5/test_pooling.py::test_embeddings_match_sentence_transformers_batched_and_one_at_a_time",
                 "tests/stage5/test_pooling.py::test_score_is_the_cosine_similarity_of_the_embeddings",
+            ),
+        ),
+        Task(
+            name="compiled_step",
+            file="stage5_server/model/compile.py",
+            function="CompiledDecodeForward.runs_compiled",
+            spec="""
+Whether a step runs the compiled graph (``True``) or the eager forward (``False``).
+
+The graphs were compiled for one shape of step only: every row a decode (one new token a
+request, so the attention metadata's ``max_query_len == 1``), the stage-2 paged attention
+metadata (``PagedAttentionMetadata``; another backend's metadata is another graph), token ids
+rather than precomputed embeddings (``inputs_embeds is None``: a step carrying an image's
+embeddings runs eagerly), and at most ``self.max_tokens`` rows (``input_ids.shape[0]``: the rows
+the quantized kernels take). Anything else (a prefill chunk, a mixed step, a larger batch) runs
+eagerly. The tests check that compiled decode steps stay logprob-close to eager ones and that a
+prefill, or a batch past eight rows, runs eagerly.
+""",
+            hints=(
+                "It is one boolean expression over the four conditions.",
+                "`isinstance(attn_metadata, PagedAttentionMetadata)` comes first: other metadata may not have "
+                "`max_query_len`.",
+            ),
+            tests=(
+                "tests/stage5/test_compiled_decode.py::test_a_prefill_or_a_batch_past_eight_rows_runs_eagerly",
+                "tests/stage5/test_compiled_decode.py::"
+                "test_compiled_decode_is_logprob_close_to_eager_and_compiles_only_at_start_up",
+            ),
+        ),
+        Task(
+            name="image_hash",
+            file="stage5_server/multimodal/inputs.py",
+            function="hash_image",
+            spec="""
+The identity of an image for the prefix cache: a hex SHA-256 digest of the PIL image's mode,
+size and pixel bytes (``f"{image.mode}:{image.width}x{image.height}:"`` encoded, then
+``image.tobytes()``). The same picture hashes the same whether it came from a file, a data URL
+or a URL; one changed pixel changes the hash. The hash joins the keys of the KV blocks that hold
+the image's placeholders, so the same text with another image shares no block after the image
+starts.
+""",
+            hints=(
+                "`hashlib.sha256()`, then `.update(...)` twice and `.hexdigest()`.",
+            ),
+            tests=(
+                "tests/stage5/test_multimodal.py::test_an_image_hashes_by_its_mode_size_and_pixels_however_it_arrives",
+            ),
+        ),
+        Task(
+            name="image_placeholders",
+            file="stage5_server/multimodal/processor.py",
+            function="ImageProcessor.process",
+            spec="""
+A prompt's token ids, with one image token (``self.image_token_id``) per image, become the ids
+the model runs, with each image token replaced by ``self.num_image_tokens`` placeholders (one
+per feature vector the vision tower writes there: for the tiny LLaVA, (40 / 8)^2 = 25 patches),
+and one ``MultiModalFeature`` per image.
+
+First count the image tokens: a count other than ``len(images)`` is a ``ValueError`` that says
+``"the prompt has N image placeholder(s) for M image(s)"``. Then walk the tokens: any other token
+is copied; the i-th image token takes ``images[i]`` converted to RGB, its pixels from the Hugging
+Face processor (``self.hf(images=[image], return_tensors="pt", **(processor_kwargs or {}))
+["pixel_values"][0]``; a ``TypeError`` or ``ValueError`` there becomes a ``ValueError`` naming
+``mm_processor_kwargs``), and a feature
+``MultiModalFeature.from_pixels(hash_image(image), offset, self.num_image_tokens, pixels)`` whose
+offset is where its placeholders start in the expanded ids; then the placeholders. Return
+``(expanded, features)``.
+""",
+            hints=(
+                "The offset is `len(expanded)` just before the placeholders are appended.",
+                "The tests compare greedy tokens with transformers' LLaVA, an image mid-prompt included.",
+            ),
+            tests=(
+                "tests/stage5/test_multimodal.py::test_greedy_tokens_match_transformers",
+                "tests/stage5/test_multimodal.py::test_chunked_prefill_splits_an_image_and_encodes_it_once",
+            ),
+        ),
+        Task(
+            name="pipeline_batch_queue",
+            file="stage5_server/core/engine_core.py",
+            function="EngineCore.step_with_batch_queue",
+            spec="""
+One step of an engine whose model is split into ``P`` pipeline stages: keep up to
+``self.max_batches_in_flight`` (``P``) batches in flight, so that each stage works on a different
+batch.
+
+- If the queue (``self.batch_queue``) has room, schedule (``self.schedule()``). A batch with
+  scheduled tokens is sent with ``self.model_executor.execute_model_async(output)`` (a pending
+  result); if sending raises, raise ``StepFailed(scheduler.step_failed(output), exc)``. Append
+  ``(output, pending)`` to the queue, add the batch's request ids
+  (``output.num_scheduled_tokens``) to ``scheduler.in_flight`` (the scheduler skips them until
+  their tokens are back) and raise ``self.most_batches_in_flight`` to the queue's length if it is
+  deeper. If there is still room, return ``self.finished_outside_step()``: schedule the next
+  batch before waiting for any.
+- If the queue is empty, return ``self.finished_outside_step()``.
+- Otherwise pop the oldest batch, take its ids out of ``scheduler.in_flight``, wait for
+  ``pending.result()`` (a failure: ``StepFailed`` as above) and return
+  ``self.update(output, result)``.
+""",
+            hints=(
+                "`set.update` and `set.difference_update` take the dict of scheduled tokens (its keys).",
+                "The oldest batch is `queue.popleft()`: the stages finish batches in the order they were sent.",
+            ),
+            tests=(
+                "tests/stage5/test_pipeline_parallel.py::test_greedy_tokens_are_identical_to_one_process_and_to_transformers",
+                "tests/stage5/test_pipeline_parallel.py::test_two_batches_are_in_flight_and_no_request_is_in_both",
             ),
         ),
     ],

@@ -132,6 +132,21 @@ def cached_tokens(llm, messages) -> int:
     return llm.engine.stats().prefix_cache_hits - before
 
 
+def test_an_image_hashes_by_its_mode_size_and_pixels_however_it_arrives():
+    from PIL import Image
+
+    image = picture(3)
+    decoded = Image.open(io.BytesIO(base64.b64decode(data_url(image).split(",", 1)[1])))  # as a data URL arrives
+    assert hash_image(decoded) == hash_image(image)
+    assert len(hash_image(image)) == 64 and int(hash_image(image), 16) >= 0  # a SHA-256, in hex
+    changed = image.copy()
+    changed.putpixel((0, 0), tuple(255 - v for v in image.getpixel((0, 0))))
+    assert hash_image(changed) != hash_image(image)  # one pixel
+    assert hash_image(image.convert("RGBA")) != hash_image(image)  # the same pixels in another mode
+    flat = Image.new("RGB", (6, 4))
+    assert hash_image(flat) != hash_image(flat.resize((4, 6)))  # the same bytes in another shape
+
+
 def test_same_text_with_another_image_shares_no_block_after_the_image_start(llm):
     text = "A serving engine turns prompts into tokens and schedules them."
     first, second = picture(10), picture(11)
