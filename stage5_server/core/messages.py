@@ -6,7 +6,9 @@ one clock for every process) and how the request stands. The same ``msgspec`` St
 a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one edit.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
-    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
+                        | UtilityCall (weight updates, sleep, collective_rpc: ``weight_sync/``)
+    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError;
+                        UtilityOutput
     data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
@@ -70,7 +72,17 @@ class ClientGone(msgspec.Struct, tag="client_gone"):
     client_id: str
 
 
-EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Run an engine-core utility between steps (``weight_sync/``): a weight update, sleep, ``collective_rpc``.
+    ``payload``: the pickled ``(args, kwargs)`` (tensors, a function); only the API server sends it."""
+
+    call_id: int
+    method: str
+    payload: bytes
+    client_id: str | None = None
+
+
+EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone | UtilityCall
 
 
 class ClientHello(msgspec.Struct, tag="hello"):
@@ -156,7 +168,17 @@ class EngineCoreStartupError(msgspec.Struct, tag="startup_error"):
     engine_index: int = 0
 
 
-EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError | ClientWelcome
+class UtilityOutput(msgspec.Struct, tag="utility_output"):
+    """A ``UtilityCall``'s answer: the pickled result, or the error (``error_type``: its class's name)."""
+
+    call_id: int
+    result: bytes = b""
+    error: str | None = None
+    error_type: str = ""
+    engine_index: int = 0
+
+
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError | ClientWelcome | UtilityOutput
 
 # ---- bytes on the wire (the engine-core process) ---------------------------------------------------
 

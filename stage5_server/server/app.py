@@ -114,6 +114,10 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)
     pooling.add_routes(app, serving)  # embeddings, score, rerank
+    if config.enable_dev_routes:  # off: 404, and not in the schema
+        from stage5_server.weight_sync.routes import add_dev_routes
+
+        add_dev_routes(app, engine)
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:
