@@ -49,7 +49,8 @@ def load_stage_model(path: str | Path, place: RankPlace, dtype: torch.dtype,
                      device: torch.device) -> DecoderModel:
     """Rank ``place``'s part of the model: its stage's layers (its TP shard of them), numbered from 0,
     plus the embedding on the first stage and the norm and LM head on the last."""
-    model, stage_config, rename = build_stage_model(ModelConfig.from_pretrained(Path(path)), place)
+    path = Path(path)
+    model, stage_config, rename = build_stage_model(ModelConfig.from_pretrained(path), place)
     take = shard_reader(model) if place.tensor_parallel_size > 1 else None
     load_weights(model, stage_config, path, dtype, device, take, rename)
     return model.eval()

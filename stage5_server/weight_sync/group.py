@@ -36,7 +36,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 
 def broadcast_tensor(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     """Rank 0's ``tensor`` into every rank's (same shape and dtype); in place, on the CPU."""
-    group.broadcast([tensor], 0).wait()
+    group.broadcast(tensor, 0).wait()
 
 
 class WeightBroadcaster:
