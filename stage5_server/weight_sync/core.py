@@ -77,6 +77,9 @@ class RankCall:
             return RankError(type(exc).__name__, str(exc), traceback.format_exc())
 
 
+# Worker methods whose state the core keeps: refused through the public collective_rpc.
+CORE_ONLY = {"execute_model": "LLM.generate", "initialize_kv_cache": "LLM.wake_up", "sleep": "LLM.sleep",
+             "wake_up": "LLM.wake_up"}
 # Utilities that wait for the requests in the core to finish (and hold new ones) before they run.
 DRAINING = frozenset({"update_weights", "update_weights_from_path", "update_weights_from_distributed",
                       "reload_weights", "sleep"})
@@ -94,7 +97,14 @@ class WeightSync:
 
     # ---- collective_rpc ------------------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``method`` on every worker, their results in rank order (a name: a worker method)."""
+        """``method`` on every worker, their results in rank order (a name: a worker method). The methods whose
+        state the core keeps (steps, the KV cache, sleep) are the core's to call."""
+        if isinstance(method, str) and method in CORE_ONLY:
+            raise ValueError(f"collective_rpc: {method!r} is run by the engine core itself; use "
+                             f"{CORE_ONLY[method]}")
+        return self._rpc(method, args, kwargs)
+
+    def _rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
         if isinstance(method, str):
             if self.worker_cls is not None and (method.startswith("_") or not callable(getattr(self.worker_cls,
                                                                                               method, None))):
@@ -113,21 +123,20 @@ class WeightSync:
                                  f"sent there ({exc}); pass a module-level function or a method name") from None
         results = self.core.model_executor.collective_rpc(RankCall(method, dict(kwargs or {})), *args)
         for rank, result in enumerate(results):
-            if isinstance(result, RankError):
-                error = ValueError if result.type_name in ("ValueError", "KeyError", "TypeError") else RuntimeError
-                raise error(f"{result.message} (rank {rank}, {result.type_name})")
+            if isinstance(result, RankError):  # the caller's method or arguments: the engine is as it was
+                raise ValueError(f"{result.message} (rank {rank}, {result.type_name})")
         return results
 
     # ---- weight updates ------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Tensors by checkpoint name, into every rank; the new weight version."""
         tensors = list(named_tensors)
-        return self._updated(self.collective_rpc("update_weights", (tensors,)))
+        return self._updated(self._rpc("update_weights", (tensors,)))
 
     def update_weights_from_path(self, path: str) -> int:
         if not Path(path).is_dir():
             raise ValueError(f"update_weights_from_path: {path!r} is not a checkpoint directory")
-        return self._updated(self.collective_rpc("update_weights_from_path", (str(path),)))
+        return self._updated(self._rpc("update_weights_from_path", (str(path),)))
 
     def reload_weights(self) -> int:
         """The served model's own checkpoint again (after ``sleep(level=2)``, say)."""
@@ -135,14 +144,14 @@ class WeightSync:
 
     def update_weights_from_distributed(self, metadata: list) -> int:
         """One broadcast per ``(name, dtype, shape)`` from a trainer's group (``group.py``), into every rank."""
-        return self._updated(self.collective_rpc("update_weights_from_distributed", ([tuple(m) for m in metadata],)))
+        return self._updated(self._rpc("update_weights_from_distributed", ([tuple(m) for m in metadata],)))
 
     def _updated(self, counts: list[int]) -> int:
         if sum(counts) == 0:
             raise ValueError("update_weights: no tensor of the update has a place in the served model")
         self.version += 1
         if self.weights_missing:
-            missing = [name for names in self.collective_rpc("missing_weights") for name in names]
+            missing = [name for names in self._rpc("missing_weights") for name in names]
             self.weights_missing = bool(missing)
         self._reset_prefix_cache("update_weights")
         return self.version
@@ -155,7 +164,7 @@ class WeightSync:
         if self.sleep_level:
             return 0
         self._reset_prefix_cache("sleep")  # the blocks' contents are gone: nothing may hit them after waking
-        freed = sum(self.collective_rpc("sleep", (level,)))
+        freed = sum(self._rpc("sleep", (level,)))
         self.sleep_level = level
         return freed
 
@@ -167,9 +176,9 @@ class WeightSync:
             raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
         if not self.sleep_level:
             return False
-        self.collective_rpc("wake_up")
+        self._rpc("wake_up")
         config = self.core.config
-        self.collective_rpc("initialize_kv_cache", (self.core.num_kv_blocks, config.cache.block_size,
+        self._rpc("initialize_kv_cache", (self.core.num_kv_blocks, config.cache.block_size,
                                                     self.core.max_model_len))
         self.weights_missing = self.weights_missing or self.sleep_level >= 2
         self.sleep_level = 0

@@ -100,6 +100,8 @@ def test_collective_rpc_returns_each_workers_result_and_names_an_unknown_method(
         llm.collective_rpc("no_such_method")
     with pytest.raises(ValueError, match="no method '_weight_loader'"):
         llm.collective_rpc("_weight_loader")
+    with pytest.raises(ValueError, match="run by the engine core itself"):  # the core keeps the KV pool's state
+        llm.collective_rpc("sleep", args=(1,))
     with pytest.raises(ValueError, match="model.bogus"):  # a worker's ValueError comes back; the engine lives on
         llm.collective_rpc("update_weights", args=([("model.bogus", torch.zeros(1))],))
     assert engine_tokens(llm)  # still serving
@@ -311,8 +313,14 @@ def test_dev_routes_are_404_unless_switched_on_and_need_the_key(tiny_llama):
             assert rpc.status_code == 200 and rpc.json()["results"][0]["rank"] == 0
             bad = httpx.post(server.url + "/collective_rpc", headers=auth(KEY), json={"method": "nope"})
             assert bad.status_code == 400 and "no method 'nope'" in bad.json()["error"]["message"]
+            bad = httpx.post(server.url + "/collective_rpc", headers=auth(KEY),
+                             json={"method": "update_weights", "args": [[["model.norm.weight", [1.0]]]]})
+            assert bad.status_code == 400  # the caller's arguments: a 400, and the engine is as it was
             bad = httpx.post(server.url + "/update_weights", headers=auth(KEY), json={"path": "/no/such"})
             assert bad.status_code == 400
+            bad = httpx.post(server.url + "/update_weights", headers=auth(KEY), json={"path": "/x", "reload": True})
+            assert bad.status_code == 400
+            assert httpx.post(server.url + "/update_weights", headers=auth(KEY), content=b"{").status_code == 400
             assert httpx.post(server.url + "/sleep?level=3", headers=auth(KEY)).status_code == 400
     finally:
         engine.shutdown()
