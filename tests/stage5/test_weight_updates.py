@@ -23,7 +23,7 @@ from stage5_server import LLM
 from stage5_server.engine.thread_client import AsyncLLM
 from stage5_server.server import create_app
 from stage5_server.weight_sync import EngineSleepingError, WeightBroadcaster, describe_tensors
-from tests.stage5.server_fixtures import ENGINE_KWARGS, auth, make_llm, metric, running_server, wait_until
+from tests.stage5.server_fixtures import ENGINE_KWARGS, REPO, auth, make_llm, metric, running_server, wait_until
 
 PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11]]  # 37 tokens: two full 16-token blocks for the prefix cache
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -424,3 +424,23 @@ def test_the_engine_process_mode_takes_the_same_calls(tiny_llama, trained):
             assert completion(server.url, PROMPTS[1]).json()["choices"][0]["text"] == new_text
     finally:
         engine.shutdown()
+
+
+# ---- the worked example ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_worked_example_moves_the_served_outputs_toward_the_target(capsys):
+    import re
+    import runpy
+
+    example = runpy.run_path(str(REPO / "scripts" / "rl_weight_updates.py"))
+    example["main"]([])
+    out = capsys.readouterr().out
+    rounds = [line for line in out.splitlines() if line.startswith("round ") and not line.startswith("round 0")]
+    assert len(rounds) == 4 and all("same tokens as transformers: True" in line for line in rounds)
+    before, after = map(float, re.search(r"target share: ([\d.]+) -> ([\d.]+)", out).groups())
+    assert before == 0 and after >= 0.8
+    stale = re.search(r"without the reset: (\d+) prompt tokens from the cache, (\d+) of 16", out)
+    assert int(stale.group(1)) > 0 and int(stale.group(2)) > 0  # stale KV reused: other tokens
+    assert "with the reset: 0 differ" in out
