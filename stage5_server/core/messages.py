@@ -28,6 +28,7 @@ from stage5_server.core.request import Request
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
+from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
 
 # ---- front end -> engine core --------------------------------------------------------------------
 
@@ -70,16 +71,6 @@ class ClientGone(msgspec.Struct, tag="client_gone"):
     """An API server died (its supervisor saw it): abort its requests and give their KV back."""
 
     client_id: str
-
-
-class UtilityCall(msgspec.Struct, tag="utility"):
-    """Run an engine-core utility between steps (``weight_sync/``): a weight update, sleep, ``collective_rpc``.
-    ``payload``: the pickled ``(args, kwargs)`` (tensors, a function); only the API server sends it."""
-
-    call_id: int
-    method: str
-    payload: bytes
-    client_id: str | None = None
 
 
 EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone | UtilityCall
@@ -165,16 +156,6 @@ class EngineCoreStartupError(msgspec.Struct, tag="startup_error"):
     error_type: str
     message: str
     traceback: str
-    engine_index: int = 0
-
-
-class UtilityOutput(msgspec.Struct, tag="utility_output"):
-    """A ``UtilityCall``'s answer: the pickled result, or the error (``error_type``: its class's name)."""
-
-    call_id: int
-    result: bytes = b""
-    error: str | None = None
-    error_type: str = ""
     engine_index: int = 0
 
 

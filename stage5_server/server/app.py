@@ -115,7 +115,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     responses.add_routes(app, serving)
     pooling.add_routes(app, serving)  # embeddings, score, rerank
     if config.enable_dev_routes:  # off: 404, and not in the schema
-        from stage5_server.weight_sync.routes import add_dev_routes
+        from stage5_server.server.dev_routes import add_dev_routes
 
         add_dev_routes(app, engine)
 

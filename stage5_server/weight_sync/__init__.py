@@ -13,8 +13,9 @@ engine what that loop needs, plugged into the seams stage 5 already has:
   the prefix cache reset and the weight version counted, sleep levels 1 and 2;
 - ``loop.py``: the same calls through the core's busy loop, draining the requests in flight first;
 - ``client.py``: the async front end's calls (thread or engine-core process), and 503s while asleep;
-- ``routes.py``: ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``, ``/collective_rpc``,
-  ``/update_weights`` behind ``--enable-dev-routes``.
+- ``messages.py``: ``UtilityCall`` and its ``UtilityOutput``, in the core's message unions;
+- the server's ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``, ``/collective_rpc``,
+  ``/update_weights`` behind ``--enable-dev-routes`` live with the server (``server/dev_routes.py``).
 
 The offline ``LLM`` has ``collective_rpc``, ``update_weights``, ``update_weights_from_path``,
 ``update_weights_from_distributed``, ``reload_weights``, ``sleep``, ``wake_up``, ``is_sleeping``,

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from stage5_server.core.messages import UtilityCall, UtilityOutput
 from stage5_server.weight_sync.core import DRAINING, EngineSleepingError
 from stage5_server.weight_sync.loader import describe_tensors
+from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
 
 ERROR_TYPES = {"ValueError": ValueError, "TimeoutError": TimeoutError, "EngineSleepingError": EngineSleepingError}
 UPDATES = DRAINING - {"sleep"}

@@ -25,21 +25,18 @@ in ``vllm/v1/engine/core.py``; ``LLM.collective_rpc`` in ``vllm/entrypoints/llm.
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stage5_server.errors import EngineDeadError
-from stage5_server.executor.abstract import resolve_obj_by_qualname
 from stage5_server.weight_sync.loader import describe_tensors
-
-if TYPE_CHECKING:
-    from stage5_server.core.engine_core import EngineCore
 
 
 class EngineSleepingError(EngineDeadError):
@@ -87,12 +84,13 @@ UTILITIES = DRAINING | {"collective_rpc", "wake_up", "is_sleeping", "reset_prefi
 
 
 class WeightSync:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: Any):  # the EngineCore (core/engine_core.py), which imports this module
         self.core = core
         self.version = 0  # weight updates done
         self.sleep_level = 0  # 0: awake
         self.weights_missing = False  # woke from level 2: no request runs until every weight is loaded again
-        worker_cls = resolve_obj_by_qualname(core.config.worker_cls)
+        module, _, name = core.config.worker_cls.partition(":")  # the worker by its qualified name
+        worker_cls = getattr(importlib.import_module(module), name)
         self.worker_cls = worker_cls if isinstance(worker_cls, type) else None  # a factory: checked on the rank
 
     # ---- collective_rpc ------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ import pickle
 from collections import deque
 from typing import TYPE_CHECKING
 
-from stage5_server.core.messages import AddRequest, UtilityCall, UtilityOutput
 from stage5_server.weight_sync.core import DRAINING
+from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
 
 if TYPE_CHECKING:
     from stage5_server.core.engine_core import EngineCore
+    from stage5_server.core.messages import AddRequest
 
 logger = logging.getLogger("stagedserve")
 

@@ -1,4 +1,5 @@
-"""The development routes an RL trainer drives the server with: sleep, wake, weight updates, RPC.
+"""The development routes an RL trainer drives the server with: sleep, wake, weight updates, RPC
+(the engine's side: ``weight_sync/``).
 
 They exist only with ``--enable-dev-routes`` (``ServerConfig.enable_dev_routes``); off (the default)
 each is a 404 and none is in the schema. On, each sits behind the API key like every other route.
@@ -20,14 +21,16 @@ vLLM: ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``, ``/co
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.server.errors import APIError, validation_error
-from stage5_server.weight_sync.core import EngineSleepingError
+from stage5_server.weight_sync import EngineSleepingError
+
+if TYPE_CHECKING:
+    from stage5_server.engine.frontend import AsyncEngine
 
 
 class CollectiveRPCBody(BaseModel):
