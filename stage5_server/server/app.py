@@ -4,6 +4,7 @@
          -> BodySizeLimitMiddleware (413; limits.py) -> route: well-formed Unicode (unicode.py, 400),
             parse strictly (protocol.py, 400)
          -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
+            (with --enable-dev-routes: dev_routes.py, weight updates and sleep)
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
 The server's options are one ``ServerConfig`` (config.py); errors are OpenAI error objects (errors.py);
