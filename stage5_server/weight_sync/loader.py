@@ -120,6 +120,7 @@ class RankWeightLoader:
                 weight = torch.cat([parts[i] for i in sorted(parts)]).to(self.device_of(layer))
                 layer.weight = nn.Parameter(weight, requires_grad=False)
                 _base_method(layer.method).process_weights_after_loading(layer)
+                layer.dropped = False
             if self.model_config.tie_word_embeddings and "embed_tokens.weight" in loaded:
                 self.retie_head()
         return loaded

@@ -107,6 +107,20 @@ def test_collective_rpc_returns_each_workers_result_and_names_an_unknown_method(
     assert engine_tokens(llm)  # still serving
 
 
+def slow_method(worker, seconds: float) -> int:
+    time.sleep(seconds)
+    return worker.rank
+
+
+def test_collective_rpc_gives_up_waiting_after_its_timeout(llm):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
+        llm.collective_rpc(slow_method, args=(1.0,), timeout=0.2)
+    assert time.monotonic() - started < 0.9
+    time.sleep(1.0)  # the call itself ran on
+    assert llm.collective_rpc(slow_method, args=(0.0,), timeout=5) == [0]
+
+
 # ---- updates ---------------------------------------------------------------------------------------
 
 
@@ -181,6 +195,11 @@ def test_packed_and_quantized_layers_are_processed_again(tiny_llama, trained, li
         with pytest.raises(ValueError, match="in one update"):  # a processed layer keeps no plain rows
             updated.update_weights([("model.layers.0.self_attn.q_proj.weight",
                                      trained[0].model.layers[0].self_attn.q_proj.weight)])
+        updated.sleep(level=2)  # the processed copies dropped too, and made again from the reloaded weights
+        assert updated.collective_rpc("weight_bytes") == [0]
+        updated.wake_up()
+        updated.update_weights_from_path(str(trained[1]))
+        assert engine_tokens(updated) == engine_tokens(fresh)
     finally:
         updated.shutdown()
         fresh.shutdown()
