@@ -463,3 +463,20 @@ def test_the_worked_example_moves_the_served_outputs_toward_the_target(capsys):
     stale = re.search(r"without the reset: (\d+) prompt tokens from the cache, (\d+) of 16", out)
     assert int(stale.group(1)) > 0 and int(stale.group(2)) > 0  # stale KV reused: other tokens
     assert "with the reset: 0 differ" in out
+
+
+@pytest.mark.slow
+def test_ray_workers_take_the_same_calls(tiny_llama, trained, references):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray", **SPLIT_KWARGS)
+    try:
+        assert [d["rank"] for d in llm.collective_rpc("describe")] == [0, 1]
+        assert llm.collective_rpc(rank_and_offset, args=(1,)) == [1, 2]  # a function, pickled to each actor
+        llm.update_weights_from_path(str(trained[1]))
+        assert engine_tokens(llm) == references[1]
+        llm.update_weights(hf_model(tiny_llama).state_dict().items())
+        assert engine_tokens(llm) == references[0]
+    finally:
+        llm.shutdown()
+        ray.shutdown()
