@@ -16,7 +16,8 @@ LoRA adapters (``enable_lora=True``, ``generate(..., lora_request=LoRARequest(na
 ``lora/``), a pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``), and
 images in a prompt for a vision-language model (``multimodal/``): ``generate({"prompt": ...,
 "multi_modal_data": {"image": image}})`` as vLLM takes them, and ``chat`` with image content parts
-(``image_pil``, or an ``image_url`` holding a ``data:`` URL).
+(``image_pil``, or an ``image_url`` holding a ``data:`` URL); serving while a trainer updates the weights
+(``collective_rpc``, ``update_weights*``, ``sleep`` / ``wake_up``: ``weight_sync/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py`` (``InprocClient`` in
 ``core_client.py``).
@@ -24,8 +25,12 @@ vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py`` (``Inpro
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from shared.llm_base import BaseLLM, PromptType
 from shared.output_processor import OutputDelta
@@ -74,6 +79,7 @@ class LLM(PoolingAPI, BaseLLM):
         """The engine requests of one prompt (``InputProcessor``), as the core takes them in."""
         if self.config.runner == "pooling":
             raise ValueError(NOT_GENERATING.format(api="LLM.generate / LLM.chat"))
+        self.engine.weight_sync.check_serving()  # asleep: a clear error, never a hang
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
@@ -134,6 +140,63 @@ class LLM(PoolingAPI, BaseLLM):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
+
+    # ---- serving while training (weight_sync/) ----------------------------------------------------------
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """``method`` (a worker method's name, or ``fn(worker, ...)``) on every worker; results in rank order.
+        ``timeout``: seconds to wait for the ranks, else ``TimeoutError`` (the call itself runs on)."""
+        return self._between_steps(lambda: self.engine.weight_sync.collective_rpc(method, args, kwargs), timeout)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load ``(checkpoint name, tensor)`` pairs into every rank (each takes its shard), reset the prefix
+        cache; returns the new weight version."""
+        self.engine.weight_sync.require_idle("update_weights")
+        return self.engine.weight_sync.update_weights(named_tensors)
+
+    def update_weights_from_path(self, path: str) -> int:
+        """Every tensor of a checkpoint directory with the served model's names and shapes."""
+        self.engine.weight_sync.require_idle("update_weights_from_path")
+        return self.engine.weight_sync.update_weights_from_path(path)
+
+    def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
+        """Receive one broadcast per ``(name, dtype, shape)`` from the trainer's group (join it first:
+        ``collective_rpc("init_weight_update_group", ...)``; ``weight_sync/group.py``)."""
+        self.engine.weight_sync.require_idle("update_weights_from_distributed")
+        return self.engine.weight_sync.update_weights_from_distributed(metadata)
+
+    def reload_weights(self) -> int:
+        """The served checkpoint's weights again (after ``sleep(level=2)`` and ``wake_up``)."""
+        self.engine.weight_sync.require_idle("reload_weights")
+        return self.engine.weight_sync.reload_weights()
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 1), and the weights too (level 2); bytes freed. Requests are refused
+        until ``wake_up`` (and, after level 2, a weight update)."""
+        self.engine.weight_sync.require_idle("sleep")
+        return self.engine.weight_sync.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.engine.weight_sync.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.weight_sync.is_sleeping()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_sync.version
+
+    @staticmethod
+    def _between_steps(fn: Callable[[], Any], timeout: float | None) -> Any:
+        if timeout is None:
+            return fn()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        future = pool.submit(fn)
+        pool.shutdown(wait=False)  # on a timeout the caller stops waiting; the ranks run on
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"collective_rpc: the workers did not answer within {timeout} s") from None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""

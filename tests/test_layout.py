@@ -96,17 +96,18 @@ ROOM_IMPORTS = {
     "bench": {"server", "llm"} | BASE,
     "demo": {"__init__", "server"} | BASE,
     "__init__": {"llm", "core"} | BASE,  # the rest on first use
-    "server": {"engine", "lora", "multimodal", "pooling"} | BASE,
-    "llm": {"engine", "core", "lora", "multimodal", "pooling"} | BASE,
-    "engine": {"core", "data_parallel", "lora", "multimodal"} | BASE,
+    "server": {"engine", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
+    "llm": {"engine", "core", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
+    "engine": {"core", "data_parallel", "lora", "multimodal", "weight_sync"} | BASE,
     "data_parallel": {"core"} | BASE,
     "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
-    "core": {"executor", "attention", "spec_decode", "lora", "multimodal"} | BASE,
+    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync"} | BASE,
     "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
-    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal"} | BASE,
+    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal", "weight_sync"} | BASE,
     "spec_decode": {"model"} | BASE,
     "lora": {"model", "parallel"} | BASE,
     "multimodal": BASE,
+    "weight_sync": {"model", "parallel", "multimodal"} | BASE,  # weight updates and sleep: plugs into core and worker
     "quantization": {"model", "cpu_kernels"},
     "parallel": {"model"},
     "attention": {"kernels", "cpu_kernels"},

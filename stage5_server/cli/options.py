@@ -31,7 +31,8 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                         log_stats_interval=args.log_stats_interval or None, chat_options=chat_options_from(args),
                         limits=request_limits_from(args), media=media_options_from(args),
-                        lora_modules=tuple(parse_lora_modules(args.lora_modules)))
+                        lora_modules=tuple(parse_lora_modules(args.lora_modules)),
+                        enable_dev_routes=getattr(args, "enable_dev_routes", False))
 
 
 GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one

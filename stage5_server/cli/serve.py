@@ -62,6 +62,9 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
     net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    net.add_argument("--enable-dev-routes", action="store_true",
+                     help="serve /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc and "
+                          "/update_weights (behind the API key; for RL post-training: docs/rl-weight-updates.md)")
     net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")

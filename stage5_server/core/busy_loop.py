@@ -28,9 +28,11 @@ from stage5_server.core.messages import (
     EngineCoreRequest,
     FailedRequests,
     Shutdown,
+    UtilityCall,
 )
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.errors import EngineDeadError, StepFailed
+from stage5_server.weight_sync.loop import UtilityLoop
 
 if TYPE_CHECKING:
     from stage5_server.core.engine_core import EngineCore
@@ -41,9 +43,10 @@ IDLE_POLL_S = 0.2  # while idle, wake this often (to notice a vanished parent, t
 NOTHING_SCHEDULABLE_WAIT_S = 0.005
 
 
-class EngineCoreLoop:
+class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc between steps (weight_sync/loop.py)
     def __init__(self, core: EngineCore, idle_poll_s: float = IDLE_POLL_S):
         self.core = core
+        self.init_utilities()
         self.idle_poll_s = idle_poll_s
         self.stopping = False
         self.dead = False  # the core cannot step again
@@ -68,21 +71,31 @@ class EngineCoreLoop:
             self.handle(self.receive(0.0 if busy else self.idle_poll_s))
             if self.stopping or not self.keep_running():
                 break
+            self.run_due_utilities()
             if self.core.has_unfinished_requests():
                 self.step()
+                self.run_due_utilities()
             elif self.core.stats() != self._published_stats:
                 self.send([])  # an abort changed the counts: keep the front end's /metrics current
 
     def handle(self, messages: list[EngineCoreInput]) -> None:
         for message in messages:
             if isinstance(message, AddRequest):
-                self.add(message.request)
+                if not self.hold_or_add(message):
+                    self.add(message.request)
             elif isinstance(message, AbortRequests):
+                self.forget_held(message.request_ids)
                 self.abort(message.request_ids)
+            elif isinstance(message, UtilityCall):
+                self.utility_calls.append(message)
             elif isinstance(message, Shutdown):
                 self.stopping = True
 
     def add(self, wire: EngineCoreRequest) -> None:
+        refusal = self.core.weight_sync.refusal()
+        if refusal is not None:  # asleep: refused at once, never left waiting
+            self.send([], FailedRequests([wire.request_id], refusal))
+            return
         try:
             request = self.core.preprocess_add_request(wire)  # its grammar builds in the background
             request.timeline.queued = time.monotonic()

@@ -42,6 +42,8 @@ from stage5_server.core.messages import (
     EngineCoreStartupError,
     EngineStats,
     FailedRequests,
+    UtilityCall,
+    UtilityOutput,
     drain,
     encoder,
     hello_decoder,
@@ -109,6 +111,8 @@ class ZmqCoreLoop(EngineCoreLoop):
         for message in messages:
             if isinstance(message, AddRequest) and message.client_id is not None:
                 self.client_of[message.request.request_id] = message.client_id
+            elif isinstance(message, UtilityCall) and message.client_id is None:
+                message.client_id = next(iter(self.clients), None)  # one API server: the only one
             elif isinstance(message, ClientGone):
                 self.drop_client(message.client_id, "its supervisor saw it exit")
         super().handle(messages)
@@ -158,6 +162,11 @@ class ZmqCoreLoop(EngineCoreLoop):
         else:
             self._stats_owed = True
             self.broadcast_stats_if_due()
+
+    def publish_utility(self, output: UtilityOutput, client_id: str | None) -> None:
+        if client_id is not None:
+            output.engine_index = self.engine_index
+            self.send_to(client_id, output)
 
     def broadcast_stats_if_due(self) -> None:
         if not self._stats_owed or time.monotonic() < self._last_broadcast + STATS_BROADCAST_INTERVAL_S:

@@ -34,9 +34,10 @@ from stage5_server.core.messages import EngineCoreOutput, EngineCoreRequest
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from stage5_server.core.stats import LoggingStatLogger
+from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.errors import StepFailed
 from stage5_server.executor import Executor, PendingStep
+from stage5_server.weight_sync.core import WeightSync
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
@@ -59,6 +60,7 @@ class EngineCore(SchedulerFacade):
         self.max_batches_in_flight = config.parallel.pipeline_parallel_size
         self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.most_batches_in_flight = 0  # the deepest the queue has been: 2 shows two stages busy at once
+        self.weight_sync = WeightSync(self)  # weight updates, sleep, collective_rpc (weight_sync/)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -76,6 +78,11 @@ class EngineCore(SchedulerFacade):
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        stats = super().stats()
+        stats.weight_version, stats.sleep_level = self.weight_sync.version, self.weight_sync.sleep_level
+        return stats
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

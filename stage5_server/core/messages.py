@@ -6,7 +6,9 @@ one clock for every process) and how the request stands. The same ``msgspec`` St
 a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one edit.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
-    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError
+                        | UtilityCall (weight updates, sleep, collective_rpc: ``weight_sync/``)
+    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError;
+                        UtilityOutput
     data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
@@ -26,6 +28,7 @@ from stage5_server.core.request import Request
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
+from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
 
 # ---- front end -> engine core --------------------------------------------------------------------
 
@@ -70,7 +73,7 @@ class ClientGone(msgspec.Struct, tag="client_gone"):
     client_id: str
 
 
-EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone
+EngineCoreInput = AddRequest | AbortRequests | Shutdown | ClientGone | UtilityCall
 
 
 class ClientHello(msgspec.Struct, tag="hello"):
@@ -156,7 +159,7 @@ class EngineCoreStartupError(msgspec.Struct, tag="startup_error"):
     engine_index: int = 0
 
 
-EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError | ClientWelcome
+EngineCoreMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreStartupError | ClientWelcome | UtilityOutput
 
 # ---- bytes on the wire (the engine-core process) ---------------------------------------------------
 

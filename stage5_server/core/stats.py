@@ -3,7 +3,8 @@ stats line that shows them.
 
 A snapshot (``Scheduler.stats()``) crosses to the front end in every ``EngineCoreOutputs``; ``/metrics``
 (``server/metrics.py``) and the stats line read it there. Stage 5 adds speculative decoding's counters
-(``spec_decode/metrics.py``), always present, all zero while nothing is drafted.
+(``spec_decode/metrics.py``), always present, all zero while nothing is drafted, and the weight version and
+sleep level (``weight_sync/``).
 
 vLLM: ``SchedulerStats`` in ``vllm/v1/metrics/stats.py`` (its ``spec_decoding_stats``) and
 ``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``.
@@ -22,6 +23,8 @@ from stage5_server.spec_decode.metrics import SpecDecodingStats
 @dataclass
 class SchedulerStats(_SchedulerStats):
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    weight_version: int = 0  # weight updates the core has taken (weight_sync/)
+    sleep_level: int = 0  # 0: awake
 
 
 class LoggingStatLogger(_PrefixCacheStatLogger):

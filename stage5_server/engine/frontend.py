@@ -39,6 +39,7 @@ from stage5_server.engine.stream import RequestStream
 from stage5_server.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor
+from stage5_server.weight_sync.client import WeightSyncClient
 
 logger = logging.getLogger("stagedserve")
 
@@ -73,7 +74,7 @@ def dead_core_stats(stats: SchedulerStats) -> SchedulerStats:
     return dataclasses.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
 
-class AsyncEngine:
+class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (weight_sync/client.py)
     """What the server uses of an engine. A client subclass sends the messages (``_send``), delivers the
     core's outputs to ``_on_outputs`` and reports its death (``_engine_died``). ``stat_loggers`` run on
     the output thread; ``cache_configs``: each core's KV-cache config, by rank."""
@@ -103,6 +104,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # the tokenizer and both processors
         self._dead: EngineDeadError | None = None
         self._stopping = False
+        self._init_weight_sync()
 
     # ---- what a client provides -----------------------------------------------------------------
     def _send(self, message: EngineCoreInput) -> None:
@@ -270,12 +272,14 @@ class AsyncEngine:
     def _engine_died(self, why: str) -> None:
         logger.error("%s; failing %d in-flight request(s)", why, len(self.output_processor))
         self._dead = EngineDeadError(why)
+        self._utility_senders_gone(why)
         self._fail_all(EngineError(f"{why} while running this request"), "error")
 
     # ---- helpers --------------------------------------------------------------------------------
     def _check_running(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
+        self.check_awake()  # asleep: refused (503), never left waiting
 
     def _send_quietly(self, message: EngineCoreInput) -> None:
         try:

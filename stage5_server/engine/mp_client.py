@@ -37,6 +37,8 @@ from stage5_server.core.messages import (
     ClientWelcome,
     EngineCoreInput,
     EngineCoreOutputs,
+    UtilityCall,
+    UtilityOutput,
     drain,
     encoder,
     open_socket,
@@ -84,6 +86,8 @@ def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
                 width = max(len(mine), len(theirs))
                 setattr(total, f.name, tuple(a + b for a, b in zip(mine + (0,) * (width - len(mine)),
                                                                    theirs + (0,) * (width - len(theirs)))))
+            elif f.name in ("weight_version", "sleep_level"):  # states, not counts
+                setattr(total, f.name, max(mine, theirs))
             elif f.name != "kv_cache_usage":
                 setattr(total, f.name, mine + theirs)
     total.kv_cache_usage = sum(s.kv_cache_usage for s in all_stats) / len(all_stats) if all_stats else 0.0
@@ -211,6 +215,17 @@ class MPAsyncLLM(AsyncEngine):
                     if self._ranks[d].alive:
                         self._ranks[d].push.send(encoder.encode(AbortRequests(ids)), zmq.NOBLOCK)
 
+    def _send_utility(self, call: UtilityCall) -> int:
+        """To every live engine core (each has its own weights); each answers."""
+        with self._route_lock:
+            live = [rank for rank in self._ranks if rank.alive]
+            if self._stopping or not live:
+                raise EngineDeadError("the engine is not running")
+            message = encoder.encode(msgspec.structs.replace(call, client_id=self.client_id))
+            for rank in live:
+                rank.push.send(message, zmq.NOBLOCK)
+        return len(live)
+
     def _route(self, message: AddRequest) -> _Rank:
         """The live rank for a new request (caller holds ``_route_lock``)."""
         if self._stopping:
@@ -299,6 +314,8 @@ class MPAsyncLLM(AsyncEngine):
         for message in drain(rank.dealer, output_decoder):
             if isinstance(message, EngineCoreOutputs):
                 self._on_rank_outputs(rank, message)
+            elif isinstance(message, UtilityOutput):
+                self._on_utility_output(message)
 
     def _on_rank_outputs(self, rank: _Rank, message: EngineCoreOutputs) -> None:
         failed = message.failed
@@ -329,6 +346,7 @@ class MPAsyncLLM(AsyncEngine):
             for rid in lost:
                 self._forget_route(rid)
         logger.error("%s; failing its %d in-flight request(s); %d rank(s) left", why, len(lost), len(self.live_ranks()))
+        self._utility_senders_gone(f"{why} before it answered")
         self._fail(lost, EngineError(f"{why} while running this request"), "error")
         if not self._core_alive():
             self._dead = EngineDeadError("every engine core has died")

@@ -21,7 +21,7 @@ from stage5_server.config import STAGE, EngineConfig
 from stage5_server.core.builder import build_engine_core
 from stage5_server.core.busy_loop import EngineCoreLoop
 from stage5_server.core.engine_core import EngineCore
-from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, plain
+from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, UtilityCall, UtilityOutput, plain
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 from stage5_server.errors import EngineDeadError
 
@@ -37,11 +37,12 @@ class _ThreadCoreLoop(EngineCoreLoop):
     """The core loop fed from a queue; outputs go straight to the front end, on this thread."""
 
     def __init__(self, core: EngineCore, inputs: queue.SimpleQueue, deliver: Callable[[EngineCoreOutputs], None],
-                 tick: Callable[[], None], idle_poll_s: float):
+                 tick: Callable[[], None], idle_poll_s: float, answer: Callable[[UtilityOutput], None]):
         super().__init__(core, idle_poll_s)
         self.inputs = inputs
         self.deliver = deliver
         self.tick = tick
+        self.answer = answer
 
     def receive(self, timeout_s: float) -> list[EngineCoreInput]:
         messages = []
@@ -54,6 +55,9 @@ class _ThreadCoreLoop(EngineCoreLoop):
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
         self.deliver(outputs)
+
+    def publish_utility(self, output: UtilityOutput, client_id: str | None) -> None:
+        self.answer(output)
 
     def keep_running(self) -> bool:
         self.tick()  # the stats line is due on time even while idle
@@ -81,7 +85,8 @@ class AsyncLLM(AsyncEngine):
         self.owns_core = owns_core
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look
-        self._loop = _ThreadCoreLoop(core, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s)
+        self._loop = _ThreadCoreLoop(core, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s,
+                                     self._on_utility_output)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -100,6 +105,10 @@ class AsyncLLM(AsyncEngine):
             if self._dead is not None or self._stopping:
                 raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
             self._inputs.put(message)
+
+    def _send_utility(self, call: UtilityCall) -> int:
+        self._send(call)
+        return 1
 
     def _core_alive(self) -> bool:
         return self._thread.is_alive()
@@ -131,4 +140,5 @@ class AsyncLLM(AsyncEngine):
         else:
             self._dead = EngineDeadError("the server is shutting down")
             self._fail_all(self._dead, "abort")
+            self._utility_senders_gone("the server is shutting down")
             self._loop.abort(self.core.unfinished_request_ids())  # give their KV back

@@ -50,7 +50,15 @@ def load_stage_model(path: str | Path, place: RankPlace, dtype: torch.dtype,
     """Rank ``place``'s part of the model: its stage's layers (its TP shard of them), numbered from 0,
     plus the embedding on the first stage and the norm and LM head on the last."""
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
+    model, stage_config, rename = build_stage_model(ModelConfig.from_pretrained(path), place)
+    take = shard_reader(model) if place.tensor_parallel_size > 1 else None
+    load_weights(model, stage_config, path, dtype, device, take, rename)
+    return model.eval()
+
+
+def build_stage_model(config: ModelConfig, place: RankPlace) -> tuple[DecoderModel, ModelConfig, Any]:
+    """Rank ``place``'s stage on the ``meta`` device (no memory yet), its config, and ``rename``: a checkpoint
+    tensor's name in the stage (its layer renumbered), or None for a tensor another stage holds."""
     layers = stage_layers(config.num_hidden_layers, place.pipeline_parallel_size, place.pp_rank)
     last = place.is_last_stage
     keeps_embedding = place.is_first_stage or (last and config.tie_word_embeddings)  # a tied head is the embedding
@@ -76,9 +84,7 @@ def load_stage_model(path: str | Path, place: RankPlace, dtype: torch.dtype,
             return name if last else None
         return name
 
-    take = shard_reader(model) if place.tensor_parallel_size > 1 else None
-    load_weights(model, stage_config, path, dtype, device, take, rename)
-    return model.eval()
+    return model, stage_config, rename
 
 
 class PipelineStage(nn.Module):

@@ -4,6 +4,7 @@
          -> BodySizeLimitMiddleware (413; limits.py) -> route: decoded, parsed and checked (body.py, 400),
             parse strictly (protocol.py, 400)
          -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
+            (with --enable-dev-routes: dev_routes.py, weight updates and sleep)
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
 The server's options are one ``ServerConfig`` (config.py); errors are OpenAI error objects (errors.py);
@@ -114,6 +115,10 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)
     pooling.add_routes(app, serving)  # embeddings, score, rerank
+    if config.enable_dev_routes:  # off: 404, and not in the schema
+        from stage5_server.server.dev_routes import add_dev_routes
+
+        add_dev_routes(app, engine)
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:

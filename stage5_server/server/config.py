@@ -38,6 +38,7 @@ class ServerConfig:
     limits: RequestLimits = RequestLimits()
     media: MediaOptions | None = None  # None: MediaOptions.from_env() when the app is built
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of each adapter served from the start
+    enable_dev_routes: bool = False  # /sleep, /wake_up, /update_weights, /collective_rpc ... (dev_routes.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:

@@ -77,6 +77,9 @@ GAUGES = [
     ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
     ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
     ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    # weight_sync/: the weight updates the engine has taken, and 0 while awake (1 or 2: its sleep level)
+    ("stagedserve:weight_version", "Weight updates the engine core has taken.", "weight_version"),
+    ("stagedserve:sleep_level", "0 while serving; the sleep level while asleep.", "sleep_level"),
 ]
 COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
@@ -108,7 +111,7 @@ SPLIT = [
 def stat(stats: SchedulerStats, path: str) -> float:
     """A field of a stats snapshot by its dotted path (``spec_decoding.num_drafts``)."""
     for name in path.split("."):
-        stats = getattr(stats, name)
+        stats = getattr(stats, name, 0)  # a field another stage's snapshot lacks reads 0
     return stats
 
 

@@ -238,7 +238,7 @@ class OpenAIServing:
         if self.engine.is_pooling:  # vLLM's answer when the model lacks the task
             raise APIError(400, f"The model does not support {GENERATION_APIS.get(responder.object, 'this')} API")
         self.check_limits(prompts, params, prompt_param)
-        responder.system_fingerprint = self.system_fingerprint
+        responder.system_fingerprint = f"{self.system_fingerprint}-w{self.engine.weight_version}"  # weight_sync/
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)

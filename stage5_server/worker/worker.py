@@ -6,7 +6,8 @@ device and on every rank of a split model; the executor decides only where each 
 
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
 GPU, ``determine_available_memory`` (the builder sizes the pool from them) -> ``initialize_kv_cache``
-(allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step.
+(allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step; between
+steps, weight updates and sleep (``weight_sync/worker.py``).
 Under pipeline parallelism a worker holds its stage's layers (``parallel/pipeline.py``), and its KV
 cache has room for those layers only.
 
@@ -36,6 +37,7 @@ from stage5_server.multimodal.vision import load_vision_tower
 from stage5_server.parallel.parallel_state import RankPlace
 from stage5_server.parallel.pipeline import PipelineStage
 from stage5_server.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from stage5_server.weight_sync.worker import WeightSyncWorker
 from stage5_server.worker.input_batch import InputBatch
 from stage5_server.worker.model_loader import load_rank_model
 from stage5_server.worker.model_runner import ModelRunner
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stagedserve")
 
 
-class Worker:
+class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
     def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
         self.config = config
         self.rank = rank

@@ -1,0 +1,228 @@
+"""The engine core's side: each weight update, sleep and ``collective_rpc`` runs between two steps,
+the prefix cache is reset, and the weight version counts the updates.
+
+``WeightSync`` hangs off the ``EngineCore`` (``core.weight_sync``). Its calls are the core's
+*utilities*, reached three ways: directly (the offline ``LLM``, whose caller drives the steps), or
+as a ``UtilityCall`` message through the core's busy loop (``loop.py``: the server's engine thread
+or engine-core process), which runs them between steps.
+
+Consistency, as this engine keeps it:
+
+- no step runs half-old, half-new weights: an update runs between steps, on every rank, before
+  the next step is scheduled;
+- no request mixes weights: an update (or a sleep) *drains* first. The requests already in the
+  core run to the end on the old weights; requests arriving meanwhile are held, and admitted on
+  the new weights once the update is done (vLLM's ``pause_generation(mode="wait")``). The offline
+  ``LLM`` refuses an update while requests it was given are unfinished;
+- no KV computed by old weights is reused: the prefix cache is reset (stage 4's
+  ``reset_prefix_cache``) after every update and at every sleep;
+- ``version`` counts the updates; it rides in every stats snapshot (``/metrics``
+  ``stagedserve:weight_version``) and in each response's ``system_fingerprint``.
+
+vLLM: ``EngineCore.collective_rpc``, ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``
+in ``vllm/v1/engine/core.py``; ``LLM.collective_rpc`` in ``vllm/entrypoints/llm.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stage5_server.errors import EngineDeadError
+from stage5_server.weight_sync.loader import describe_tensors
+
+
+class EngineSleepingError(EngineDeadError):
+    """The engine is asleep (or woke from level 2 and awaits weights): no request runs now (HTTP 503). Not
+    dead: ``wake_up`` (and, after level 2, a weight update) serves again."""
+
+
+@dataclass
+class RankError:
+    """A worker method's exception, sent back as a value: the rank lives on (a raise would stop it)."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+
+@dataclass
+class RankCall:
+    """``method(worker, *args, **kwargs)`` on one rank; picklable when ``method`` is a name or an importable
+    function. An unknown name or a raise comes back as a ``RankError``."""
+
+    method: str | Callable
+    kwargs: dict[str, Any]
+
+    def __call__(self, worker: Any, *args: Any) -> Any:
+        try:
+            if isinstance(self.method, str):
+                fn = getattr(worker, self.method, None)
+                if self.method.startswith("_") or not callable(fn):
+                    raise ValueError(f"collective_rpc: the worker ({type(worker).__name__}) has no method "
+                                     f"{self.method!r}")
+                return fn(*args, **self.kwargs)
+            return self.method(worker, *args, **self.kwargs)
+        except Exception as exc:
+            return RankError(type(exc).__name__, str(exc), traceback.format_exc())
+
+
+# Worker methods whose state the core keeps: refused through the public collective_rpc.
+CORE_ONLY = {"execute_model": "LLM.generate", "initialize_kv_cache": "LLM.wake_up", "sleep": "LLM.sleep",
+             "wake_up": "LLM.wake_up"}
+# Utilities that wait for the requests in the core to finish (and hold new ones) before they run.
+DRAINING = frozenset({"update_weights", "update_weights_from_path", "update_weights_from_distributed",
+                      "reload_weights", "sleep"})
+UTILITIES = DRAINING | {"collective_rpc", "wake_up", "is_sleeping", "reset_prefix_cache", "weight_version", "refusal"}
+
+
+class WeightSync:
+    def __init__(self, core: Any):  # the EngineCore (core/engine_core.py), which imports this module
+        self.core = core
+        self.version = 0  # weight updates done
+        self.sleep_level = 0  # 0: awake
+        self.weights_missing = False  # woke from level 2: no request runs until every weight is loaded again
+        module, _, name = core.config.worker_cls.partition(":")  # the worker by its qualified name
+        worker_cls = getattr(importlib.import_module(module), name)
+        self.worker_cls = worker_cls if isinstance(worker_cls, type) else None  # a factory: checked on the rank
+
+    # ---- collective_rpc ------------------------------------------------------------------------------
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``method`` on every worker, their results in rank order (a name: a worker method). The methods whose
+        state the core keeps (steps, the KV cache, sleep) are the core's to call."""
+        if isinstance(method, str) and method in CORE_ONLY:
+            raise ValueError(f"collective_rpc: {method!r} is run by the engine core itself; use "
+                             f"{CORE_ONLY[method]}")
+        return self._rpc(method, args, kwargs)
+
+    def _rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+        if isinstance(method, str):
+            if self.worker_cls is not None and (method.startswith("_") or not callable(getattr(self.worker_cls,
+                                                                                              method, None))):
+                public = sorted(n for n in dir(self.worker_cls) if not n.startswith("_")
+                                and callable(getattr(self.worker_cls, n)))
+                raise ValueError(f"collective_rpc: the worker ({self.worker_cls.__name__}) has no method "
+                                 f"{method!r}; it has {public}")
+        elif not callable(method):
+            raise ValueError(f"collective_rpc: method must be a worker method's name or a callable, got "
+                             f"{type(method).__name__}")
+        elif self.core.model_executor.world_size > 1:
+            try:
+                pickle.dumps(method)
+            except Exception as exc:
+                raise ValueError(f"collective_rpc: the workers run in other processes and {method!r} cannot be "
+                                 f"sent there ({exc}); pass a module-level function or a method name") from None
+        results = self.core.model_executor.collective_rpc(RankCall(method, dict(kwargs or {})), *args)
+        for rank, result in enumerate(results):
+            if isinstance(result, RankError):  # the caller's method or arguments: the engine is as it was
+                raise ValueError(f"{result.message} (rank {rank}, {result.type_name})")
+        return results
+
+    # ---- weight updates ------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Tensors by checkpoint name, into every rank; the new weight version."""
+        tensors = list(named_tensors)
+        return self._updated(self._rpc("update_weights", (tensors,)))
+
+    def update_weights_from_path(self, path: str) -> int:
+        if not Path(path).is_dir():
+            raise ValueError(f"update_weights_from_path: {path!r} is not a checkpoint directory")
+        return self._updated(self._rpc("update_weights_from_path", (str(path),)))
+
+    def reload_weights(self) -> int:
+        """The served model's own checkpoint again (after ``sleep(level=2)``, say)."""
+        return self.update_weights_from_path(str(self.core.config.model_path))
+
+    def update_weights_from_distributed(self, metadata: list) -> int:
+        """One broadcast per ``(name, dtype, shape)`` from a trainer's group (``group.py``), into every rank."""
+        return self._updated(self._rpc("update_weights_from_distributed", ([tuple(m) for m in metadata],)))
+
+    def _updated(self, counts: list[int]) -> int:
+        if sum(counts) == 0:
+            raise ValueError("update_weights: no tensor of the update has a place in the served model")
+        self.version += 1
+        if self.weights_missing:
+            missing = [name for names in self._rpc("missing_weights") for name in names]
+            self.weights_missing = bool(missing)
+        self._reset_prefix_cache("update_weights")
+        return self.version
+
+    # ---- sleep ---------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (1), and the weights too (2); bytes freed over the ranks."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            return 0
+        self._reset_prefix_cache("sleep")  # the blocks' contents are gone: nothing may hit them after waking
+        freed = sum(self._rpc("sleep", (level,)))
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Allocate the KV cache again; after level 2 the weights come back with the next update
+        (``update_weights*``, or ``reload_weights`` for the served checkpoint). Whether it was asleep."""
+        unknown = set(tags or []) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        if not self.sleep_level:
+            return False
+        self._rpc("wake_up")
+        config = self.core.config
+        self._rpc("initialize_kv_cache", (self.core.num_kv_blocks, config.cache.block_size,
+                                                    self.core.max_model_len))
+        self.weights_missing = self.weights_missing or self.sleep_level >= 2
+        self.sleep_level = 0
+        return True
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def _reset_prefix_cache(self, what: str) -> None:
+        if not self.core.reset_prefix_cache():  # only refused while requests hold blocks: drained, they do not
+            raise RuntimeError(f"{what}: the prefix cache could not be reset (requests hold blocks)")
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def refusal(self) -> str | None:
+        """Why no request may run now, or None."""
+        if self.sleep_level:
+            return f"The engine is sleeping (level {self.sleep_level}); POST /wake_up (LLM.wake_up()) first."
+        if self.weights_missing:
+            return ("The engine woke from a level-2 sleep and holds no weights; update them "
+                    "(update_weights, or reload_weights for the served checkpoint) first.")
+        return None
+
+    def check_serving(self) -> None:
+        reason = self.refusal()
+        if reason is not None:
+            raise EngineSleepingError(reason)
+
+    def require_idle(self, what: str) -> None:
+        """The offline ``LLM``: its caller drives the steps, so an update waits for nothing; it is refused
+        while requests it was given are unfinished."""
+        unfinished = self.core.unfinished_request_ids()
+        if unfinished:
+            raise RuntimeError(f"{what}: {len(unfinished)} request(s) are unfinished; step them to the end or "
+                               f"abort them first (no request may run on two sets of weights)")
+
+    # ---- utilities by name (the busy loop's UtilityCall) ---------------------------------------------
+    def run_utility(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if method not in UTILITIES:
+            raise ValueError(f"unknown engine utility {method!r}; expected one of {sorted(UTILITIES)}")
+        return getattr(self, method)(*args, **kwargs)
+
+
+__all__ = ["DRAINING", "EngineSleepingError", "RankCall", "RankError", "UTILITIES", "WeightSync", "describe_tensors"]
