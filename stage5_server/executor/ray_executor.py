@@ -92,6 +92,9 @@ class RendezvousKeys:
     def __init__(self):
         self.keys: dict[str, bytes] = {}
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def set(self, key: str, value: bytes) -> None:
         self.keys[key] = value
 
@@ -172,6 +175,22 @@ def exit_with_raylet(raylet_pid: int, interval_s: float = 0.2) -> None:
     os._exit(1)
 
 
+def wait_for_exit(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Wait until the processes ``pids`` of this host have exited; kill those that have not by ``timeout_s``."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        logger.error("Ray worker pid %d did not exit with its raylet; killing it", process.pid)
+        process.kill()
+
+
 class RayWorkerWrapper:
     """One rank inside a Ray actor: builds the ``Worker`` and runs the calls the executor sends."""
 
@@ -242,6 +261,7 @@ class RayExecutor(Executor):
         try:
             self.workers = self.gather([actor.start.remote(rank, config, self.rendezvous, timeout_s)
                                         for rank, actor in enumerate(self.actors)], "start-up")
+            self.actor_pids = [*self.pids, ray.get(self.rendezvous.pid.remote())]
         except BaseException:
             self.shutdown()
             raise
@@ -297,6 +317,7 @@ class RayExecutor(Executor):
         if getattr(self, "started_ray", False):
             self.started_ray = False
             ray.shutdown()  # its GCS, raylet and agents; each worker exits with its raylet (``exit_with_raylet``)
+            wait_for_exit(getattr(self, "actor_pids", []))  # this host's: the engine outlives them all
 
 
 def _failed(ref) -> bool:
