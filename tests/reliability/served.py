@@ -47,14 +47,15 @@ def _has_ray() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
-def start(model, tmp_path: Path, mode: str, *flags: str, host: str | None = None) -> tuple[subprocess.Popen, str]:
+def start(model, tmp_path: Path, mode: str, *flags: str, host: str | None = None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """The server of ``mode`` on ``model``, serving (``/health`` 200); its process and URL. Without ``RAY_ADDRESS``
     the Ray modes start a Ray instance of their own."""
     log = (tmp_path / f"serve-{mode}.log").open("w+")
     extra = ("--host", host) if host else ()
     process, url = spawn_serve(model, log, *MODE_FLAGS[mode], *extra, "--max-model-len", "256", "--num-kv-blocks",
                                "64", "--log-stats-interval", "0", "--uvicorn-log-level", "warning", *flags,
-                               env={"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1"})
+                               env={"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1", **(env or {})})
     if host:
         url = url.replace("127.0.0.1", f"[{host}]" if ":" in host else host)
     up = wait_until(serving_or_exited(process, url), timeout=300, interval=0.3) and process.poll() is None
@@ -119,7 +120,8 @@ def gone(pids: list[int]) -> bool:
 
 
 def stop_and_leave_nothing(process: subprocess.Popen, pids: list[int], timeout: float = 60) -> list[str]:
-    """SIGINT the server; the processes of ``pids`` still running 15 s after it exited (none, if it cleans up)."""
+    """SIGINT the server; the processes of ``pids`` still running once it has exited (a second's grace for the
+    last exits to be seen), killed and named: none, when every process waits for those it started."""
     import signal
 
     process.send_signal(signal.SIGINT)
@@ -128,7 +130,7 @@ def stop_and_leave_nothing(process: subprocess.Popen, pids: list[int], timeout: 
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    wait_until(lambda: gone(pids), timeout=15, interval=0.1)
+    wait_until(lambda: gone(pids), timeout=1, interval=0.05)
     left = []
     for pid in pids:
         try:
