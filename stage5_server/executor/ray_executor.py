@@ -74,10 +74,9 @@ def start_local_ray() -> bool:
         ray.init(address=address, log_to_driver=False)
         return False
     if ray.util.get_node_ip_address() != LOOPBACK:
-        raise ValueError(f"distributed_executor_backend: Ray was imported before the engine started it without "
+        raise ValueError(f"distributed_executor_backend: Ray was imported before the engine started it, without "
                          f"{RAY_SINGLE_HOST_ENV}=0, so a local instance would listen on every interface; set that "
-                         "variable before importing ray, or start Ray (ray start --node-ip-address ...) and set "
-                         "RAY_ADDRESS")
+                         "variable before importing ray, or start Ray yourself and set RAY_ADDRESS")
     ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, log_to_driver=False)
     return True
 

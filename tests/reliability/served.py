@@ -35,13 +35,13 @@ MODE_FLAGS = {
 def mode_params(modes=tuple(MODE_FLAGS)) -> list:
     """``modes`` as pytest params, each starting a server of its own (all slow: 10 s to a minute); Ray's need Ray."""
     def marks(mode: str) -> list:
-        return [pytest.mark.slow, *([pytest.mark.skipif(not _has_ray(), reason="needs ray")]
+        return [pytest.mark.slow, *([pytest.mark.skipif(not has_ray(), reason="needs ray")]
                                    if mode.startswith("ray") else [])]
 
     return [pytest.param(mode, id=mode, marks=marks(mode)) for mode in modes]
 
 
-def _has_ray() -> bool:
+def has_ray() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ray") is not None

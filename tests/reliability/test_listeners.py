@@ -8,12 +8,18 @@ or on the address ``--host`` names for the HTTP port; never ``0.0.0.0``, ``::`` 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import psutil
 import pytest
 
+from stage5_server.executor.ray_executor import RAY_SINGLE_HOST_ENV
 from tests.reliability.served import (
     KEY,
+    has_ray,
     is_loopback,
     listening_sockets,
     mode_params,
@@ -62,3 +68,18 @@ def test_a_named_host_gets_the_http_port_and_nothing_else_leaves_the_loopback(ti
     assert len(named) == 1 and named[0][4] == "tcp", sockets  # the HTTP port, on exactly that address
     others = [s for s in sockets if s[2] != host and not is_loopback(s[2])]
     assert not others, f"listening beyond the loopback and {host}: {others}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_ray(), reason="needs ray")
+def test_ray_imported_too_early_to_stay_on_the_loopback_is_refused_rather_than_started(tiny_llama):
+    if own_address() is None:
+        pytest.skip("Ray takes the loopback for this host's address: it would stay there")
+    script = ("import ray\nfrom stage5_server import LLM\n"
+              f"LLM(model={str(tiny_llama)!r}, tensor_parallel_size=2, distributed_executor_backend='ray', "
+              "max_model_len=128, num_kv_blocks=16)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", RAY_SINGLE_HOST_ENV)})
+    assert done.returncode != 0
+    assert "Ray was imported before the engine started it" in done.stderr, done.stderr[-2000:]
+    assert "Started a local Ray instance" not in done.stderr
