@@ -3,7 +3,7 @@
 ``--distributed-executor-backend ray`` (``LLM(..., distributed_executor_backend="ray")``) joins the
 Ray cluster this process belongs to, or ``RAY_ADDRESS``'s; without either it starts a Ray instance of
 this host alone, every server of it (GCS, raylet, workers, agents) on the loopback, with no dashboard
-(``start_local_ray``). It then reserves one bundle per rank, ``{"CPU": 1}`` or ``{"GPU": 1}``, in a
+(``join_or_start_ray``). It then reserves one bundle per rank, ``{"CPU": 1}`` or ``{"GPU": 1}``, in a
 placement group, and starts one actor per bundle. A cluster that cannot place every rank within
 ``STAGEDSERVE_RAY_PLACEMENT_TIMEOUT`` seconds (default 60) is a clear error naming what was asked and
 what the cluster has, not a hang.
@@ -58,7 +58,7 @@ LOOPBACK = "127.0.0.1"
 RAY_SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def start_local_ray() -> bool:
+def join_or_start_ray() -> bool:
     """Join the Ray cluster this process belongs to, or ``RAY_ADDRESS``'s (its operator chose where it listens:
     ``ray start --node-ip-address``); else start one for this host alone, listening on the loopback only. True when
     it started one."""
@@ -168,7 +168,7 @@ class RendezvousStore(dist.Store):
 
 def exit_with_raylet(raylet_pid: int, interval_s: float = 0.2) -> None:
     """A Ray worker's parent is its node's raylet: once that is gone the worker serves nobody, so it exits at
-    once rather than when Ray notices (tens of seconds later)."""
+    once rather than when Ray notices (seconds later, tens of seconds on a busy host)."""
     while os.getppid() == raylet_pid:
         time.sleep(interval_s)
     os._exit(1)
@@ -230,13 +230,11 @@ class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
         if importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend: 'ray' needs Ray (pip install ray)")
-        self.started_ray = start_local_ray()  # before ``import ray``: it may set how Ray binds
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as exc:
-            raise ValueError("distributed_executor_backend: 'ray' needs Ray (pip install ray)") from exc
+        self.started_ray = join_or_start_ray()  # before ``import ray``: it may set how Ray binds
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         parallel = config.parallel
         self.world_size = world_size = parallel.world_size
         self.driver_rank = world_size - parallel.tensor_parallel_size
@@ -246,7 +244,7 @@ class RayExecutor(Executor):
         wait_s = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "60"))
         ready, _ = ray.wait([group.ready()], timeout=wait_s)
         if not ready:
-            remove_placement_group(group)
+            self.shutdown()  # the group, and a Ray instance this executor started
             raise ValueError(f"distributed_executor_backend: the Ray cluster cannot place {world_size} workers of "
                              f"{{'{resource}': 1}} within {wait_s:.0f} s (TP {parallel.tensor_parallel_size} x PP "
                              f"{parallel.pipeline_parallel_size}); it has {ray.cluster_resources().get(resource, 0):g} "
