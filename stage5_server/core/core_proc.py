@@ -244,6 +244,7 @@ def run_engine_core(engine_index: int, model: str | None, engine_args: dict[str,
                     sock.close(linger=0)
             os._exit(0)  # skips lingering sends, thread-pool joins and exit handlers (seconds, all of them)
         logger.info("engine core %d exiting", engine_index)
+        built.shutdown()  # the executor's workers, and a Ray instance it started, go with the core
         if loop.dead:
             raise SystemExit(1)
     except zmq.Again:

@@ -1,10 +1,12 @@
 """The Ray executor: the same ``Worker`` on every rank, as Ray actors that may live on other hosts.
 
 ``--distributed-executor-backend ray`` (``LLM(..., distributed_executor_backend="ray")``) joins the
-Ray cluster this process belongs to (``RAY_ADDRESS``, or a local one Ray starts), reserves one
-bundle per rank, ``{"CPU": 1}`` or ``{"GPU": 1}``, in a placement group, and starts one actor per
-bundle. A cluster that cannot place every rank within ``STAGEDSERVE_RAY_PLACEMENT_TIMEOUT`` seconds
-(default 60) is a clear error naming what was asked and what the cluster has, not a hang.
+Ray cluster this process belongs to, or ``RAY_ADDRESS``'s; without either it starts a Ray instance of
+this host alone, every server of it (GCS, raylet, workers, agents) on the loopback, with no dashboard
+(``join_or_start_ray``). It then reserves one bundle per rank, ``{"CPU": 1}`` or ``{"GPU": 1}``, in a
+placement group, and starts one actor per bundle. A cluster that cannot place every rank within
+``STAGEDSERVE_RAY_PLACEMENT_TIMEOUT`` seconds (default 60) is a clear error naming what was asked and
+what the cluster has, not a hang.
 
 The ranks then form one ``torch.distributed`` world as the multiprocess executor's do (TP and PP
 collectives over gloo or NCCL), but they cannot meet through a file: they may be on different
@@ -25,8 +27,11 @@ vLLM: ``vllm/v1/executor/ray_executor.py`` (``RayDistributedExecutor``), ``vllm/
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,6 +51,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stagedserve")
 
 PLACEMENT_TIMEOUT_ENV = "STAGEDSERVE_RAY_PLACEMENT_TIMEOUT"
+LOOPBACK = "127.0.0.1"
+# Ray's switch for an instance no other host joins: on, Ray keeps a loopback node address instead of
+# swapping in this host's own (``resolve_ip_for_localhost``), and its gRPC servers then listen on the
+# loopback alone rather than on every interface. Read when ``ray`` is imported.
+RAY_SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def join_or_start_ray() -> bool:
+    """Join the Ray cluster this process belongs to, or ``RAY_ADDRESS``'s (its operator chose where it listens:
+    ``ray start --node-ip-address``); else start one for this host alone, listening on the loopback only. True when
+    it started one."""
+    imported = sys.modules.get("ray")
+    if imported is not None and imported.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        os.environ[RAY_SINGLE_HOST_ENV] = "0"  # before ``import ray``; the instance's processes inherit it
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    if ray.util.get_node_ip_address() != LOOPBACK:
+        raise ValueError(f"distributed_executor_backend: Ray was imported before the engine started it, without "
+                         f"{RAY_SINGLE_HOST_ENV}=0, so a local instance would listen on every interface; set that "
+                         "variable before importing ray, or start Ray yourself and set RAY_ADDRESS")
+    ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, log_to_driver=False)
+    return True
 
 
 class RayWorkerError(EngineDeadError):
@@ -57,6 +90,9 @@ class RendezvousKeys:
 
     def __init__(self):
         self.keys: dict[str, bytes] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def set(self, key: str, value: bytes) -> None:
         self.keys[key] = value
@@ -130,6 +166,30 @@ class RendezvousStore(dist.Store):
         return self._call("count")
 
 
+def exit_with_raylet(raylet_pid: int, interval_s: float = 0.2) -> None:
+    """A Ray worker's parent is its node's raylet: once that is gone the worker serves nobody, so it exits at
+    once rather than when Ray notices (seconds later, tens of seconds on a busy host)."""
+    while os.getppid() == raylet_pid:
+        time.sleep(interval_s)
+    os._exit(1)
+
+
+def wait_for_exit(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Wait until the processes ``pids`` of this host have exited; kill those that have not by ``timeout_s``."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        logger.error("Ray worker pid %d did not exit with its raylet; killing it", process.pid)
+        process.kill()
+
+
 class RayWorkerWrapper:
     """One rank inside a Ray actor: builds the ``Worker`` and runs the calls the executor sends."""
 
@@ -147,6 +207,7 @@ class RayWorkerWrapper:
             interface = resolve_interface(config.args["distributed_interface"])
         self.worker = start_worker(config, rank, device, int(threads) if threads else 1,  # the bundle's one CPU
                                    store, interface, timeout_s)
+        threading.Thread(target=exit_with_raylet, args=(os.getppid(),), name="raylet-watch", daemon=True).start()
         return {**self.worker.describe(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def call(self, method: str | Callable, args: tuple):
@@ -167,24 +228,23 @@ class RayPendingStep:
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S):
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as exc:
-            raise ValueError("distributed_executor_backend: 'ray' needs Ray (pip install ray)") from exc
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend: 'ray' needs Ray (pip install ray)")
+        self.started_ray = join_or_start_ray()  # before ``import ray``: it may set how Ray binds
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         parallel = config.parallel
         self.world_size = world_size = parallel.world_size
         self.driver_rank = world_size - parallel.tensor_parallel_size
         self.failure: RayWorkerError | None = None
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
         resource = "GPU" if config.device.type == "cuda" else "CPU"
         self.placement_group = group = placement_group([{resource: 1}] * world_size, strategy="PACK")
         wait_s = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "60"))
         ready, _ = ray.wait([group.ready()], timeout=wait_s)
         if not ready:
-            remove_placement_group(group)
+            self.shutdown()  # the group, and a Ray instance this executor started
             raise ValueError(f"distributed_executor_backend: the Ray cluster cannot place {world_size} workers of "
                              f"{{'{resource}': 1}} within {wait_s:.0f} s (TP {parallel.tensor_parallel_size} x PP "
                              f"{parallel.pipeline_parallel_size}); it has {ray.cluster_resources().get(resource, 0):g} "
@@ -198,6 +258,7 @@ class RayExecutor(Executor):
         try:
             self.workers = self.gather([actor.start.remote(rank, config, self.rendezvous, timeout_s)
                                         for rank, actor in enumerate(self.actors)], "start-up")
+            self.actor_pids = [*self.pids, ray.get(self.rendezvous.pid.remote())]
         except BaseException:
             self.shutdown()
             raise
@@ -236,7 +297,8 @@ class RayExecutor(Executor):
         return RayPendingStep(self, [actor.call.remote("execute_model", (step,)) for actor in self.actors])
 
     def shutdown(self) -> None:
-        """Kill the actors and give the placement group back (the Ray cluster stays up)."""
+        """Kill the actors and give the placement group back. A Ray instance this executor started stops too, and
+        its worker processes are waited for, so none outlives the engine; a cluster it joined stays up."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -249,6 +311,10 @@ class RayExecutor(Executor):
         if getattr(self, "placement_group", None) is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
+        if getattr(self, "started_ray", False):
+            self.started_ray = False
+            ray.shutdown()  # its GCS, raylet and agents; each worker exits with its raylet (``exit_with_raylet``)
+            wait_for_exit(getattr(self, "actor_pids", []))  # this host's: the engine outlives them all
 
 
 def _failed(ref) -> bool:
