@@ -52,9 +52,9 @@ logger = logging.getLogger("stagedserve")
 
 PLACEMENT_TIMEOUT_ENV = "STAGEDSERVE_RAY_PLACEMENT_TIMEOUT"
 LOOPBACK = "127.0.0.1"
-# Ray's switch for an instance no other host joins: on, Ray keeps a loopback node address instead of
-# swapping in this host's own (``resolve_ip_for_localhost``), and its gRPC servers then listen on the
-# loopback alone rather than on every interface. Read when ``ray`` is imported.
+# Ray's switch for clusters of several hosts (on by default on Linux). Set to 0, Ray keeps a loopback node
+# address instead of swapping in this host's own (``resolve_ip_for_localhost``), and its gRPC servers then
+# listen on the loopback alone rather than on every interface. Read when ``ray`` is imported.
 RAY_SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
