@@ -116,6 +116,7 @@ def add_limit_flags(group) -> None:
              "max_messages_per_request": "messages of one conversation (Responses: input items), and the content "
                                          "parts of its messages",
              "max_tools_per_request": "tools of one request",
+             "max_logit_bias_per_request": "entries of one request's logit_bias",
              "max_choices_per_request": "choices of one request: prompts x n",
              "max_logprobs_per_request": "logprobs one request may ask for per token: prompts x n x logprobs",
              "max_returned_logprobs_per_request": "logprobs one request may return in all: prompts x n x max_tokens "

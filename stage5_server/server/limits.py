@@ -36,6 +36,7 @@ class RequestLimits:
     max_prompts_per_request: int = 256  # a completion's prompt list
     max_messages_per_request: int = 2048  # a chat conversation, a Responses input list, and their content parts
     max_tools_per_request: int = 128  # OpenAI's own cap on a request's tools
+    max_logit_bias_per_request: int = 1024  # entries of logit_bias (to ban many tokens: bad_words)
     max_choices_per_request: int = 256  # prompts x n
     max_logprobs_per_request: int = 1280  # prompts x n x logprobs (+ prompts x prompt logprobs)
     max_returned_logprobs_per_request: int = 1 << 18  # prompts x n x max_tokens x (logprobs + 1)
@@ -47,17 +48,17 @@ class RequestLimits:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
     def check_lists(self, route: str, body: Any) -> None:
-        """Refuse a parsed body whose lists are longer than the caps allow, before the route's request
-        model validates it (validating costs microseconds an item, on the event loop)."""
+        """Refuse a parsed body whose lists (and ``logit_bias``) are longer than the caps allow, before the
+        route's request model validates it (validating costs microseconds an item, on the event loop)."""
         if not isinstance(body, dict):
             return
         for field, name in COUNTED_LISTS.get(route, ()):
             items = body.get(field)
-            if not isinstance(items, list) or (field == "prompt" and items and isinstance(items[0], int)):
-                continue  # not a list of items (a prompt of token ids is one prompt)
+            if not isinstance(items, (list, dict)) or (field == "prompt" and items and isinstance(items[0], int)):
+                continue  # nothing to count (a prompt of token ids is one prompt)
             if len(items) > getattr(self, name):
                 raise self._over(name, field, f"{len(items)} {ITEM_NAMES[name]}")
-            if name == "max_messages_per_request":  # each message's content parts count too
+            if name == "max_messages_per_request" and isinstance(items, list):  # content parts count too
                 parts = sum(len(item["content"]) for item in items
                             if isinstance(item, dict) and isinstance(item.get("content"), list))
                 if parts > self.max_messages_per_request:
@@ -115,13 +116,14 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in RequestLimits.__datacla
 
 # The lists of each route's body that ``check_lists`` counts, and the cap on each.
 COUNTED_LISTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "/v1/completions": (("prompt", "max_prompts_per_request"),),
-    "/v1/chat/completions": (("messages", "max_messages_per_request"), ("tools", "max_tools_per_request")),
+    "/v1/completions": (("prompt", "max_prompts_per_request"), ("logit_bias", "max_logit_bias_per_request")),
+    "/v1/chat/completions": (("messages", "max_messages_per_request"), ("tools", "max_tools_per_request"),
+                             ("logit_bias", "max_logit_bias_per_request")),
     "/v1/responses": (("input", "max_messages_per_request"), ("tools", "max_tools_per_request")),
     "/tokenize": (("messages", "max_messages_per_request"), ("tools", "max_tools_per_request")),
 }
 ITEM_NAMES = {"max_prompts_per_request": "prompts", "max_messages_per_request": "messages",
-              "max_tools_per_request": "tools"}
+              "max_tools_per_request": "tools", "max_logit_bias_per_request": "logit_bias entries"}
 
 
 def text_chars(prompt: Any) -> int:

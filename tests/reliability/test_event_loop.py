@@ -125,7 +125,8 @@ LARGE_BODIES = {
         "--max-messages-per-request"),
     "a logit_bias of 250000 entries": (
         "/v1/completions", _compact({"model": MODEL, "max_tokens": 1, "prompt": "a",
-                                     "logit_bias": {str(i): 1 for i in range(250_000)}}), None),
+                                     "logit_bias": {str(i): 1 for i in range(250_000)}}),
+        "--max-logit-bias-per-request"),
     "a body nested 200000 deep": ("/v1/completions", b"[" * 200_000 + b"]" * 200_000, None),
 }
 
