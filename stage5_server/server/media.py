@@ -22,7 +22,7 @@ that decodes into gigabytes. So every fetch passes these rules, and each refusal
   and at most ``VLLM_MAX_IMAGE_PIXELS`` pixels, checked from the file's header before decoding
   (``multimodal/image_io.py``);
 - **a count**: at most ``--max-images-per-request`` images in one request (each is fetched, decoded
-  and run through the vision tower);
+  and run through the vision tower), ``/tokenize`` included (each becomes its placeholder tokens);
 - **per-request processor settings** (``mm_processor_kwargs``, ``media_io_kwargs``) are refused
   unless ``--trust-request-mm-kwargs`` (``check_request_mm_kwargs``).
 

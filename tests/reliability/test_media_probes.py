@@ -346,3 +346,14 @@ def test_many_images_are_counted_across_messages_before_any_is_loaded(server, ho
         refused(chat(url, *[data_url(picture(0))] * 100), "more than the 8 this server allows")
     assert len(host.targets) == hits  # nothing was fetched
     healthy(url)
+
+
+def test_tokenize_counts_images_as_the_request_would(server):
+    url, _ = server
+    part = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    response = requests.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": [part] * 5000}]},
+                             headers=auth(KEY), timeout=60)
+    refused(response, "more than the 8 this server allows")
+    response = requests.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": [part] * 8}]},
+                             headers=auth(KEY), timeout=60)
+    assert response.status_code == 200, response.text
