@@ -357,3 +357,30 @@ def test_tokenize_counts_images_as_the_request_would(server):
     response = requests.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": [part] * 8}]},
                              headers=auth(KEY), timeout=60)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("width, height", [(1, 30_000), (30_000, 1), (2, 20_000)])
+def test_a_strip_that_the_resize_would_blow_up_is_refused(server, monkeypatch, width, height):
+    """Under the pixel limit as sent, but the processor keeps the aspect ratio as it resizes the shortest edge
+    to 40 (336 for CLIP): 1 x 30000 becomes 40 x 1200000, 48 megapixels of floats."""
+    from PIL import Image
+
+    url, _ = server
+    monkeypatch.setenv("VLLM_MAX_IMAGE_PIXELS", str(1 << 20))
+    strip = io.BytesIO()
+    Image.new("RGB", (width, height)).save(strip, format="PNG")
+    refused(chat(url, "data:image/png;base64," + base64.b64encode(strip.getvalue()).decode()), "aspect ratio")
+    square = io.BytesIO()
+    Image.new("RGB", (1000, 1000)).save(square, format="PNG")  # a million pixels, resized to 40 x 40
+    assert chat(url, "data:image/png;base64," + base64.b64encode(square.getvalue()).decode()).status_code == 200
+
+
+def test_a_trusted_request_cannot_resize_an_image_past_the_pixel_limit(server):
+    url, serving = server
+    content = [{"type": "text", "text": "Look"}, {"type": "image_url", "image_url": {"url": data_url(picture(4))}}]
+    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": content}], "max_tokens": 2,
+            "mm_processor_kwargs": {"size": {"shortest_edge": 100_000}}}  # 10 gigapixels of floats
+    with media(serving, trust_request_mm_kwargs=True):
+        response = requests.post(f"{url}/v1/chat/completions", json=body, headers=auth(KEY), timeout=60)
+    refused(response, "VLLM_MAX_IMAGE_PIXELS")
+    healthy(url)
