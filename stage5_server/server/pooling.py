@@ -56,7 +56,8 @@ class PoolingServing:
                     request_id: str, params: list[str]) -> list[tuple[list[int], list[float]]]:
         """``(token ids, vector)`` per prompt, in order; ``params[i]``: the field prompt i came from."""
         engine = self.engine
-        self.check_count(len(prompts), params[0] if params else "input")
+        if not prompts:
+            raise APIError(400, "input: at least one input is needed", param="input")
         max_len, vocab = engine.max_model_len, engine.vocab_size
         all_ids = []
         for prompt, param in zip(prompts, params, strict=True):
@@ -91,6 +92,7 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
                            "changing output dimensions will lead to poor results.", param="dimensions")
         request_id = f"embd-{uuid.uuid4().hex}"
         inputs = body.inputs()
+        pooling.check_count(len(inputs), "input")
         results = await pooling.embed(request, inputs, body.truncate_prompt_tokens, salt, request_id,
                                       ["input"] * len(inputs))
         data = [{"index": i, "object": "embedding", "embedding": encode(vector, body.encoding_format)}

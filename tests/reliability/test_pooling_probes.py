@@ -88,6 +88,7 @@ def test_bad_embedding_inputs_are_4xx_naming_the_field(server, body, param, word
     still_embeds(url)
 
 
+@pytest.mark.slow
 def test_long_inputs_that_fit_are_still_embedded(server):
     url, _ = server
     response = post(url, "/v1/embeddings", {"model": MODEL, "input": "word " * 20_000, "truncate_prompt_tokens": -1})
@@ -96,6 +97,10 @@ def test_long_inputs_that_fit_are_still_embedded(server):
     assert unknown.status_code == 200, unknown.text
     full = post(url, "/v1/embeddings", {"model": MODEL, "input": ["hi"] * 256})  # exactly the cap
     assert full.status_code == 200 and len(full.json()["data"]) == 256
+    pairs = post(url, "/v1/score", {"model": MODEL, "text_1": ["a"] * 256, "text_2": ["b"] * 256})
+    assert pairs.status_code == 200 and len(pairs.json()["data"]) == 256  # 256 pairs: the cap counts pairs
+    ranked = post(url, "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["d"] * 256})
+    assert ranked.status_code == 200 and len(ranked.json()["results"]) == 256  # and documents, not the query
 
 
 @pytest.mark.parametrize("path, body, param, words", [
