@@ -147,7 +147,8 @@ def test_the_load_routes_need_the_key_and_the_runtime_switch(served, adapters, t
         assert post(served, "/v1/unload_lora_adapter", {"lora_name": "listed"}, key=key).status_code == 401
     switched_off = create_app(make_llm(tiny_llama, **ENGINE), api_keys=[KEY], served_model_name=BASE)
     with running_server(switched_off) as server:
-        assert post(server.url, "/v1/load_lora_adapter", body).status_code == 404
+        missing = post(server.url, "/v1/load_lora_adapter", body)
+        assert missing.status_code == 404 and missing.json()["error"]["message"], missing.text
         assert "k" not in listed(server.url)
 
 
