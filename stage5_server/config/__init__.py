@@ -37,13 +37,13 @@ from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
-from stage5_server.arg_types import fraction, json_object, parse_size, positive_int
+from stage5_server.arg_types import fraction, parse_size, positive_int
 from stage5_server.attention import resolve_attention_backend
 from stage5_server.config.lora import LoRAConfig, check_lora_support
 from stage5_server.config.model import read_model_config, resolve_model
 from stage5_server.config.multimodal import MultiModalConfig
 from stage5_server.config.pooler import CONVERTS, RUNNERS, PoolerConfig, pooling_args, resolve_runner
-from stage5_server.config.speculative import SpeculativeConfig, check_draft_model
+from stage5_server.config.speculative import SpeculativeConfig, check_draft_model, speculative_config_arg
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
@@ -117,7 +117,7 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
                    "graph compiled at start-up (--no-enforce-eager: in float32 too)"),
     EngineArg("cpu_threads", None, type=positive_int,
               help="torch threads of the engine on a CPU (default: one per physical core)"),
-    EngineArg("speculative_config", None, type=json_object, metavar="JSON",  # config/speculative.py; None: off
+    EngineArg("speculative_config", None, type=speculative_config_arg, metavar="JSON",  # None: off
               help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4}\' (vLLM\'s keys; default: off)'),
     EngineArg("runner", "auto", choices=RUNNERS,  # auto: pooling for an encoder (pooling/config.py)

@@ -10,7 +10,8 @@ vLLM's keys:
   first; one given sets the other, neither gives vLLM's 5 and 5;
 - ``model`` (draft_model): the draft checkpoint (a directory, a ``.gguf`` file or a name).
 
-A bad value is a ``ValueError`` naming the key, before anything loads; so is a draft model whose
+A bad value is a ``ValueError`` naming the key, before anything loads (on the command line, an
+argparse error before any engine process starts: ``speculative_config_arg``); so is a draft model whose
 vocabulary is not the target's, or a draft model with a split target (its drafts would need the
 target's ranks to agree on them).
 
@@ -19,12 +20,14 @@ vLLM: ``SpeculativeConfig`` in ``vllm/config/speculative.py``.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from shared.config import ModelConfig
 from shared.named_models import resolve_model
+from stage5_server.arg_types import json_object
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -77,6 +80,17 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min: {low} is more than prompt_lookup_max {high}")
         return cls(method, k, low, high, model)
+
+
+def speculative_config_arg(text: str) -> dict[str, Any]:
+    """``--speculative-config``: a JSON object whose keys are checked as the command line is read, before
+    any engine process starts (the draft checkpoint itself is read later, ``check_draft_model``)."""
+    value = json_object(text)
+    try:
+        SpeculativeConfig.create(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def check_draft_model(spec: SpeculativeConfig | None, target: ModelConfig, tensor_parallel_size: int) -> None:

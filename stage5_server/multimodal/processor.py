@@ -5,8 +5,10 @@ decoder will see one embedding per feature vector of the image, so each image to
 to as many placeholder tokens as the vision tower gives features (``(image_size / patch_size)^2``
 for CLIP with the class token dropped); the engine later writes the features over those
 positions. The pixels come from the checkpoint's own image processor (resize, crop, normalise),
-loaded as transformers' ``AutoImageProcessor`` does. This all happens before the request reaches
-the engine, so its length checks and the prefix cache see the expanded prompt.
+loaded as transformers' ``AutoImageProcessor`` does; an image that its resize would make larger than
+``VLLM_MAX_IMAGE_PIXELS`` (an extreme aspect ratio) is refused first (``check_resized_size``). This
+all happens before the request reaches the engine, so its length checks and the prefix cache see the
+expanded prompt.
 
 Chat messages carry images as content parts; ``split_image_parts`` replaces each with a plain
 ``{"type": "image"}`` part for the template and returns the images (``load_offline_part``: an
@@ -26,7 +28,7 @@ from typing import Any
 
 from shared.config import read_config_json
 from stage5_server.config.multimodal import LLAVA_ARCHITECTURE, MultiModalConfig, read_llava_config
-from stage5_server.multimodal.image_io import decode_data_url, load_image
+from stage5_server.multimodal.image_io import decode_data_url, load_image, max_image_pixels
 from stage5_server.multimodal.inputs import MultiModalFeature, hash_image
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil", "image")
@@ -58,6 +60,22 @@ class ImageProcessor:
         return [t for token in token_ids for t in
                 ([token] * self.num_image_tokens if token == self.image_token_id else [token])]
 
+    def check_resized_size(self, width: int, height: int, processor_kwargs: dict | None = None) -> None:
+        """Refuse an image that the resize would blow up past ``VLLM_MAX_IMAGE_PIXELS``: a shortest-edge resize
+        keeps the aspect ratio, so a 2 x 1000000 strip (a few kilobytes of PNG, under the pixel limit)
+        would become gigabytes of floats at a shortest edge of 40, and far more at CLIP's 336."""
+        limit = max_image_pixels()
+        size = (processor_kwargs or {}).get("size", getattr(self.hf, "size", None))
+        edge = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
+        if limit <= 0 or not isinstance(edge, int) or isinstance(edge, bool) or edge < 1:
+            return  # a fixed-size resize, or none
+        short, long = sorted((width, height))
+        resized = edge * -(-edge * long // short)
+        if resized > limit:
+            raise ValueError(f"image_url: the image is {width}x{height}; this model's image processor resizes its "
+                             f"shortest edge to {edge}, which would make {resized} pixels, over the limit of {limit} "
+                             "(VLLM_MAX_IMAGE_PIXELS); send an image of a less extreme aspect ratio")
+
     def process(self, token_ids: list[int], images: list, processor_kwargs: dict | None = None
                 ) -> tuple[list[int], list[MultiModalFeature]]:
         """``token_ids`` with one image token per image -> the expanded ids and one feature per image.
@@ -73,6 +91,7 @@ class ImageProcessor:
                 expanded.append(token)
                 continue
             image = images[len(features)].convert("RGB")
+            self.check_resized_size(image.width, image.height, processor_kwargs)
             try:
                 pixels = self.hf(images=[image], return_tensors="pt", **(processor_kwargs or {}))["pixel_values"][0]
             except (TypeError, ValueError) as exc:

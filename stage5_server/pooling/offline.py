@@ -40,6 +40,8 @@ def pooling_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size:
             raise ValueError(f"truncate_prompt_tokens: must be -1 or in [1, max_model_len={max_model_len}], "
                              f"got {truncate_prompt_tokens!r}")
     if isinstance(prompt, str):
+        if not prompt:  # OpenAI refuses it too; an encoder would embed its special tokens alone
+            raise ValueError(f"{param}: empty input; at least one token is needed")
         if limit is None:
             token_ids = tokenizer.encode(prompt)
         else:
@@ -66,7 +68,11 @@ def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[flo
 
 
 def pair_up(text_1: Any, text_2: Any) -> tuple[list, list]:
-    """vLLM's pairing: one against one, one against many, or many against as many."""
+    """vLLM's pairing: one against one, one against many, or many against as many (a ValueError starts
+    with the field it blames)."""
+    for name, given in (("text_1", text_1), ("text_2", text_2)):
+        if isinstance(given, list) and not given:
+            raise ValueError(f"{name}: an empty list; give a text or a list of texts")
     first = text_1 if isinstance(text_1, list) and text_1 and not isinstance(text_1[0], int) else [text_1]
     second = text_2 if isinstance(text_2, list) and text_2 and not isinstance(text_2[0], int) else [text_2]
     if len(first) == 1:

@@ -7,10 +7,14 @@ model) and answers an unknown name with OpenAI's 404 ``model_not_found``. Adapte
 from ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (behind the API key, as every
 route but ``/health``). A load reads and checks the whole adapter first (``lora/adapter.py``: its
 rank against ``--max-lora-rank``, its target modules and shapes against the model) and lists it only
-if every check passed: a failed load is a 400 and leaves nothing behind. Each load gets a new
-``lora_int_id``, so an adapter unloaded and loaded again from another path never reuses the old
-weights or the old cached blocks. An adapter with requests still in flight is not unloaded: the
-route refuses with a 400 saying so (its requests keep their ``LoRARequest`` and run to the end).
+if every check passed: a failed load is a 400 and leaves nothing behind. A name is a model id (1 to
+256 printable characters, no whitespace, not the base model's nor a listed adapter's); with
+``STAGEDSERVE_LORA_ADAPTER_ROOT`` set, a runtime load reads only from under that directory (``..``,
+absolute paths and symbolic links resolved first), so a key holder cannot make the server read, or
+probe for, files elsewhere. Each load gets a new ``lora_int_id``, so an adapter unloaded and loaded
+again from another path never reuses the old weights or the old cached blocks. An adapter with
+requests still in flight is not unloaded: the route refuses with a 400 saying so (its requests keep
+their ``LoRARequest`` and run to the end).
 
 vLLM: ``OpenAIServingModels`` in ``vllm/entrypoints/openai/serving_models.py`` (``load_lora_adapter``,
 ``unload_lora_adapter``, ``show_available_models``).
@@ -34,6 +38,35 @@ from stage5_server.lora import LoRALoadError, LoRARequest, load_adapter
 from stage5_server.server.errors import APIError
 
 RUNTIME_UPDATE_SWITCHES = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "STAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING")
+RUNTIME_ROOT_VARIABLE = "STAGEDSERVE_LORA_ADAPTER_ROOT"  # runtime loads only from under this directory
+MAX_LORA_NAME_CHARS = 256
+
+
+def check_lora_name(name: str, base_name: str) -> None:
+    """An adapter's name is a model id: 1 to 256 printable characters, no whitespace, not the base model's."""
+    if not name or name == base_name or len(name) > MAX_LORA_NAME_CHARS or not name.isprintable() \
+            or any(c.isspace() for c in name):
+        shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
+        raise APIError(400, f"lora_name: {shown!r} cannot name an adapter: a name is 1 to {MAX_LORA_NAME_CHARS} "
+                       "printable characters without whitespace, other than the base model's", param="lora_name")
+
+
+def runtime_adapter_path(path: str, environ=os.environ) -> str:
+    """Where a runtime load may read: with ``STAGEDSERVE_LORA_ADAPTER_ROOT`` set, ``path`` (relative to that
+    root, or absolute) must resolve, symbolic links followed, to a directory inside it; a 400 otherwise."""
+    root = environ.get(RUNTIME_ROOT_VARIABLE, "").strip()
+    if not root:
+        return path
+    try:
+        root = os.path.realpath(root)
+        resolved = os.path.realpath(os.path.join(root, path))
+        inside = os.path.commonpath([root, resolved]) == root
+    except ValueError:  # a NUL byte
+        inside = False
+    if not inside:
+        raise APIError(400, f"lora_path: {path!r} is outside the directory this server loads adapters from "
+                       f"({RUNTIME_ROOT_VARIABLE})", param="lora_path")
+    return resolved
 
 
 def runtime_lora_updating_allowed(environ=os.environ) -> bool:
@@ -101,8 +134,7 @@ class ServedModels:
         if not self.enabled:
             raise APIError(400, "LoRA adapters are not served: start the server with --enable-lora",
                            param="lora_name")
-        if not name or name == self.base_name:
-            raise APIError(400, f"lora_name: {name!r} cannot name an adapter", param="lora_name")
+        check_lora_name(name, self.base_name)
         if name in self.adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                            code="lora_already_loaded")
@@ -145,7 +177,8 @@ def add_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
-        await asyncio.to_thread(models.load, body.lora_name, body.lora_path)  # reads the files off the loop
+        path = runtime_adapter_path(body.lora_path)
+        await asyncio.to_thread(models.load, body.lora_name, path)  # reads the files off the loop
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)

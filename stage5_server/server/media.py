@@ -10,15 +10,19 @@ that decodes into gigabytes. So every fetch passes these rules, and each refusal
 - **no redirects** unless ``VLLM_MEDIA_URL_ALLOW_REDIRECTS=1``, and then each hop passes every rule
   again (a redirect is how an allowed host would send the server elsewhere);
 - **no private addresses**: the host name is resolved once, every address it resolves to must be
-  public (not loopback, private, link-local, reserved, multicast or unspecified) unless the operator
-  passes ``--allow-private-media-addresses``, and the connection goes to that checked address (a
-  second lookup could answer differently: DNS rebinding);
+  public (not loopback, private, link-local, reserved, multicast or unspecified, nor an IPv6 address
+  carrying such an IPv4 one: mapped, 6to4, Teredo, NAT64) unless the operator passes
+  ``--allow-private-media-addresses``, and the connection goes to that checked address (a second
+  lookup could answer differently: DNS rebinding);
+- **one spelling of a URL**: a malformed URL is a 400; the host is compared in its ASCII form (lower
+  case, no trailing dot, IDNA for an international name), and a non-ASCII path or query is sent
+  percent-encoded as UTF-8, as a browser sends it;
 - **caps**: at most ``VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB`` bytes read (counted while streaming;
   ``Content-Length`` is not trusted), the whole fetch within ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds,
   and at most ``VLLM_MAX_IMAGE_PIXELS`` pixels, checked from the file's header before decoding
   (``multimodal/image_io.py``);
 - **a count**: at most ``--max-images-per-request`` images in one request (each is fetched, decoded
-  and run through the vision tower);
+  and run through the vision tower), ``/tokenize`` included (each becomes its placeholder tokens);
 - **per-request processor settings** (``mm_processor_kwargs``, ``media_io_kwargs``) are refused
   unless ``--trust-request-mm-kwargs`` (``check_request_mm_kwargs``).
 
@@ -39,12 +43,22 @@ import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from stage5_server.multimodal.image_io import decode_data_url, load_image
 from stage5_server.server.errors import APIError
 
 MAX_REDIRECTS = 5
+URL_SAFE = "/%:@!$&'()*+,;=~?"  # what stays as is in a request target; everything else (UTF-8) is %-encoded
+
+
+def _ascii_host(name: str) -> str:
+    """A host name as the allowlist compares it: lower case, no trailing dot, IDNA for a non-ASCII name."""
+    name = name.strip().lower().removesuffix(".")
+    try:
+        return name if name.isascii() else name.encode("idna").decode("ascii")
+    except UnicodeError:
+        return name
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,7 @@ def refuse(message: str) -> APIError:
 class MediaConnector:
     def __init__(self, options: MediaOptions):
         self.options = options
-        self.allowed = frozenset(d.lower() for d in options.allowed_media_domains)
+        self.allowed = frozenset(_ascii_host(d) for d in options.allowed_media_domains)
 
     def load_image(self, url: str):
         """The image at ``url`` (data or http(s)), or a 400 saying which rule refused it."""
@@ -119,20 +133,14 @@ class MediaConnector:
         raise refuse(f"image_url: more than {MAX_REDIRECTS} redirects")
 
     def _get(self, url: str, deadline: float) -> tuple[int, str | None, bytes]:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise refuse("image_url: must be a data: URL or an http(s) URL")
-        host = parts.hostname.lower()
+        scheme, host, port, target = self._parse(url)
         if host not in self.allowed:
             raise refuse(f"image_url: the host {host!r} is not in this server's --allowed-media-domains")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         address = self._checked_address(host, port)
         timeout = max(0.001, deadline - time.monotonic())
-        cls = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
+        cls = _PinnedHTTPSConnection if scheme == "https" else _PinnedHTTPConnection
         conn = cls(host, port, address, timeout)
         try:
-            path = parts.path or "/"
-            target = path + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", target, headers={"User-Agent": "stagedserve"})
             response = conn.getresponse()
             if response.status != 200:
@@ -145,6 +153,26 @@ class MediaConnector:
             raise refuse(f"image_url: fetching {url} failed ({type(exc).__name__})") from None
         finally:
             conn.close()
+
+    @staticmethod
+    def _parse(url: str) -> tuple[str, str, int, str]:
+        """``url``'s scheme, host (ASCII: an international name in its IDNA form, no trailing dot), port
+        and request target, the path and query percent-encoded as a browser sends them (UTF-8)."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # a ValueError for a port that is not a number in 0..65535
+        except ValueError:
+            raise refuse("image_url: the URL is malformed") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise refuse("image_url: must be a data: URL or an http(s) URL")
+        host = parts.hostname.lower().removesuffix(".")  # ``example.com.`` is ``example.com``
+        try:
+            host = host.encode("idna").decode("ascii") if not host.isascii() else host
+        except UnicodeError:
+            raise refuse("image_url: the host name is not a valid international domain name") from None
+        target = quote(parts.path or "/", safe=URL_SAFE) + (f"?{quote(parts.query, safe=URL_SAFE)}"
+                                                            if parts.query else "")
+        return parts.scheme, host, port or (443 if parts.scheme == "https" else 80), target
 
     def _read_capped(self, response: http.client.HTTPResponse, conn: _PinnedHTTPConnection,
                      deadline: float) -> bytes:
@@ -171,11 +199,25 @@ class MediaConnector:
         addresses = [info[4][0] for info in infos]
         if not self.options.allow_private_addresses:
             for address in addresses:
-                ip = ipaddress.ip_address(address.split("%")[0])
-                if not ip.is_global or ip.is_multicast:
+                if not is_public_address(ipaddress.ip_address(address.split("%")[0])):  # ``%``: an IPv6 zone
                     raise refuse(f"image_url: the host {host!r} resolves to {address}, a non-public address "
                                  "(start the server with --allow-private-media-addresses to allow it)")
         return addresses[0]
+
+
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: an IPv4 address in the last 32 bits
+
+
+def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Global and not multicast; an IPv6 address that carries an IPv4 one (mapped, 6to4, Teredo, NAT64)
+    is public only if that IPv4 address is too (``[::ffff:127.0.0.1]``, ``[64:ff9b::a9fe:a9fe]``)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is None and ip in NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None and not is_public_address(embedded):
+            return False
+    return ip.is_global and not ip.is_multicast
 
 
 class _PinnedHTTPConnection(http.client.HTTPConnection):

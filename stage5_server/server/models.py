@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import model_validator
 
+from stage5_server.multimodal.processor import count_image_parts
+from stage5_server.server.media import check_image_count
 from stage5_server.server.protocol import ChatMessage, StrictModel
 from stage5_server.server.serving import OpenAIServing
 from stage5_server.server.tool_protocol import ChatTool
@@ -73,6 +75,7 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         tokenizer = engine.tokenizer
         if body.messages is not None:
             conversation = [m.as_template_message() for m in body.messages]
+            check_image_count(serving.media.options, count_image_parts(conversation))  # as the real request
             control = serving.chat_options.control_tokens_in_messages  # as the real prompt would be
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await serving.on_engine(lambda: engine.input_processor.tokenize_messages(  # images as placeholders
