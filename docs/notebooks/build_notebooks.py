@@ -1242,7 +1242,7 @@ text = ("The paged KV cache splits every request's keys and values into blocks o
         "and a block table maps each request's logical blocks to physical ones.")
 chats = [[{"role": "user", "content": f"Repeat this text exactly:\\n\\n{text}"}],
          [{"role": "user", "content": "Name three colours."}]]
-greedy = SamplingParams(temperature=0, max_tokens=48)
+greedy = SamplingParams(temperature=0, max_tokens=32)
 spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 tokens, steps = {}, {}
 for name, speculative_config in (("off", None), ("ngram", spec)):
