@@ -748,6 +748,105 @@ skips the shared prefix's prefill once its blocks are cached (fewer prefill toke
 
 
 # ---------------------------------------------------------------------------------------------
+def stage5_chain():
+    return [
+        md("""
+# Stage 5, chapter 1: the chain
+
+Stage 5's engine is a chain of layers, each in a file of its own: one `EngineConfig`, the
+`EngineCore` that steps, an `Executor` that says where the workers live, a `Worker` per rank
+and its `ModelRunner`. Here we build the chain on the default model and take one step apart
+by hand: what the scheduler tells the workers, and what the runner answers
+([The chain](../chain.md)).
+"""),
+        code(SETUP),
+        code("""
+from stage5_server import LLM
+from stage5_server.config import EngineConfig
+
+ARGS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=32,
+            max_num_batched_tokens=6, enforce_eager=True)
+config = EngineConfig.create(MODEL, **ARGS)  # every argument checked once, before anything starts
+print("runner kind:", config.runner, "| scheduler:", config.scheduler_cls, "| worker:", config.worker_cls)
+print("dtype:", config.dtype, "| attention backend:", config.attention_backend, "| block size:", config.cache.block_size,
+      "| token budget:", config.scheduler.max_num_batched_tokens)
+"""),
+        md("""
+`LLM` builds the same config and hands it to `build_engine_core`, which starts the executor
+(one worker in this process), sizes the KV pool and builds the scheduler. `collective_rpc`
+calls a function on every worker: here there is one.
+"""),
+        code("""
+llm = LLM(model=MODEL, **ARGS)
+core = llm.engine
+print("engine core:", type(core).__name__, "| executor:", type(core.model_executor).__name__)
+print("workers:", core.model_executor.collective_rpc(lambda worker: worker.describe()))
+print("runner:", core.model_executor.collective_rpc(lambda worker: type(worker.model_runner).__name__))
+"""),
+        md("""
+## One step, taken apart
+
+R0 (`A B C D E F G H`) and R1 (`A B C D E F X Y Z`) are added as token ids. `EngineCore.step()`
+is three calls: `schedule()`, `execute_model()` on the executor, `update()`. We make them one
+at a time and print what crosses each boundary.
+"""),
+        code("""
+params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+llm.add_request(R0_PROMPT, params, request_id="R0")
+llm.add_request(R1_PROMPT, params, request_id="R1")
+
+def show(step):
+    for new in step.scheduled_new_reqs:
+        print(f"  new     {new.req_id}: {len(new.prompt_token_ids)} prompt tokens, blocks {new.block_ids}, "
+              f"computed {new.num_computed_tokens}")
+    cached = step.scheduled_cached_reqs
+    for rid, tokens, blocks in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids):
+        print(f"  cached  {rid}: new tokens {tokens}, new blocks {blocks}")
+    print("  tokens scheduled:", step.num_scheduled_tokens, "finished:", sorted(step.finished_req_ids))
+
+for number in range(1, 6):
+    step = core.schedule()                                  # the engine core decides
+    if step.total_num_scheduled_tokens == 0:
+        break
+    print(f"step {number}: SchedulerOutput")
+    show(step)
+    result = core.model_executor.execute_model(step)        # the workers run it
+    print("  ModelRunnerOutput:", dict(zip(result.req_ids, result.sampled_token_ids)))
+    core.update(step, result)                               # the scheduler takes the tokens
+"""),
+        md("""
+The first step gives R0 all 6 tokens of its budget: no token comes back for it, because its
+prompt is not done. R0's first entry is a `NewRequestData` (the whole request); every later
+step sends it as a `CachedRequestData` entry, only the tokens it sampled and, when it crosses
+a block boundary, its new block id. R1's `A B C D` comes from the prefix cache: its first
+entry says `computed 4`. The runner answers a list of tokens per request: empty mid-prefill,
+one per decode (several when drafts are verified, chapter 5).
+
+## The persistent batch
+
+The worker keeps one row per running request (`InputBatch`) and updates it in place; the
+step's tensors are gathered from the rows. R0's row is already gone: step 5's
+`finished_req_ids` told the worker to forget it. R1's goes with the next step.
+"""),
+        code("""
+def rows(worker):
+    batch = worker.model_runner.input_batch
+    return {rid: dict(row=row, tokens=int(batch.num_tokens[row]),
+                      blocks=batch.block_table[row, :batch.num_blocks[row]].tolist())
+            for rid, row in batch.row_of.items()}
+
+print("rows on the worker after step 5:", core.model_executor.collective_rpc(rows)[0])
+llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1), request_id="R2")  # one more step
+step = core.schedule()
+print("the next step's finished_req_ids:", sorted(step.finished_req_ids))
+core.update(step, core.model_executor.execute_model(step))
+print("rows on the worker after it:", core.model_executor.collective_rpc(rows)[0])
+llm.shutdown()
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
 def stage5_server():
     return [
         md("""
@@ -907,23 +1006,264 @@ this over rates and token budgets ([Performance](../performance.md)).
 server.stop()  # the app's lifespan shuts the engine down with it
 print("server stopped")
 """),
-        md("""
-## Speculative decoding: acceptance per draft position
+    ]
 
-The same model with prompt lookup on ([Speculative decoding](../spec-decode.md)): one request
-asked to repeat a text (its answer copies its prompt) and one free-form. The scheduler counts,
-for each draft position, how many verifying steps kept the draft there; a draft is kept only
-if every draft before it was, so the counts fall from position 1 to position `k`.
+# ---------------------------------------------------------------------------------------------
+def stage5_linear():
+    return [
+        md("""
+# Stage 5, chapter 3: the linear-layer seam, quantized weights and the CPU operators
+
+Every projection of stage 5's model is a `Linear` whose product a `LinearMethod` computes
+(`model/linear.py`). A method may rewrite the weight once after loading and computes the
+product its own way: packed for oneDNN, int8, int4 groups. Here we take one real weight of
+the default model, run it through each method at one row (a decode) and 64 rows (a prefill
+chunk), and then check stage 5's two C++ operators against their references
+([Linear layers and CPU operators](../linear-layers.md)).
+"""),
+        code(SETUP),
+        code("""
+import time
+
+from stage5_server import LLM
+
+llm = LLM(model=MODEL, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, enforce_eager=True)
+methods = llm.engine.model_executor.collective_rpc(
+    lambda worker: sorted({type(layer.method).__name__ for layer in worker.model.modules() if hasattr(layer, "method")}))
+gate_up = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.layers[0].mlp.gate_up_proj.weight)[0]
+print("methods in the float32 engine:", methods[0])
+print("layer 0's fused gate-up weight:", tuple(gate_up.shape), gate_up.dtype)
+llm.shutdown()
+"""),
+        md("""
+## One weight, four methods
+
+Each method gets its own `Linear` holding a bfloat16 copy of that weight. `weight_bytes` is
+what the method keeps; the error is against the float32 product.
 """),
         code("""
-spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-spec_llm = LLM(model=MODEL, device="cpu", max_model_len=512, speculative_config=spec)
+from stage5_server.model import Linear, LinearMethod
+from stage5_server.quantization.packed import PackedLinearMethod, packing_available
+from stage5_server.quantization.weight_only import Int4LinearMethod, Int8LinearMethod, kernel_available
+
+def make(method):
+    layer = Linear(gate_up.shape[1], gate_up.shape[0], bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(gate_up)
+    layer.method = method
+    method.process_weights_after_loading(layer)
+    return layer
+
+def ms_per_call(layer, x, repeats=10, rounds=5):
+    layer(x)
+    best = float("inf")
+    for _ in range(rounds):  # the best round: other work on the machine only adds time
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+        best = min(best, (time.perf_counter() - start) / repeats * 1e3)
+    return best
+
+candidates = {"plain (F.linear)": LinearMethod(),
+              "packed": PackedLinearMethod() if packing_available() else None,
+              "int8": Int8LinearMethod(int8_activations=False) if kernel_available("int8") else None,
+              "int4 groups of 32": Int4LinearMethod() if kernel_available("int4") else None}
+from stage5_server.config import cpu_has_native_bf16
+
+print("native bfloat16 on this CPU (AMX or AVX512-BF16):", cpu_has_native_bf16())
+gen = torch.Generator().manual_seed(0)
+x1, x64 = (torch.randn(n, gate_up.shape[1], generator=gen) for n in (1, 64))
+print(f"{'method':18s} {'weight MiB':>10s} {'1 row ms':>9s} {'64 rows ms':>10s} {'rel. error':>10s}")
+for name, method in candidates.items():
+    if method is None:
+        print(f"{name:18s} this torch has no kernel for it")
+        continue
+    layer = make(method)
+    with torch.no_grad():
+        error = (layer(x64.bfloat16()).float() - x64 @ gate_up.T).abs().max() / (x64 @ gate_up.T).abs().max()
+        print(f"{name:18s} {method.weight_bytes(layer) / 2**20:10.2f} {ms_per_call(layer, x1.bfloat16()):9.3f} "
+              f"{ms_per_call(layer, x64.bfloat16()):10.3f} {error:10.1e}")
+"""),
+        md("""
+The bytes and error columns hold on every machine: int8 keeps half of bfloat16's bytes, int4
+groups about a third (a quarter for the codes, plus a scale and a zero per 32). The milliseconds
+depend on the CPU and on what else runs on it (on a machine shared with other work they say
+little). On a quiet CPU with native bfloat16, torch's int8 and int4 kernels are fastest at one row and
+cost more with every row, while the packed weight reuses each tile across rows, so
+`dispatch.py` runs the 4-bit blocks for products of up to 8 rows and the packed weight above.
+Without native bfloat16 every bfloat16 path is emulated, which is why `dtype="auto"` keeps
+float32 there. On the machine `docs/performance.md` records, the whole engine went from 15.5
+tokens/s at batch 1 (plain bfloat16) to 60.3 (the GGUF file's int4 blocks beside packed weights).
+
+## The C++ decode operator, against stage 2's reference
+
+`cpu_kernels/` compiles two operators on the machine at set-up. The first reads each
+decoding sequence's K/V in place through its block table; stage 2's `paged_attention` is the
+reference it is held to.
+"""),
+        code("""
+from stage2_paged.attention import paged_attention
+from stage5_server.cpu_kernels import load_cpu_kernels
+
+problem = load_cpu_kernels()  # None once built (the build is cached per machine)
+print("C++ operators:", problem or "built")
+if problem is None:
+    from stage5_server.cpu_kernels import cpu_paged_decode_attention
+    block, heads, kv_heads, dim, lens = 16, 6, 2, 32, [5, 40, 17]
+    pool = torch.randperm(16, generator=gen)
+    tables = torch.stack([pool[0:4], pool[4:8], pool[8:12]]).int()  # scattered blocks
+    key_cache, value_cache = (torch.randn(16, block, kv_heads, dim, generator=gen) for _ in range(2))
+    query = torch.randn(3, heads, dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = torch.empty_like(query)
+    cpu_paged_decode_attention(out, query, key_cache, value_cache, tables, seq_lens,
+                               torch.arange(3), torch.arange(3), dim ** -0.5)
+    reference = paged_attention(query, key_cache, value_cache, tables, seq_lens,
+                                torch.arange(4, dtype=torch.int32), dim ** -0.5)
+    print("largest difference from stage 2's paged_attention:", float((out - reference).abs().max()))
+"""),
+        md("""
+## The int8 operator
+
+The second quantizes each input row to int8 in groups of 64 and multiplies in integers
+(AVX512-VNNI), as llama.cpp multiplies a Q8_0 weight. Where the CPU lacks the instructions,
+the int8 method keeps torch's `_weight_int8pack_mm`.
+"""),
+        code("""
+from stage5_server.cpu_kernels.int8_linear import int8_dot_problem
+from stage5_server.quantization.weight_only import quantize_int8
+
+problem = int8_dot_problem()
+print("int8 operator:", problem or "available")
+if problem is None:
+    from stage5_server.cpu_kernels.int8_linear import cpu_int8_linear, reference_int8_linear
+    codes, scale = quantize_int8(gate_up)
+    x = x1.bfloat16()
+    fast, exact = cpu_int8_linear(x, codes, scale), reference_int8_linear(x, codes, scale)
+    print("largest difference from its torch reference:", float((fast.float() - exact.float()).abs().max()))
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_compiled_step():
+    return [
+        md("""
+# Stage 5, chapter 4: the compiled decode step
+
+A decode step at batch 1 is hundreds of tiny operators dispatched from Python. On a CPU in
+bfloat16 stage 5 compiles the decode step once, at start-up, into inductor graphs (one for a
+single row, one for two to eight rows) with attention inside as one C++ operator per layer
+(`model/compile.py`); every other step runs eagerly. The GPU counterpart, CUDA graphs, is not
+built in stage 5 ([The compiled step](../compiled-step.md)).
+
+The tiny random Llama keeps the compile short; the default model takes about a minute the
+first time on two cores.
+"""),
+        code(SETUP),
+        code("""
+import time
+
+from shared import cached_tiny_model
+from stage5_server import LLM
+from stage5_server.cpu_kernels import load_cpu_kernels
+
+TINY = str(cached_tiny_model("llama"))
+problem = load_cpu_kernels()
+print("C++ operators:", problem or "built", "| compiled step possible:", problem is None)
+
+def start(eager):
+    begin = time.perf_counter()
+    llm = LLM(model=TINY, device="cpu", dtype="bfloat16", max_model_len=128, block_size=8, num_kv_blocks=64,
+              prepack_linear=False, enforce_eager=eager)
+    return llm, time.perf_counter() - begin
+
+def compiled_steps(llm):
+    forward = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward)[0]
+    return getattr(forward, "compiled_steps", None)  # None: the eager forward
+"""),
+        code("""
+from torch.profiler import ProfilerActivity, profile
+
+runs = {"eager": True} if problem else {"eager": True, "compiled": False}
+prompt = list(range(10, 30))
+params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+results = {}
+for name, eager in runs.items():
+    llm, startup = start(eager)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
+    before = compiled_steps(llm)
+    begin = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - begin
+    after = compiled_steps(llm)
+    results[name] = out.outputs[0].token_ids
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # operator calls, counted by torch's profiler
+        llm.generate([prompt], params, use_tqdm=False)
+    calls = sum(event.count for event in prof.key_averages())
+    print(f"{name:9s} start-up {startup:5.1f} s | {seconds * 1e3 / 32:6.2f} ms per token | "
+          f"{calls / 32:6.0f} operator calls per token | steps run by the graph: "
+          f"{None if after is None else after - before}")
+    llm.shutdown()
+if len(results) == 2:
+    same = sum(a == b for a, b in zip(results["eager"], results["compiled"]))
+    print(f"same greedy tokens as eager: {same} of 32 (bfloat16: closeness is the promise, not identity)")
+"""),
+        md("""
+The compiled engine pays its compile at start-up (the first time; later start-ups read
+inductor's cache), so no request waits for a compiler, and runs every decode step of one to
+eight rows in the graph: 31 of the 32 tokens, the first coming from the eager prefill. The
+operator calls per token (the prefill's included) are the count the graph removes; they do
+not depend on the machine. The milliseconds do, and on a machine shared with other work they
+say little about either path. On the default model, measured on a quiet machine, the
+difference was 93.5 against 42.8 output tokens/s at batch 1 (`python -m benchmarks.cpu_peers`,
+in `docs/performance.md`).
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_spec_decode():
+    return [
+        md("""
+# Stage 5, chapter 5: speculative decoding
+
+A drafter proposes `k` tokens; the target model checks them all in one step and keeps the
+longest run it agrees with, plus one token of its own. Greedy decoding gives the same tokens
+with or without drafts; only the number of steps changes ([Speculative decoding](../spec-decode.md)).
+
+The default model in float32 (the token-identical reference path) with prompt lookup
+(`ngram`): one request asked to repeat a text (its answer copies its prompt) and one free-form.
+"""),
+        code(SETUP),
+        code("""
+from stage5_server import LLM
+
 text = ("The paged KV cache splits every request's keys and values into blocks of sixteen tokens, "
         "and a block table maps each request's logical blocks to physical ones.")
 chats = [[{"role": "user", "content": f"Repeat this text exactly:\\n\\n{text}"}],
          [{"role": "user", "content": "Name three colours."}]]
-spec_llm.chat(chats, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
-stats = spec_llm.engine.stats()
+greedy = SamplingParams(temperature=0, max_tokens=32)
+spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+tokens, steps = {}, {}
+for name, speculative_config in (("off", None), ("ngram", spec)):
+    llm = LLM(model=MODEL, device="cpu", dtype="float32", max_model_len=512, speculative_config=speculative_config)
+    llm.engine.step_trace = []  # one entry per step: tokens scheduled per request
+    outs = llm.chat(chats, greedy, use_tqdm=False)
+    tokens[name] = [o.outputs[0].token_ids for o in outs]
+    steps[name] = [sum(o.request_id in step for step in llm.engine.step_trace) for o in outs]
+    if name == "ngram":
+        stats = llm.engine.stats()
+    llm.shutdown()
+print("same tokens with drafts as without:", tokens["off"] == tokens["ngram"])
+print("steps each request ran in (copy, free-form): off", steps["off"], "| ngram", steps["ngram"])
+"""),
+        md("""
+## Acceptance per draft position
+
+The scheduler counts, for each draft position, how many verifying steps kept the draft there;
+a draft is kept only if every draft before it was, so the counts fall from position 1 to `k`.
+"""),
+        code("""
 per_pos = list(stats.spec_decoding.num_accepted_tokens_per_pos)
 rates = [accepted / stats.spec_decoding.num_drafts for accepted in per_pos]
 print(f"verifying steps: {stats.spec_decoding.num_drafts}, draft tokens: {stats.spec_decoding.num_draft_tokens}, "
@@ -935,16 +1275,281 @@ ax.bar(range(1, len(rates) + 1), rates)
 ax.set_xlabel("draft position"); ax.set_ylabel("kept / verifying steps"); ax.set_ylim(0, 1)
 ax.set_title("acceptance per draft position (prompt lookup, k = 4)", fontsize=10)
 plt.tight_layout(); plt.show()
-spec_llm.shutdown()
 """),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_lora():
+    return [
+        md("""
+# Stage 5, chapter 6: LoRA adapters
+
+A LoRA adapter adds `B @ A @ x` (scaled) to chosen projections; the base weights stay as
+they are. Stage 5 keeps the base model once and runs requests for several adapters, and for
+the base model, in one batch: the delta is a batched shrink and expand behind the linear seam
+([LoRA](../lora.md)). The tiny random Llama and two adapters built here with PEFT's own
+`get_peft_model`, their `B` drawn at random (PEFT starts it at zero, which changes nothing).
+"""),
+        code(SETUP),
+        code("""
+import tempfile
+
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from shared import cached_tiny_model
+from stage5_server import LLM, LoRARequest
+
+TINY = str(cached_tiny_model("llama"))
+ADAPTERS = Path(tempfile.mkdtemp())
+
+def make_adapter(name, seed):
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                            target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(ADAPTERS / name)
+    return LoRARequest(name, seed, str(ADAPTERS / name))
+
+sql, chat = make_adapter("sql", 1), make_adapter("chat", 2)
+print("adapter files:", sorted(p.name for p in (ADAPTERS / "sql").iterdir()))
+"""),
+        md("""
+## Alone, then in one batch
+
+Each request runs alone under its adapter (or none), then all three in one batch. The batch
+must give every request the tokens it got alone: the per-step token-to-slot map sends each
+row through its own adapter's `A` and `B`.
+"""),
+        code("""
+llm = LLM(model=TINY, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4,
+          max_model_len=64, num_kv_blocks=64)
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+adapters = {"base": None, "sql": sql, "chat": chat}
+alone = {name: llm.generate([R0_PROMPT], greedy, lora_request=adapter, use_tqdm=False)[0].outputs[0].token_ids
+         for name, adapter in adapters.items()}
+batch = llm.generate([R0_PROMPT] * 3, greedy, lora_request=list(adapters.values()), use_tqdm=False)
+for (name, tokens), out in zip(alone.items(), batch):
+    print(f"{name:5s} alone {tokens}  in the batch: {'same' if out.outputs[0].token_ids == tokens else 'DIFFERENT'}")
+"""),
+        md("""
+## The adapter in the prefix-cache key
+
+The same prompt under another adapter must not reuse the base model's blocks: its K/V
+differ. The adapter's name goes into every block hash, as vLLM's `lora_name` does.
+"""),
+        code("""
+llm.reset_prefix_cache()
+for name in ("base", "base", "sql", "sql"):
+    out = llm.generate([R0_PROMPT], greedy, lora_request=adapters[name], use_tqdm=False)[0]
+    print(f"{name:5s}: {out.num_cached_tokens} of {len(R0_PROMPT)} prompt tokens from the prefix cache")
+llm.shutdown()
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_pooling():
+    return [
+        md("""
+# Stage 5, chapter 7: pooling
+
+An embedding model produces no token: its prompt runs through the model once and a pooler
+reduces the last hidden states to one vector. Stage 5 runs it as a runner kind of its own,
+on the same engine core, scheduler and token budget ([Embeddings](../pooling.md)). The model
+is `all-MiniLM-L6-v2`, installed with the project.
+"""),
+        code(SETUP),
+        code("""
+from stage5_server import LLM
+
+llm = LLM("all-minilm-l6-v2", device="cpu")
+print("runner:", llm.config.runner, "| pooler:", llm.config.pooler)
+sentences = ["A cat sits on the mat.", "A kitten rests on a rug.", "The stock market fell today."]
+vectors = torch.tensor([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+print("vectors:", tuple(vectors.shape), "| norms:", [round(float(n), 4) for n in vectors.norm(dim=1)])
+print("cosine similarity:")
+print((vectors @ vectors.T).numpy().round(3))
+"""),
+        md("""
+Mean pooling over the tokens, then L2 normalization, as the checkpoint's sentence-transformers
+files say: every vector has norm 1, and the two sentences about a cat are closer to each
+other than to the market. `score` does the pairing and the cosine in one call:
+"""),
+        code("""
+for out, candidate in zip(llm.score("a cat", ["a kitten", "a car", "stock prices"]),
+                          ["a kitten", "a car", "stock prices"]):
+    print(f"score('a cat', {candidate!r}) = {out.outputs.score:.3f}")
+"""),
+        md("""
+## Against sentence-transformers
+
+The same checkpoint through sentence-transformers' own `encode` gives the reference vectors.
+"""),
+        code("""
+from sentence_transformers import SentenceTransformer
+
+reference = SentenceTransformer(str(llm.model_path), device="cpu").encode(sentences, convert_to_tensor=True)
+print("largest difference:", float((vectors - reference.float()).abs().max()))
+llm.shutdown()
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_images():
+    return [
+        md("""
+# Stage 5, chapter 8: images, and the rules for fetching them
+
+A LLaVA model reads an image as a run of placeholder tokens whose embeddings come from a
+vision tower and a projector instead of the token table ([Multimodal input](../multimodal.md)).
+The tiny random LLaVA here has the real architecture and random weights: its answers mean
+nothing, but which tokens and which cache blocks it uses are the real thing.
+"""),
+        code(SETUP),
+        code("""
+from PIL import Image
+
+from stage5_server import LLM
+from stage5_server.multimodal.tiny_model import cached_tiny_llava
+
+LLAVA = str(cached_tiny_llava())
+llm = LLM(LLAVA, device="cpu", block_size=4, max_model_len=256, num_kv_blocks=128)
+cat = Image.new("RGB", (64, 64), (200, 120, 40))
+dog = Image.new("RGB", (64, 64), (40, 90, 200))
+prompt = "<|im_start|>user\\nWhat is this? <image><|im_end|>\\n<|im_start|>assistant\\n"
+greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+def ask(image):
+    return llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, greedy, use_tqdm=False)[0]
+
+first = ask(cat)
+print("prompt tokens with the image expanded:", len(first.prompt_token_ids),
+      "| tokens in the text:", len(llm.tokenizer.encode(prompt)))
+"""),
+        md("""
+## The image's hash in the cache key
+
+Ask again with the same image: every full block is served from the prefix cache. With
+another image the token ids are the same (placeholders are all one id), so the image's hash
+is what keeps the blocks it overlaps from being reused; the blocks before it still are.
+"""),
+        code("""
+print("same image again:", ask(cat).num_cached_tokens, "cached prompt tokens")
+print("another image:   ", ask(dog).num_cached_tokens, "cached prompt tokens (only the blocks before the image)")
+llm.shutdown()
+"""),
+        md("""
+## The media rules
+
+A URL in an `image_url` part is fetched by the server, so it passes `server/media.py`'s rules
+first: an allowlist of hosts (empty by default: only `data:` URLs), no private addresses, no
+redirects, and caps on bytes, pixels and time. Each refusal is a 400 that names the rule.
+Nothing below reaches the network.
+"""),
+        code("""
+import base64
+import io
+
+from stage5_server.server.errors import APIError
+from stage5_server.server.media import MediaConnector, MediaOptions
+
+buffer = io.BytesIO(); cat.save(buffer, format="PNG")
+data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+cases = [(MediaOptions(), data_url),
+         (MediaOptions(), "https://images.example.com/cat.png"),
+         (MediaOptions(allowed_media_domains=("localhost",)), "http://localhost:8000/v1/models")]
+for options, url in cases:
+    try:
+        image = MediaConnector(options).load_image(url)
+        print(f"{url[:40]:42s} -> loaded, {image.size}")
+    except APIError as error:
+        print(f"{url[:40]:42s} -> {error.status} {error.message}")
+"""),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+def stage5_parallel():
+    return [
+        md("""
+# Stage 5, chapter 9: tensor, pipeline and data parallelism
+
+Tensor parallelism splits each layer's heads and columns over ranks; pipeline parallelism gives
+each rank a slice of the layers; data parallelism runs whole engine cores side by side
+([Parallelism](../parallelism.md)). Here two worker processes on this CPU split the tiny
+Llama both ways, and every layout must give the same greedy tokens as one rank. On a CPU this
+checks correctness, not speed.
+"""),
+        code(SETUP),
+        code("""
+import time
+
+from shared import cached_tiny_model
+from stage5_server import LLM
+
+TINY = str(cached_tiny_model("llama"))
+ARGS = dict(device="cpu", attention_backend="torch", block_size=4, max_model_len=128, kv_cache_memory=1 << 20,
+            max_num_batched_tokens=16)
+prompts = [R0_PROMPT, R1_PROMPT, list(range(3, 33))]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+results = {}
+for name, layout in [("1 rank", {}), ("TP=2", {"tensor_parallel_size": 2}), ("PP=2", {"pipeline_parallel_size": 2})]:
+    begin = time.perf_counter()
+    llm = LLM(model=TINY, **ARGS, **layout)
+    ranks = llm.engine.model_executor.collective_rpc("describe")
+    results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    print(f"{name:7s} {type(llm.engine.model_executor).__name__:18s} {time.perf_counter() - begin:4.1f} s")
+    for rank in ranks:
+        print(f"        rank {rank['rank']} (pid {rank['pid']}): {rank['num_heads']} query heads, "
+              f"{rank['num_kv_heads']} KV heads, {rank['num_layers']} layers, pipeline stage {rank['stage']}")
+    llm.shutdown()
+print("same tokens in every layout:", all(r == results["1 rank"] for r in results.values()))
+"""),
+        md("""
+Tensor parallelism gives each rank half the heads of every layer; pipeline parallelism gives
+each rank one of the two layers, all heads. Both need a collective per step (an all-reduce
+per layer, or hidden states sent to the next stage), which on one CPU costs more than it
+saves: `python -m benchmarks.pipeline_parallel` measured 0.71x one rank's throughput for
+PP=2 and 0.58x for TP=2 at 16 requests.
+
+## Across hosts: Ray
+
+`distributed_executor_backend="ray"` puts one rank on each host of a Ray cluster; the worker,
+runner and model are the same classes. Whether Ray is installed here:
+"""),
+        code("""
+import importlib.util
+
+from stage5_server.config import EngineConfig
+
+print("ray installed:", importlib.util.find_spec("ray") is not None)
+config = EngineConfig.create(TINY, device="cpu", tensor_parallel_size=2, distributed_executor_backend="ray")
+print("executor the config names:", config.parallel.distributed_executor_backend, "| worker:", config.worker_cls)
+"""),
+    ]
+
 
 NOTEBOOKS = {
     "stage1_slab.ipynb": stage1_slab,
     "stage2_block_tables.ipynb": stage2_block_tables,
     "stage3_scheduler.ipynb": stage3_scheduler,
     "stage4_prefix_cache.ipynb": stage4_prefix_cache,
+    "stage5_chain.ipynb": stage5_chain,
     "stage5_server.ipynb": stage5_server,
+    "stage5_linear.ipynb": stage5_linear,
+    "stage5_compiled_step.ipynb": stage5_compiled_step,
+    "stage5_spec_decode.ipynb": stage5_spec_decode,
+    "stage5_lora.ipynb": stage5_lora,
+    "stage5_pooling.ipynb": stage5_pooling,
+    "stage5_images.ipynb": stage5_images,
+    "stage5_parallel.ipynb": stage5_parallel,
     "all_stages.ipynb": all_stages,
 }
 
