@@ -68,10 +68,15 @@ def server(request, tiny_llama, tmp_path_factory):
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None,
                          lora_modules=[(ADAPTER, str(adapter))])
+    yield from serving_with_schema(app, engine, request.param)
+
+
+def serving_with_schema(app, engine, engine_mode: str):
+    """``(url, schemathesis schema, raw schema, engine mode)`` of ``app`` served on loopback; stops ``engine``."""
     try:
         with running_server(app) as running:
             raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
-            yield running.url, schemathesis.openapi.from_dict(raw), raw, request.param
+            yield running.url, schemathesis.openapi.from_dict(raw), raw, engine_mode
     finally:
         shutdown(engine)
 
@@ -178,25 +183,31 @@ def check_response(response: requests.Response, documented: set[str]) -> None:
 @pytest.mark.parametrize("server", mode_params("fuzz"), indirect=True)
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
 def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(server, session, method, path, mode):
+    fuzz_operation(server, session, method, path, mode, make_it_reach_the_engine, EXAMPLES.get(path, DEFAULT_EXAMPLES))
+
+
+def fuzz_operation(server, session, method: str, path: str, mode, steer, examples: int, pooling: bool = False) -> None:
+    """Fuzz one operation of the schema in one generation mode; half the valid bodies are ``steer``-ed so
+    that they reach the engine. Every response is checked (``check_response``), ``/health`` all along, and the
+    server is idle and serving afterwards."""
     url, schema, raw, engine_mode = server
-    raw = raw["paths"]
     operation = schema[path][method]
-    documented = set(raw[path][method.lower()]["responses"])
-    max_examples = max(2, round(EXAMPLES.get(path, DEFAULT_EXAMPLES) * EXAMPLES_SCALE[engine_mode]))
+    documented = set(raw["paths"][path][method.lower()]["responses"])
+    max_examples = max(2, round(examples * EXAMPLES_SCALE[engine_mode]))
 
     @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode), tidy=st.booleans())
     def fuzz(case, tidy):
         if tidy and mode == schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
-            make_it_reach_the_engine(case.body)
+            steer(case.body)
         headers = {**(case.headers or {}), **auth(KEY)}
         check_response(case.call(base_url=url, session=session, headers=headers, timeout=60), documented)
 
     with health_watch(url) as slowest:
         fuzz()
     assert slowest[0] < HEALTH_LIMIT_S, f"/health took {slowest[0]:.2f} s while fuzzing"
-    assert_healthy_idle_and_serving(url)
+    assert_healthy_idle_and_serving(url, pooling)
 
 
 HEALTH_LIMIT_S = 1.0
@@ -353,12 +364,7 @@ def pooling_server(request):
         engine = make_engine(request.param, resolve_model(POOLING_MODEL), max_model_len=128,
                              max_num_batched_tokens=512, dtype="float32")
     app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=POOLING_MODEL, log_stats_interval=None)
-    try:
-        with running_server(app) as running:
-            raw = httpx.get(f"{running.url}/openapi.json", headers=auth(KEY), timeout=30).json()
-            yield running.url, schemathesis.openapi.from_dict(raw), raw, request.param
-    finally:
-        shutdown(engine)
+    yield from serving_with_schema(app, engine, request.param)
 
 
 def make_it_reach_the_pooler(body: dict) -> None:
@@ -377,24 +383,8 @@ def make_it_reach_the_pooler(body: dict) -> None:
 @pytest.mark.parametrize("method, path, mode", POOLING_CASES,
                          ids=[f"{m} {p} {mode.value}" for m, p, mode in POOLING_CASES])
 def test_a_pooling_model_answers_no_generated_request_with_a_5xx(pooling_server, session, method, path, mode):
-    url, schema, raw, engine_mode = pooling_server
-    operation = schema[path][method]
-    documented = set(raw["paths"][path][method.lower()]["responses"])
-    max_examples = max(2, round(DEFAULT_EXAMPLES * EXAMPLES_SCALE[engine_mode]))
-
-    @settings(max_examples=max_examples, deadline=None, derandomize=DERANDOMIZE, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(generation_mode=mode), tidy=st.booleans())
-    def fuzz(case, tidy):
-        if tidy and mode == schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
-            make_it_reach_the_pooler(case.body)
-        headers = {**(case.headers or {}), **auth(KEY)}
-        check_response(case.call(base_url=url, session=session, headers=headers, timeout=60), documented)
-
-    with health_watch(url) as slowest:
-        fuzz()
-    assert slowest[0] < HEALTH_LIMIT_S, f"/health took {slowest[0]:.2f} s while fuzzing"
-    assert_healthy_idle_and_serving(url, pooling=True)
+    fuzz_operation(pooling_server, session, method, path, mode, make_it_reach_the_pooler, DEFAULT_EXAMPLES,
+                   pooling=True)
 
 
 def assert_healthy_idle_and_serving(url: str, pooling: bool = False) -> None:

@@ -58,6 +58,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, interval: f
     return predicate()
 
 
+def tiny_llava_app(model_path, key: str):
+    """The app over the tiny LLaVA (``tiny-llava``), one key, small prefill chunks (an image spans several)."""
+    from stage5_server.server import create_app
+
+    llm = make_llm(model_path, dtype="float32", device="cpu", attention_backend="torch", max_num_batched_tokens=32)
+    return create_app(llm, api_keys=[key], served_model_name="tiny-llava", log_stats_interval=None)
+
+
+@contextmanager
+def media_rules(serving, **options) -> Iterator[None]:
+    """The server's media rules (``MediaOptions``) for the duration of a test: what the flags and variables set."""
+    from stage5_server.server.media import MediaConnector, MediaOptions
+
+    before = serving.media
+    serving.media = MediaConnector(MediaOptions(**options))
+    try:
+        yield
+    finally:
+        serving.media = before
+
+
 def sse_events(lines: Iterable[str]) -> list[Any]:
     """The ``data:`` payloads of an SSE stream: dicts, and the string ``"[DONE]"``.
 

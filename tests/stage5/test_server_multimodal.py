@@ -14,14 +14,13 @@ import struct
 import threading
 import time
 import zlib
-from contextlib import contextmanager
 
 import pytest
 import requests
 
 from stage5_server.server import create_app
-from stage5_server.server.media import MediaConnector, MediaOptions
-from tests.stage5.server_fixtures import auth, make_llm, running_server
+from stage5_server.server.media import MediaOptions
+from tests.stage5.server_fixtures import auth, make_llm, media_rules, running_server, tiny_llava_app
 from tests.stage5.test_multimodal import data_url, hf, picture, reference  # noqa: F401  (hf: a fixture)
 
 KEY = "test-key-images"
@@ -111,23 +110,15 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def server(tiny_llava):
-    app = create_app(make_llm(tiny_llava, dtype="float32", device="cpu", attention_backend="torch",
-                              max_num_batched_tokens=32),
-                     api_keys=[KEY], served_model_name="tiny-llava", log_stats_interval=None)
+    app = tiny_llava_app(tiny_llava, KEY)
     with running_server(app) as running:
         yield running.url, app.state.serving
 
 
-@contextmanager
 def media(serving, **options):
-    """The server's media rules for the duration of a test (what the flags and variables set)."""
-    before = serving.media
-    serving.media = MediaConnector(MediaOptions(**{"allowed_media_domains": ("127.0.0.1",),
-                                                   "allow_private_addresses": True, **options}))
-    try:
-        yield
-    finally:
-        serving.media = before
+    """The server's media rules for a test: the test's own hosts on loopback allowed, unless ``options`` say."""
+    return media_rules(serving, **{"allowed_media_domains": ("127.0.0.1",), "allow_private_addresses": True,
+                                   **options})
 
 
 def chat(url: str, *parts, **extra) -> requests.Response:
