@@ -163,3 +163,19 @@ def test_cpu_peers_smoke(tmp_path):
     assert all(r["batch1_tokens_per_s"] > 0 and r["batch_tokens_per_s"] > 0 and r["of_roofline"] > 0
                for r in rows.values())
     assert data["ratios"] == {} and set(data["roofline"]) == {"float32", "bfloat16"}
+
+
+def test_weight_updates_smoke(tmp_path, tiny_llama):
+    from benchmarks import weight_updates
+
+    name = "weight_updates"
+    weight_updates.main(["--model", str(tiny_llama), "--repeats", "1", "--rounds", "2", "--batch-size", "2",
+                         "--output-len", "4", "--out-dir", str(tmp_path), "--markdown", str(tmp_path / f"{name}.md")])
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    rows = data["rows"]
+    assert rows["update_s"]["in_process"] > 0 and rows["update_s"]["over_gloo"] > 0
+    assert [row["way"] for row in rows["loop"]] == ["update the running engine",
+                                                   "write a checkpoint, start a new engine"]
+    assert all(row["output_tokens_per_s"] > 0 for row in rows["loop"])
+    assert "python -m benchmarks.weight_updates" in (tmp_path / f"{name}.md").read_text()
