@@ -1301,6 +1301,7 @@ from transformers import AutoModelForCausalLM
 from shared import cached_tiny_model
 from stage5_server import LLM, LoRARequest
 
+warnings.filterwarnings("ignore", category=FutureWarning)  # PEFT's deprecation notices, not the lesson
 TINY = str(cached_tiny_model("llama"))
 ADAPTERS = Path(tempfile.mkdtemp())
 
