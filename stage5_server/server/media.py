@@ -53,12 +53,10 @@ URL_SAFE = "/%:@!$&'()*+,;=~?"  # what stays as is in a request target; everythi
 
 
 def _ascii_host(name: str) -> str:
-    """A host name as the allowlist compares it: lower case, no trailing dot, IDNA for a non-ASCII name."""
+    """A host name as the allowlist compares it: lower case, no trailing dot (``example.com.`` is
+    ``example.com``), IDNA for a non-ASCII name; a ``UnicodeError`` for a name IDNA cannot spell."""
     name = name.strip().lower().removesuffix(".")
-    try:
-        return name if name.isascii() else name.encode("idna").decode("ascii")
-    except UnicodeError:
-        return name
+    return name if name.isascii() else name.encode("idna").decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -165,9 +163,8 @@ class MediaConnector:
             raise refuse("image_url: the URL is malformed") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise refuse("image_url: must be a data: URL or an http(s) URL")
-        host = parts.hostname.lower().removesuffix(".")  # ``example.com.`` is ``example.com``
         try:
-            host = host.encode("idna").decode("ascii") if not host.isascii() else host
+            host = _ascii_host(parts.hostname)
         except UnicodeError:
             raise refuse("image_url: the host name is not a valid international domain name") from None
         target = quote(parts.path or "/", safe=URL_SAFE) + (f"?{quote(parts.query, safe=URL_SAFE)}"
