@@ -66,18 +66,28 @@ def join_or_start_ray() -> bool:
     if imported is not None and imported.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        os.environ[RAY_SINGLE_HOST_ENV] = "0"  # before ``import ray``; the instance's processes inherit it
-    import ray
-
     if address:
+        import ray
+
         ray.init(address=address, log_to_driver=False)
         return False
-    if ray.util.get_node_ip_address() != LOOPBACK:
-        raise ValueError(f"distributed_executor_backend: Ray was imported before the engine started it, without "
-                         f"{RAY_SINGLE_HOST_ENV}=0, so a local instance would listen on every interface; set that "
-                         "variable before importing ray, or start Ray yourself and set RAY_ADDRESS")
-    ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, log_to_driver=False)
+    # Set while ``ray`` is imported and the instance's processes start (they inherit it), then put back, so that
+    # no process this one starts later (a ``ray start`` of its own, say) runs Ray in single-host mode unasked.
+    previous = os.environ.get(RAY_SINGLE_HOST_ENV)
+    os.environ[RAY_SINGLE_HOST_ENV] = "0"
+    try:
+        import ray
+
+        if ray.util.get_node_ip_address() != LOOPBACK:
+            raise ValueError(f"distributed_executor_backend: Ray was imported before the engine started it, "
+                             f"without {RAY_SINGLE_HOST_ENV}=0, so a local instance would listen on every interface; "
+                             "set that variable before importing ray, or start Ray yourself and set RAY_ADDRESS")
+        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, log_to_driver=False)
+    finally:
+        if previous is None:
+            os.environ.pop(RAY_SINGLE_HOST_ENV, None)
+        else:
+            os.environ[RAY_SINGLE_HOST_ENV] = previous
     return True
 
 

@@ -54,11 +54,12 @@ class RequestLimits:
             return
         for field, name in COUNTED_LISTS.get(route, ()):
             items = body.get(field)
-            if not isinstance(items, (list, dict)) or (field == "prompt" and items and isinstance(items[0], int)):
+            counted = dict if name == "max_logit_bias_per_request" else list  # another type: validation's 400
+            if not isinstance(items, counted) or (field == "prompt" and items and isinstance(items[0], int)):
                 continue  # nothing to count (a prompt of token ids is one prompt)
             if len(items) > getattr(self, name):
                 raise self._over(name, field, f"{len(items)} {ITEM_NAMES[name]}")
-            if name == "max_messages_per_request" and isinstance(items, list):  # content parts count too
+            if name == "max_messages_per_request":  # each message's content parts count too
                 parts = sum(len(item["content"]) for item in items
                             if isinstance(item, dict) and isinstance(item.get("content"), list))
                 if parts > self.max_messages_per_request:

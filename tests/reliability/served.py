@@ -51,18 +51,25 @@ def start(model, tmp_path: Path, mode: str, *flags: str, host: str | None = None
           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """The server of ``mode`` on ``model``, serving (``/health`` 200); its process and URL. Without ``RAY_ADDRESS``
     the Ray modes start a Ray instance of their own."""
-    log = (tmp_path / f"serve-{mode}.log").open("w+")
     extra = ("--host", host) if host else ()
-    process, url = spawn_serve(model, log, *MODE_FLAGS[mode], *extra, "--max-model-len", "256", "--num-kv-blocks",
-                               "64", "--log-stats-interval", "0", "--uvicorn-log-level", "warning", *flags,
-                               env={"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1", **(env or {})})
-    if host:
-        url = url.replace("127.0.0.1", f"[{host}]" if ":" in host else host)
-    up = wait_until(serving_or_exited(process, url), timeout=300, interval=0.3) and process.poll() is None
-    if not up:
+    for attempt in range(3):
+        log = (tmp_path / f"serve-{mode}-{attempt}.log").open("w+")
+        process, url = spawn_serve(model, log, *MODE_FLAGS[mode], *extra, "--max-model-len", "256",
+                                   "--num-kv-blocks", "64", "--log-stats-interval", "0", "--uvicorn-log-level",
+                                   "warning", *flags, env={"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": "1",
+                                                           **(env or {})})
+        if host:
+            url = url.replace("127.0.0.1", f"[{host}]" if ":" in host else host)
+        if wait_until(serving_or_exited(process, url), timeout=300, interval=0.3) and process.poll() is None:
+            break
         process.kill()
+        process.wait()
         log.seek(0)
-        raise AssertionError(f"the {mode} server did not start:\n{log.read()[-4000:]}")
+        text = log.read()
+        if "address already in use" not in text:  # only a port taken since it was picked (Ray's many ports) retries
+            raise AssertionError(f"the {mode} server did not start:\n{text[-4000:]}")
+    else:
+        raise AssertionError(f"the {mode} server found its port taken three times")
     return process, url
 
 

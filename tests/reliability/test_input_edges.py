@@ -275,3 +275,10 @@ def test_logprobs_within_the_budget_are_answered(client):
     assert response.status_code == 200, response.text[:300]
     choices = response.json()["choices"]
     assert len(choices) == 4 and all(len(c["logprobs"]["top_logprobs"]) == 8 for c in choices)
+
+
+@pytest.mark.parametrize("prompt", [{"0": 1}, {"prompt": "hi"}, 7])
+def test_a_prompt_of_another_shape_is_a_400_before_anything_counts_it(client, prompt):
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["param"].startswith("prompt")
