@@ -72,14 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     share = lambda tokens: tokens.count(args.target) / len(tokens)  # noqa: E731
     tokens = rollout(llm)
     first = share(tokens)
-    print(f"round 0: weight version {llm.weight_version}, target share {first:.2f}: {tokens}")
+    print(f"round 0: version {llm.weight_version}, target share {first:.2f}")
+    print(f"  tokens: {tokens}")
     for round_ in range(1, args.rounds + 1):
         loss = train_toward(trainer, args.target, tokens, args.steps, args.lr)
         version = llm.update_weights(trainer.state_dict().items())  # between steps; the prefix cache is reset
         tokens = rollout(llm)
         same = tokens == transformers_greedy(trainer, PROMPT, GREEDY.max_tokens)
-        print(f"round {round_}: loss {loss:.3f}, weight version {version}, target share {share(tokens):.2f}, "
-              f"same tokens as transformers: {same}: {tokens}")
+        print(f"round {round_}: loss {loss:.3f}, version {version}, target share {share(tokens):.2f}")
+        print(f"  same tokens as transformers: {same}")
+        print(f"  tokens: {tokens}")
     print(f"target share: {first:.2f} -> {share(tokens):.2f}")
 
     # Without the reset: one more training round, the weights swapped by the worker method alone.
@@ -92,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     llm.reset_prefix_cache()
     fresh = rollout(llm)
     differ = sum(a != b for a, b in zip(stale, expected))
-    print(f"without the reset: {stale_hits} prompt tokens from the cache, {differ} of {len(expected)} tokens differ "
-          f"from transformers on the new weights")
+    print(f"without the reset: {stale_hits} prompt tokens from the cache, {differ} of {len(expected)} differ")
     print(f"with the reset: {sum(a != b for a, b in zip(fresh, expected))} differ")
     print(f"done in {time.monotonic() - start:.1f} s")
     llm.shutdown()
