@@ -66,7 +66,10 @@ def two_hosts(tmp_path_factory):
             run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", "eth1")
             run("ip", "-n", namespace, "link", "set", "lo", "up")
             run("ip", "-n", namespace, "link", "set", "eth1", "up")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+        # A home of their own: a Ray token file another Ray run left in ~/.ray would turn on token
+        # authentication for the head alone, and the driver would be refused.
+        home = tmp_path_factory.mktemp("home")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "", "HOME": str(home)}
         logs = tmp_path_factory.mktemp("ray")
         common = ["--num-cpus", "1", "--block", "--disable-usage-stats"]
         head = in_namespace(a, RAY, "start", "--head", "--node-ip-address", HEAD, "--port", "6379",
