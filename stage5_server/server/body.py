@@ -21,6 +21,7 @@ loop, and a lone surrogate fails in the tokenizer with a 500.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -134,10 +135,7 @@ class CheckedRoute(APIRoute):
             body = await request.body()
             if body and _is_json(request):
                 limits: RequestLimits = request.app.state.server_config.limits
-
-                def check_lists(value: Any) -> None:
-                    limits.check_lists(path, value)
-
+                check_lists = functools.partial(limits.check_lists, path)
                 if len(body) > OFF_LOOP_BYTES:
                     request.parsed = await asyncio.to_thread(parse_body, body, check_lists)
                 else:

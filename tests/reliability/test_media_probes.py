@@ -13,7 +13,6 @@ import http.server
 import io
 import socket
 import struct
-import threading
 import types
 import zlib
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -22,7 +21,7 @@ import pytest
 import requests
 
 import stage5_server.server.media as media_module
-from tests.stage5.server_fixtures import auth, media_rules, running_server, tiny_llava_app
+from tests.stage5.server_fixtures import LoopbackHTTPServer, auth, media_rules, running_server, tiny_llava_app
 from tests.stage5.test_multimodal import data_url, picture
 
 KEY = "test-key-media-probes"
@@ -41,7 +40,7 @@ def png_of(width: int, height: int, idat: bytes) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
 
 
-class Host:
+class Host(LoopbackHTTPServer):
     """An HTTP server on 127.0.0.1: ``/cat.png``, any path under ``/img/`` (the raw request target is
     recorded), and ``/redirect?to=URL``."""
 
@@ -68,15 +67,7 @@ class Host:
                     handler.send_response(404)
                     handler.end_headers()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")

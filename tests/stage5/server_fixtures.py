@@ -58,6 +58,23 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, interval: f
     return predicate()
 
 
+class LoopbackHTTPServer:
+    """An HTTP server on 127.0.0.1, on a port the OS picks, serving ``handler`` on a thread of its own."""
+
+    def __init__(self, handler: type):
+        import http.server
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def tiny_llava_app(model_path, key: str):
     """The app over the tiny LLaVA (``tiny-llava``), one key, small prefill chunks (an image spans several)."""
     from stage5_server.server import create_app

@@ -11,7 +11,6 @@ import http.server
 import io
 import json
 import struct
-import threading
 import time
 import zlib
 
@@ -20,7 +19,14 @@ import requests
 
 from stage5_server.server import create_app
 from stage5_server.server.media import MediaOptions
-from tests.stage5.server_fixtures import auth, make_llm, media_rules, running_server, tiny_llava_app
+from tests.stage5.server_fixtures import (
+    LoopbackHTTPServer,
+    auth,
+    make_llm,
+    media_rules,
+    running_server,
+    tiny_llava_app,
+)
 from tests.stage5.test_multimodal import data_url, hf, picture, reference  # noqa: F401  (hf: a fixture)
 
 KEY = "test-key-images"
@@ -43,7 +49,7 @@ def bomb_png(side: int = 12000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
 
 
-class MediaHost:
+class MediaHost(LoopbackHTTPServer):
     """An HTTP server on 127.0.0.1 with the files the tests ask for, counting each path's requests."""
 
     def __init__(self, redirect_to: str | None = None):
@@ -89,14 +95,7 @@ class MediaHost:
                 self.wfile.write(body)
 
         self.hits = hits
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")
