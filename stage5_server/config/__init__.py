@@ -37,8 +37,9 @@ from stage2_paged.llm import check_block_size, check_num_blocks
 from stage3_continuous.config import SchedulerConfig
 from stage4_prefix_cache.kv_cache_utils import get_hash_fn
 from stage4_prefix_cache.llm import PREFIX_CACHING_ARGS
-from stage5_server.arg_types import fraction, parse_size, positive_int
+from stage5_server.arg_types import fraction, parse_size, positive_float, positive_int
 from stage5_server.attention import resolve_attention_backend
+from stage5_server.config.kv_transfer import KVTransferConfig, check_kv_transfer_support, kv_transfer_config_arg
 from stage5_server.config.lora import LoRAConfig, check_lora_support
 from stage5_server.config.model import read_model_config, resolve_model
 from stage5_server.config.multimodal import MultiModalConfig
@@ -104,6 +105,12 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
     # The alternative, "fast", is a 64-bit non-cryptographic hash: a collision across tenants is a leak.
     inherited("prefix_caching_hash_algo", cli=False),
     EngineArg("gpu_memory_utilization", 0.9, type=fraction),
+    EngineArg("kv_offloading_size", None, type=positive_float, metavar="GiB",  # kv_transfer/offload.py
+              help="keep blocks evicted from the KV pool in a second tier of this many GiB of host memory, "
+                   "summed over the ranks (default: off)"),
+    EngineArg("kv_transfer_config", None, type=kv_transfer_config_arg, metavar="JSON",  # kv_transfer/
+              help='the KV connector, e.g. \'{"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", '
+                   '"kv_connector_extra_config": {"kv_port": 14579}}\' (vLLM\'s keys; default: none)'),
     inherited("kv_cache_memory", type=parse_size, help="bytes of K/V, e.g. 2GiB"),
     inherited("num_kv_blocks", type=positive_int),  # None: from kv_cache_memory, or sized automatically
     inherited("block_shuffle_seed", cli=False),  # the tests' check that physical block order does not matter
@@ -210,6 +217,7 @@ class EngineConfig:
     linear: LinearConfig = LinearConfig(None, False, None)  # each linear layer's method: quantization/
     lora: LoRAConfig | None = None  # None: no adapters (lora/)
     multimodal: MultiModalConfig | None = None  # a vision-language model's vision side (multimodal/); None: text only
+    kv_transfer: KVTransferConfig | None = None  # the KV connector (kv_transfer/); None: none
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -277,6 +285,9 @@ class EngineConfig:
         lora = LoRAConfig.create(args["enable_lora"], args["max_loras"], args["max_lora_rank"])
         if lora is not None:
             check_lora_support(runner, pipeline_parallel_size, speculative, args["enforce_eager"])
+        kv_transfer = KVTransferConfig.create(args["kv_transfer_config"], args["kv_offloading_size"])
+        check_kv_transfer_support(kv_transfer, runner=runner, enable_prefix_caching=args["enable_prefix_caching"],
+                                  hash_algo=args["prefix_caching_hash_algo"], world_size=world_size)
         attention_backend = resolve_attention_backend(args["attention_backend"], device)
         compile_decode = resolve_compile_decode(args["enforce_eager"], device, dtype, attention_backend,
                                                 world_size, runner, lora)
@@ -287,7 +298,8 @@ class EngineConfig:
                    attention_backend=attention_backend, enforce_eager=args["enforce_eager"],
                    compile_decode=compile_decode, cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
-                   pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, args=args)
+                   pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
+                   args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)

@@ -9,7 +9,8 @@
    the CPU default (``shared.llm_base.automatic_kv_cache_tokens``, shared by the ranks on this host);
    a ``max_model_len`` the user did not set comes down to what the pool holds;
 3. the scheduler of the config's runner kind (``EngineConfig.scheduler_cls``) is built over that
-   pool, and every worker allocates its blocks;
+   pool, with the scheduler side of a KV connector if one is configured (``kv_transfer/``), and every
+   worker allocates its blocks;
 4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter.
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
@@ -33,6 +34,7 @@ from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.stats import LoggingStatLogger
 from stage5_server.executor import Executor, make_executor
 from stage5_server.executor.abstract import resolve_obj_by_qualname
+from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.spec_decode import make_drafter
 
 logger = logging.getLogger("stagedserve")
@@ -61,9 +63,12 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
+        connector = make_kv_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, block_size,
+                                      per_token * block_size, executor.world_size)
         scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
             config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
-            max_loras=None if config.lora is None else config.lora.max_loras)
+            max_loras=None if config.lora is None else config.lora.max_loras,
+            **({} if connector is None else {"kv_connector": connector}))
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()

@@ -86,6 +86,7 @@ class EngineCore(SchedulerFacade):
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        self.scheduler.shutdown()
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
 

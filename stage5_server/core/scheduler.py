@@ -16,7 +16,10 @@
 3. **Batches in flight.** Under pipeline parallelism the core schedules the next batch before the
    last one's tokens are back; a request in a batch still in flight (``in_flight``) sits that
    batch out, so a request is never in two batches at once and never preempted under one.
-4. **At most ``max_loras`` adapters at once.** The workers hold that many LoRA adapters in slots
+4. **A KV connector's part of each step** (``kv_transfer/``): the manager asks the connector during
+   a prefix lookup; ``schedule`` then lets it describe the step's copies (``kv_connector_metadata``),
+   from the blocks the step completes.
+5. **At most ``max_loras`` adapters at once.** The workers hold that many LoRA adapters in slots
    (``lora/``): a waiting request whose adapter would be one too many among the running requests
    waits, and the requests behind it go first, as vLLM's scheduler skips it.
 
@@ -31,6 +34,7 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``schedule``'s ``NewRequestData`` / `
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -43,13 +47,18 @@ from stage5_server.core.messages import EngineCoreOutput
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from stage5_server.core.stats import SchedulerStats
+from stage5_server.kv_transfer import KVConnectorBase
 from stage5_server.spec_decode.grammar import fill_bitmask_with_drafts, num_valid_drafts
 
 
 class Scheduler(_PrefixCachingScheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int = 1 << 30,
-                 vocab_size: int | None = None, max_loras: int | None = None):
+                 vocab_size: int | None = None, max_loras: int | None = None,
+                 kv_connector: KVConnectorBase | None = None):
         super().__init__(scheduler_config, cache_config, max_model_len)
+        self.kv_connector = kv_connector  # None: no KV connector (kv_transfer/)
+        if kv_connector is not None:
+            self.kv_cache_manager.kv_connector = kv_connector
         self.max_loras = max_loras  # None: no adapters served
         self.vocab_size = vocab_size  # the width of a structured-output mask (the builder passes the model's)
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
@@ -134,6 +143,10 @@ class Scheduler(_PrefixCachingScheduler):
             return SchedulerOutput([], CachedRequestData(), {}, 0)
         output = self._for_workers(live)
         self._add_grammar_bitmask(live, output)
+        if self.kv_connector is not None:
+            filled = [block for request in live.scheduled_reqs for block in
+                      self.kv_cache_manager.filled_blocks(request, live.num_scheduled_tokens[request.request_id])]
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(filled)
         return output
 
     def _for_workers(self, live: _LiveSchedulerOutput) -> SchedulerOutput:
@@ -235,4 +248,22 @@ class Scheduler(_PrefixCachingScheduler):
         self.preempted_on_workers |= scheduler_output.preempted_req_ids
         failed = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
         self.recover_from_failed_step(scheduler_output)
+        if self.kv_connector is not None:
+            self.kv_connector.step_failed(scheduler_output.kv_connector_metadata)
         return failed
+
+    def reset_prefix_cache(self) -> bool:
+        reset = super().reset_prefix_cache()
+        if reset and self.kv_connector is not None:
+            self.kv_connector.reset_cache()
+        return reset
+
+    def stats(self) -> SchedulerStats:
+        stats = super().stats()
+        if self.kv_connector is not None:
+            stats.kv_connector = replace(self.kv_connector.stats())
+        return stats
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -16,7 +16,9 @@ alike, one process or many, and the executor ships it as it is:
 - ``finished_req_ids``: requests the workers can forget; ``preempted_req_ids``: requests whose rows
   they can free (each comes back later as a new request);
 - ``grammar_bitmask``: the structured-output masks of the requests that sample, computed in the core,
-  where the grammars live: one row per position that samples (``1 + len(drafts)`` per request).
+  where the grammars live: one row per position that samples (``1 + len(drafts)`` per request);
+- ``kv_connector_metadata``: with a KV connector, the blocks to fill before the forward and to copy or
+  send after it (``kv_transfer/``).
 
 The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill, one
 for a decode, several when draft tokens were accepted), the logprobs it was asked for, a draft model's
@@ -75,6 +77,7 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None  # int32 [positions that sample, ceil(vocab / 32)]
     structured_output_request_ids: list[str] = field(default_factory=list)  # the bitmask's requests, in order
     num_drafts_to_propose: dict[str, int] | None = None  # a draft model's: per request; None: k for all
+    kv_connector_metadata: Any = None  # the KV connector's part of the step (kv_transfer/); None: no connector
 
     @property
     def scheduled_req_ids(self) -> list[str]:

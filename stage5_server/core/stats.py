@@ -3,11 +3,11 @@ stats line that shows them.
 
 A snapshot (``Scheduler.stats()``) crosses to the front end in every ``EngineCoreOutputs``; ``/metrics``
 (``server/metrics.py``) and the stats line read it there. Stage 5 adds speculative decoding's counters
-(``spec_decode/metrics.py``), always present, all zero while nothing is drafted, and the weight version and
-sleep level (``weight_sync/``).
+(``spec_decode/metrics.py``), always present, all zero while nothing is drafted, the weight version and
+sleep level (``weight_sync/``), and a KV connector's counters (``kv_transfer/``).
 
 vLLM: ``SchedulerStats`` in ``vllm/v1/metrics/stats.py`` (its ``spec_decoding_stats``) and
-``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``.
+``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``; a KV connector's counters (``kv_transfer/``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from shared.metrics import SchedulerStats as _SchedulerStats
 from stage4_prefix_cache.scheduler import LoggingStatLogger as _PrefixCacheStatLogger
+from stage5_server.kv_transfer.base import KVConnectorStats
 from stage5_server.spec_decode.metrics import SpecDecodingStats
 
 
@@ -25,6 +26,12 @@ class SchedulerStats(_SchedulerStats):
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     weight_version: int = 0  # weight updates the core has taken (weight_sync/)
     sleep_level: int = 0  # 0: awake
+    kv_connector: KVConnectorStats = field(default_factory=KVConnectorStats)  # kv_transfer/; zeros without one
+
+    @property
+    def device_prefix_cache_hits(self) -> int:
+        """Prefix-cache hit tokens the pool held (the rest a KV connector loaded into it)."""
+        return self.prefix_cache_hits - self.kv_connector.external_hit_tokens
 
 
 class LoggingStatLogger(_PrefixCacheStatLogger):

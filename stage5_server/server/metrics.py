@@ -80,6 +80,12 @@ GAUGES = [
     # weight_sync/: the weight updates the engine has taken, and 0 while awake (1 or 2: its sleep level)
     ("stagedserve:weight_version", "Weight updates the engine core has taken.", "weight_version"),
     ("stagedserve:sleep_level", "0 while serving; the sleep level while asleep.", "sleep_level"),
+    # kv_transfer/: the offload tier's slots in use and their number; the blocks received from a prefill instance
+    ("stagedserve:kv_offload_used_blocks", "Blocks held in the KV offload tier.", "kv_connector.offload_used_blocks"),
+    ("stagedserve:kv_offload_capacity_blocks", "Blocks the KV offload tier holds at most.",
+     "kv_connector.offload_capacity_blocks"),
+    ("stagedserve:kv_p2p_buffered_blocks", "Blocks received from a prefill instance and kept.",
+     "kv_connector.p2p_buffered_blocks"),
 ]
 COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
@@ -92,19 +98,28 @@ COUNTERS = [
     ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decoding.num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decoding.num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decoding.num_accepted_tokens"),
+    ("stagedserve:kv_offload_saved_blocks", "Blocks copied into the KV offload tier.",
+     "kv_connector.offload_saved_blocks"),
+    ("stagedserve:kv_offload_loaded_blocks", "Blocks copied back from the KV offload tier.",
+     "kv_connector.offload_loaded_blocks"),
+    ("stagedserve:kv_offload_evicted_blocks", "Blocks the KV offload tier dropped for room.",
+     "kv_connector.offload_evicted_blocks"),
+    ("stagedserve:kv_p2p_received_blocks", "Blocks received from a prefill instance.",
+     "kv_connector.p2p_received_blocks"),
 ]
 
 # vLLM's splits of numbers above, by a label: (name, doc, label, {label value: field, or None for 0}).
-# Nothing here is deferred, transferred from elsewhere or cached off the device: those are 0.
+# Nothing here is deferred or read from disk: those are 0. A KV connector's hits are external: the offload
+# tier's are "host", a prefill instance's "p2p".
 SPLIT = [
     (GaugeMetricFamily, "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by the reason.",
      "reason", {"capacity": "num_waiting", "deferred": None}),
     (CounterMetricFamily, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
-     {"local_compute": "num_prompt_tokens_computed", "local_cache_hit": "prefix_cache_hits",
-      "external_kv_transfer": None}),
+     {"local_compute": "num_prompt_tokens_computed", "local_cache_hit": "device_prefix_cache_hits",
+      "external_kv_transfer": "kv_connector.external_hit_tokens"}),
     (CounterMetricFamily, "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that "
-     "supplied them.", "source", {"device": "prefix_cache_hits", "host": None, "p2p": None, "disk": None,
-                                 "external_unspecified": None}),
+     "supplied them.", "source", {"device": "device_prefix_cache_hits", "host": "kv_connector.host_hit_tokens",
+                                 "p2p": "kv_connector.p2p_hit_tokens", "disk": None, "external_unspecified": None}),
 ]
 
 
@@ -137,7 +152,7 @@ class _SchedulerStatsCollector(Collector):
             family = kind(name, doc, labels=["model_name", "engine", label])
             for rank, stats in sorted(by_engine.items()):
                 for value, field in fields.items():
-                    family.add_metric([self.model_name, str(rank), value], getattr(stats, field) if field else 0)
+                    family.add_metric([self.model_name, str(rank), value], stat(stats, field) if field else 0)
             yield family
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft's token position.",

@@ -1,7 +1,8 @@
 """One worker per rank: its device, its model (whole, or its tensor-parallel shard or pipeline stage:
 ``model_loader.py``), its KV cache, the attention backend over that cache, and the model runner; and what
 each system adds on the rank, where it is on: LoRA slots (``lora/``), a draft model and its own KV cache
-(``spec_decode/draft_model.py``), a vision tower and projector (``multimodal/``). The same class on one
+(``spec_decode/draft_model.py``), a vision tower and projector (``multimodal/``), the worker side of a KV
+connector, called before and after each forward (``kv_transfer/``). The same class on one
 device and on every rank of a split model; the executor decides only where each worker lives.
 
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
@@ -30,6 +31,7 @@ from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.cpu_kernels import load_cpu_kernels
+from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.lora import LoRAModelManager
 from stage5_server.model import compile_decode_step, compile_problem
 from stage5_server.multimodal.encoder import MultiModalEmbedder
@@ -67,6 +69,7 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         if parallel.pipeline_parallel_size > 1:  # receives its input from the stage before, or sends it on
             self.model = PipelineStage(self.model, place, config.dtype, device)
         self.kv_cache: PagedKVCache | None = None
+        self.kv_connector = None  # the worker side of a KV connector (kv_transfer/), made with the KV cache
         self.model_runner: ModelRunner | None = None
         self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
 
@@ -91,6 +94,12 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         self.kv_cache = PagedKVCache(num_blocks, block_size, model_config.num_hidden_layers,
                                      model_config.num_key_value_heads, model_config.head_dim, config.dtype,
                                      self.device)
+        if config.kv_transfer is not None:
+            if self.kv_connector is None:
+                self.kv_connector = make_kv_connector(config.kv_transfer, KVConnectorRole.WORKER, block_size,
+                                                      self.kv_bytes_per_token() * block_size,
+                                                      config.parallel.world_size)
+            self.kv_connector.register_kv_caches(self.kv_cache)
         backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
         self.model.set_attention_backend(backend)
         if config.compile_decode:  # decode batches of a few rows: a compiled graph (model/compile.py)
@@ -108,6 +117,15 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
                                         drafter=drafter, mm_embedder=mm_embedder, lora_manager=self.lora_manager)
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        transfer = step.kv_connector_metadata
+        if transfer is None:
+            return self._execute_model(step)
+        self.kv_connector.start_load_kv(transfer)  # blocks the scheduler matched, before anything reads them
+        output = self._execute_model(step)
+        self.kv_connector.wait_for_save(transfer)  # the blocks this step completed
+        return output
+
+    def _execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.timeline is None:
             return self.model_runner.execute_model(step)
         start = time.monotonic()

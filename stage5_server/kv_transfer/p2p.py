@@ -1,0 +1,205 @@
+"""Prefill/decode disaggregation: a prefill instance sends each block it completes to a decode instance.
+
+A prompt's prefill is one big compute-bound step; decoding is many small memory-bound ones. On one engine
+they share every step, so a long prefill holds up every decode in the batch (the seeds' DistServe
+argument: time to first token and time per output token fight over the same steps). Split them: a
+*producer* engine only prefills, a *consumer* engine only decodes, and the K/V crosses between them.
+
+- **Producer** (``kv_role: kv_producer``), after each step's forward (``wait_for_save``): the blocks the
+  step completed, every layer's K and V with their hashes, go to the consumer's address in one ZeroMQ
+  message; the step waits for the consumer's answer (a few ms for a prompt on loopback), so once the
+  producer has answered a request, its blocks are at the consumer. A consumer that does not answer in
+  ``SEND_TIMEOUT_S`` is logged and skipped: the producer's requests never fail for it.
+- **Consumer** (``kv_role: kv_consumer``): a thread of its engine core binds the address (loopback unless
+  ``kv_host`` names another) and keeps what arrives in a bounded buffer, LRU by hash. Its scheduler side
+  then finds a request's blocks there past the local prefix cache, as the offload tier does
+  (``offload.py``), and the step that first reads them carries their K/V to the worker, which copies
+  them into their blocks before the forward. The consumer recomputes only the last partial block.
+
+Blocks are named by their prefix-cache hash, so the two engines must hash alike: the same model, block
+size, sha256 and the request's same trust group (salt), adapter and images. Nothing on either side is
+kept per request, so an aborted request leaves nothing behind, and a request that reaches the consumer
+without its blocks is simply prefilled there.
+
+The channel is unauthenticated, like the ranks' own traffic: whoever reaches the consumer's port can
+write K/V into its cache. Keep it on loopback or a private network.
+
+The proxy in front of the pair is ``proxy.py``.
+
+vLLM: ``P2pNcclConnector`` in ``vllm/distributed/kv_transfer/kv_connector/v1/p2p/`` (the producer sends
+to the consumer as it saves each layer), ``NixlConnector`` (the consumer reads instead);
+``examples/online_serving/disaggregated_serving/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from stage4_prefix_cache.kv_cache_utils import BlockHash
+from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata
+
+logger = logging.getLogger("stagedserve")
+SEND_TIMEOUT_S = 10.0
+DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+@dataclass
+class P2pMetadata(KVConnectorMetadata):
+    sends: list[FilledBlock] = field(default_factory=list)  # producer: blocks to send after the forward
+    loads: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # consumer: (block, K, V)
+
+
+class P2pZmqConnector(KVConnectorBase):
+    def __init__(self, config, role, block_size: int):
+        super().__init__(config, role, block_size)
+        self.context = zmq.Context.instance()
+        self.sender: zmq.Socket | None = None  # producer, worker side
+        self.send_failures = 0
+        # consumer, scheduler side: hash -> (K, V) each [layers, block_size, kv_heads, head_dim], oldest first
+        self.received: OrderedDict[BlockHash, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.received_bytes = 0
+        self.lock = threading.Lock()
+        self.matched: dict[str, list[BlockHash]] = {}
+        self.pending_loads: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.receiver: threading.Thread | None = None
+        self.stopping = threading.Event()
+        if config.is_consumer and role.value == "scheduler":
+            socket = self.context.socket(zmq.REP)
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.bind(config.address)
+            except zmq.ZMQError as exc:
+                socket.close()
+                raise OSError(f"kv_transfer_config: cannot listen on {config.address}: {exc}") from None
+            self.receiver = threading.Thread(target=self._receive, args=(socket,), name="kv-receiver", daemon=True)
+            self.receiver.start()
+
+    # ---- consumer: the receiving thread -------------------------------------------------------
+    def _receive(self, socket: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        try:
+            while not self.stopping.is_set():
+                if not poller.poll(100):
+                    continue
+                frames = socket.recv_multipart(copy=False)
+                try:
+                    self._store(frames)
+                    socket.send(b"ok")
+                except Exception as exc:  # a malformed message: refused, nothing kept
+                    logger.warning("kv_transfer: refused a message from a producer: %s", exc)
+                    socket.send(b"error: " + str(exc).encode()[:200])
+        finally:
+            socket.close()
+
+    def _store(self, frames) -> None:
+        header = json.loads(bytes(frames[0].buffer))
+        dtype, shape, hashes = DTYPES[header["dtype"]], tuple(header["shape"]), header["hashes"]
+        if len(frames) != 3 or len(shape) != 5 or shape[0] != len(hashes):
+            raise ValueError("expected a header, K and V of [blocks, layers, block_size, heads, head_dim]")
+        if shape[2] != self.block_size:
+            raise ValueError(f"block size {shape[2]}, this engine's is {self.block_size}")
+        keys = torch.frombuffer(bytearray(frames[1].buffer), dtype=dtype).view(shape)
+        values = torch.frombuffer(bytearray(frames[2].buffer), dtype=dtype).view(shape)
+        block_bytes = 2 * keys[0].numel() * keys.element_size()
+        with self.lock:
+            for i, block_hash in enumerate(bytes.fromhex(h) for h in hashes):
+                if block_hash in self.received:
+                    self.received.move_to_end(block_hash)
+                    continue
+                self.received[block_hash] = (keys[i], values[i])
+                self.received_bytes += block_bytes
+                self.counters.p2p_received_blocks += 1
+            while self.received and self.received_bytes > self.config.buffer_bytes:
+                self.received.popitem(last=False)
+                self.received_bytes -= block_bytes
+            self.counters.p2p_buffered_blocks = len(self.received)
+
+    # ---- consumer: scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
+        if not self.config.is_consumer:
+            return 0
+        found = []
+        with self.lock:
+            for block_hash in block_hashes[num_computed_tokens // self.block_size:]:
+                if block_hash not in self.received:
+                    break
+                found.append(block_hash)
+        self.matched[request.request_id] = found
+        return len(found) * self.block_size
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        hashes = self.matched.pop(request.request_id, [])[:num_external_tokens // self.block_size]
+        with self.lock:
+            for block, block_hash in zip(blocks, hashes):
+                self.received.move_to_end(block_hash)
+                self.pending_loads.append((block.block_id, *self.received[block_hash]))
+        self.counters.p2p_hit_tokens += len(hashes) * self.block_size
+
+    def build_connector_meta(self, filled):
+        metadata = P2pMetadata(list(filled) if self.config.is_producer else [], self.pending_loads)
+        self.pending_loads = []
+        return metadata
+
+    def reset_cache(self):
+        with self.lock:
+            self.received.clear()
+            self.received_bytes = 0
+            self.counters.p2p_buffered_blocks = 0
+        self.matched.clear()
+        self.pending_loads = []
+
+    # ---- worker side --------------------------------------------------------------------------
+    def start_load_kv(self, metadata: P2pMetadata) -> None:
+        for block_id, keys, values in metadata.loads:
+            for layer, (key_cache, value_cache) in enumerate(zip(self.kv_cache.key, self.kv_cache.value)):
+                key_cache[block_id].copy_(keys[layer])
+                value_cache[block_id].copy_(values[layer])
+
+    def wait_for_save(self, metadata: P2pMetadata) -> None:
+        if not metadata.sends:
+            return
+        index = torch.tensor([block.block_id for block in metadata.sends])
+        keys = torch.stack([layer.index_select(0, index) for layer in self.kv_cache.key], dim=1).cpu()
+        values = torch.stack([layer.index_select(0, index) for layer in self.kv_cache.value], dim=1).cpu()
+        header = {"dtype": str(keys.dtype), "shape": list(keys.shape),
+                  "hashes": [block.block_hash.hex() for block in metadata.sends]}
+        self._send([json.dumps(header).encode(), _bytes(keys), _bytes(values)])
+
+    def _send(self, frames: list) -> None:
+        if self.sender is None:
+            self.sender = self.context.socket(zmq.REQ)
+            self.sender.setsockopt(zmq.LINGER, 0)
+            self.sender.connect(self.config.address)
+        self.sender.send_multipart(frames, copy=False)
+        if self.sender.poll(int(SEND_TIMEOUT_S * 1000)):
+            answer = self.sender.recv()
+            if answer == b"ok":
+                return
+            logger.warning("kv_transfer: the consumer refused %d blocks: %s", len(frames), answer.decode()[:200])
+        else:  # a REQ socket with no answer cannot send again: start over with a new one
+            logger.warning("kv_transfer: no answer from the consumer at %s in %.0f s; blocks not sent",
+                           self.config.address, SEND_TIMEOUT_S)
+            self.sender.close()
+            self.sender = None
+        self.send_failures += 1
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        if self.receiver is not None:
+            self.receiver.join(timeout=2)
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes as ZeroMQ sends them (bfloat16 has no numpy type: viewed as raw bytes)."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy())
