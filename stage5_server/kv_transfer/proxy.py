@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
@@ -54,8 +55,14 @@ def gateway_error(message: str, status: int = 502) -> dict:
 
 
 def create_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
-    app = FastAPI(title="stagedserve disaggregated prefill/decode proxy")
     client = httpx.AsyncClient(timeout=TIMEOUT)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="stagedserve disaggregated prefill/decode proxy", lifespan=lifespan)
     app.state.prefill_skipped = 0  # requests the decode instance prefilled itself (prefill unreachable)
 
     def headers_of(request: Request) -> dict[str, str]:
@@ -120,10 +127,6 @@ def create_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
     async def other(path: str, request: Request) -> Response:
         return await forward(request, "/" + path, await request.body())
-
-    @app.on_event("shutdown")
-    async def close_client() -> None:
-        await client.aclose()
 
     return app
 

@@ -1,0 +1,247 @@
+"""The KV connector (``kv_transfer/``): an offload tier that keeps prefix hits past a full pool, and
+prefill/decode disaggregation, each held to the same greedy tokens as one engine without them."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+
+from shared.sampling_params import SamplingParams
+from stage5_server import LLM
+from stage5_server.cli import make_parser
+from stage5_server.config import EngineConfig
+from stage5_server.config.kv_transfer import KVTransferConfig
+from stage5_server.kv_transfer import FilledBlock, KVConnectorRole, make_kv_connector
+from stage5_server.kv_transfer import p2p as p2p_module
+from tests.stage5.lora_adapters import make_adapter
+
+# A pool of 32 blocks of 4 tokens holds three of the six 40-token conversations below: by the second
+# turn every prefix has been evicted from it.
+POOL = dict(block_size=4, num_kv_blocks=32, max_num_seqs=2, max_model_len=64, device="cpu", dtype="float32")
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def conversations(count: int = 6, length: int = 40, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(5, 250) for _ in range(length)]} for _ in range(count)]
+
+
+def two_turns(llm: LLM, prompts: list[dict], second: slice = slice(None)) -> list[list[int]]:
+    """Each prompt alone, all of them twice (the second time in the order ``second`` picks): the second round
+    finds its prefixes only where they were kept."""
+    return [llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            for turn in (prompts, prompts[second]) for prompt in turn]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def p2p(role: str, port: int) -> dict:
+    return {"kv_connector": "P2pZmqConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port}}
+
+
+# ---- the offload tier ----------------------------------------------------------------------------------
+
+def test_offloaded_blocks_come_back_after_eviction_with_the_same_greedy_tokens(tiny_llama):
+    prompts = conversations()
+    plain = LLM(str(tiny_llama), **POOL)
+    want = two_turns(plain, prompts)
+    assert plain.engine.stats().prefix_cache_hits == 0  # the pool alone kept nothing for the second turn
+    offload = LLM(str(tiny_llama), kv_offloading_size=0.001, **POOL)
+    assert two_turns(offload, prompts) == want
+    stats = offload.engine.stats()
+    tier = stats.kv_connector
+    assert tier.host_hit_tokens == 6 * 36  # every conversation's 9 full prompt blocks (the 10th holds its last token)
+    assert tier.offload_loaded_blocks * 4 == tier.host_hit_tokens
+    assert stats.prefix_cache_hits == tier.host_hit_tokens  # every hit came back from the tier
+
+
+def test_a_full_tier_drops_its_least_recently_used_blocks_and_tokens_stay_the_same(tiny_llama):
+    prompts, newest_first = conversations(), slice(None, None, -1)
+    want = two_turns(LLM(str(tiny_llama), **POOL), prompts, newest_first)
+    offload = LLM(str(tiny_llama), kv_offloading_size=0.0001, **POOL)  # 26 slots for 66 blocks
+    assert two_turns(offload, prompts, newest_first) == want
+    tier = offload.engine.stats().kv_connector
+    assert tier.offload_capacity_blocks < tier.offload_saved_blocks and tier.offload_evicted_blocks > 0
+    assert tier.offload_used_blocks == tier.offload_capacity_blocks
+    assert tier.host_hit_tokens > 0  # the newest conversations were still there
+
+
+def test_a_block_offloaded_for_one_trust_group_or_adapter_is_never_read_for_another(tiny_llama, tmp_path):
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter", seed=1)
+    from stage5_server.lora import LoRARequest
+
+    llm = LLM(str(tiny_llama), kv_offloading_size=0.001, enable_lora=True, **POOL)
+    prompt, flush = conversations(1, seed=1)[0], conversations(4, seed=2)
+
+    def host_hits(**kwargs) -> int:
+        before = llm.engine.stats().kv_connector.host_hit_tokens
+        llm.add_request(prompt, GREEDY, **kwargs)
+        while llm.engine.has_unfinished_requests():
+            llm.step()
+        hits = llm.engine.stats().kv_connector.host_hit_tokens - before
+        for other in flush:  # push the prompt's blocks out of the pool (the tier keeps them)
+            llm.generate([other], GREEDY, use_tqdm=False)
+        return hits
+
+    assert host_hits(cache_salt="tenant-a") == 0
+    assert host_hits(cache_salt="tenant-b") == 0  # the same tokens, another trust group
+    assert host_hits() == 0  # nor a request with no salt
+    assert host_hits(cache_salt="tenant-a") == 36  # its own group finds all 9 blocks
+    lora = LoRARequest("every", 1, str(adapter))
+    assert host_hits(lora_request=lora) == 0  # base-model blocks are not the adapter's
+    assert host_hits(lora_request=lora) == 36
+
+
+def test_a_failed_step_forgets_what_it_was_to_save_and_a_reset_forgets_everything():
+    config = KVTransferConfig.create(None, kv_offloading_size=0.001)
+    tier = make_kv_connector(config, KVConnectorRole.SCHEDULER, 4, 1024)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+
+    class Request:
+        request_id = "r"
+
+    metadata = tier.build_connector_meta([FilledBlock(h, i) for i, h in enumerate(hashes[:2])])
+    assert metadata.saves == [(0, 0), (1, 1)]
+    assert tier.get_num_new_matched_tokens(Request, 0, hashes) == 8
+    tier.step_failed(metadata)
+    assert tier.get_num_new_matched_tokens(Request, 0, hashes) == 0
+    assert tier.stats().offload_used_blocks == 0
+    tier.build_connector_meta([FilledBlock(h, i) for i, h in enumerate(hashes)])
+    assert tier.get_num_new_matched_tokens(Request, 4, hashes) == 12  # past a local hit of one block
+    tier.reset_cache()
+    assert tier.get_num_new_matched_tokens(Request, 0, hashes) == 0
+
+
+def test_a_weight_update_empties_the_tier_too(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_offloading_size=0.001, **POOL)
+    prompts = conversations(4)
+    for prompt in prompts:
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().kv_connector.offload_used_blocks > 0
+    assert llm.engine.reset_prefix_cache()
+    assert llm.engine.stats().kv_connector.offload_used_blocks == 0
+    llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().kv_connector.host_hit_tokens == 0
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_each_keep_their_heads_in_the_tier(tiny_llama):
+    prompts = conversations(4)
+    want = two_turns(LLM(str(tiny_llama), **POOL), prompts)
+    llm = LLM(str(tiny_llama), kv_offloading_size=0.001, tensor_parallel_size=2, **POOL)
+    try:
+        assert two_turns(llm, prompts) == want
+        assert llm.engine.stats().kv_connector.host_hit_tokens > 0
+    finally:
+        llm.engine.shutdown()
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "not JSON"),
+    ('["OffloadingConnector"]', "must be a JSON object"),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "kv_connector: must be one of"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}, "kv_role"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, "cpu_bytes_to_use"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": -1}}, "positive integer"),
+    ({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer"}, "kv_port"),
+    ({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+      "kv_connector_extra_config": {"kv_port": 70000}}, "kv_port"),
+    ({"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"kv_port": 9000, "buffer_bytes": 10}}, "consumer's setting"),
+    ({"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
+      "kv_connector_extra_config": {"kv_port": 9000, "kv_host": "a b"}}, "kv_host"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "extra": 1}, "unknown key 'extra'"),
+])
+def test_a_bad_kv_transfer_config_is_refused_naming_the_key(tiny_llama, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(str(tiny_llama), kv_transfer_config=value, device="cpu")
+
+
+def test_a_connector_needs_prefix_caching_one_flag_and_room_for_a_block(tiny_llama):
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig.create(str(tiny_llama), kv_offloading_size=1, enable_prefix_caching=False, device="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig.create(str(tiny_llama), kv_offloading_size=1, kv_transfer_config=p2p("kv_producer", 9000))
+    with pytest.raises(ValueError, match="one-rank engines"):
+        EngineConfig.create(str(tiny_llama), kv_transfer_config=p2p("kv_producer", 9000), tensor_parallel_size=2,
+                            device="cpu")
+    with pytest.raises(ValueError, match="hold no block"):
+        LLM(str(tiny_llama), kv_offloading_size=1e-9, **POOL)
+
+
+@pytest.mark.parametrize("flags", [("--kv-transfer-config", "{bad"), ("--kv-offloading-size", "-1"),
+                                   ("--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}')])
+def test_serve_refuses_a_bad_connector_flag_before_anything_starts(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["serve", "model", *flags])
+    assert exit_info.value.code == 2
+    assert "kv" in capsys.readouterr().err
+
+
+# ---- prefill/decode disaggregation ----------------------------------------------------------------------
+
+def test_a_decode_instance_fed_by_a_prefill_instance_gives_one_engines_tokens_computing_one_block_or_less(
+        tiny_llama):
+    prompts, port = conversations(4, length=37), free_port()
+    engine = dict(POOL, num_kv_blocks=64, max_num_seqs=4, max_model_len=128)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **engine).generate(prompts, GREEDY, use_tqdm=False)]
+    consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **engine)
+    producer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_producer", port), **engine)
+    try:
+        producer.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        got = consumer.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        stats = consumer.engine.stats()
+        assert stats.kv_connector.p2p_hit_tokens == 4 * 36 and stats.kv_connector.p2p_received_blocks == 4 * 9
+        assert stats.num_prompt_tokens_computed == 4  # each prompt's last token; its 9 full blocks came over
+        assert all(o.num_cached_tokens == 36 for o in got)
+    finally:
+        consumer.engine.shutdown()
+        producer.engine.shutdown()
+
+
+def test_a_producer_whose_consumer_is_gone_still_answers_and_a_consumer_without_blocks_prefills(
+        tiny_llama, monkeypatch):
+    monkeypatch.setattr(p2p_module, "SEND_TIMEOUT_S", 0.3)
+    prompts, port = conversations(2), free_port()
+    producer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_producer", port), **POOL)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **POOL).generate(prompts, GREEDY, use_tqdm=False)]
+    try:
+        assert [o.outputs[0].token_ids for o in producer.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        producer.engine.shutdown()
+    consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
+    try:
+        assert [o.outputs[0].token_ids for o in consumer.generate(prompts, GREEDY, use_tqdm=False)] == want
+        assert consumer.engine.stats().kv_connector.p2p_hit_tokens == 0
+    finally:
+        consumer.engine.shutdown()
+
+
+def test_the_consumer_refuses_a_malformed_message_and_keeps_nothing(tiny_llama):
+    import zmq
+
+    port = free_port()
+    consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
+    socket_ = zmq.Context.instance().socket(zmq.REQ)
+    socket_.setsockopt(zmq.LINGER, 0)
+    socket_.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for frames in ([b"not json", b"", b""], [b'{"dtype": "torch.float32", "shape": [1, 2, 4, 2, 16], '
+                                                  b'"hashes": ["00"]}', b"\x00" * 8, b"\x00" * 8]):
+            socket_.send_multipart(frames)
+            assert socket_.poll(5000)
+            assert socket_.recv().startswith(b"error")
+        assert consumer.engine.stats().kv_connector.p2p_received_blocks == 0
+    finally:
+        socket_.close()
+        consumer.engine.shutdown()
