@@ -15,12 +15,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stagedserve")
 
 API_KEY_ENV = "STAGEDSERVE_API_KEY"
+# The secret of the prefix-cache salts, shared by servers that must salt alike (a prefill and a decode
+# instance: kv_transfer/p2p.py); unset, each server draws its own.
+CACHE_SALT_SECRET_ENV = "STAGEDSERVE_CACHE_SALT_SECRET"
+MIN_CACHE_SALT_SECRET_CHARS = 32
 DEFAULT_SERVED_MODEL_NAME = "stagedserve-default"
 
 
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
-    """The server's options from its flags (and the keys from ``$STAGEDSERVE_API_KEY`` unless ``--api-key``),
-    checked: a ValueError names a bad one."""
+    """The server's options from its flags (and the keys from ``$STAGEDSERVE_API_KEY`` unless ``--api-key``,
+    the salts' secret from ``$STAGEDSERVE_CACHE_SALT_SECRET``), checked: a ValueError names a bad one."""
     from stage5_server.server.config import ServerConfig
     from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES
     from stage5_server.server.lora_models import parse_lora_modules
@@ -32,7 +36,17 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         log_stats_interval=args.log_stats_interval or None, chat_options=chat_options_from(args),
                         limits=request_limits_from(args), media=media_options_from(args),
                         lora_modules=tuple(parse_lora_modules(args.lora_modules)),
-                        enable_dev_routes=getattr(args, "enable_dev_routes", False))
+                        enable_dev_routes=getattr(args, "enable_dev_routes", False),
+                        cache_salt_secret=cache_salt_secret(os.environ.get(CACHE_SALT_SECRET_ENV)))
+
+
+def cache_salt_secret(value: str | None) -> bytes | None:
+    if not value:
+        return None
+    if len(value) < MIN_CACHE_SALT_SECRET_CHARS:
+        raise ValueError(f"{CACHE_SALT_SECRET_ENV}: at least {MIN_CACHE_SALT_SECRET_CHARS} characters "
+                         f"(e.g. from `openssl rand -hex 32`), got {len(value)}")
+    return value.encode()
 
 
 GROUP_PREFIX = "group="  # ``--api-key "KEY group=NAME"``: a key holds no whitespace, so this cannot be one

@@ -31,7 +31,7 @@ vLLM: ``KVConnectorBase_V1`` in ``vllm/distributed/kv_transfer/kv_connector/v1/b
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +67,10 @@ class KVConnectorStats:
     @property
     def external_hit_tokens(self) -> int:
         return self.host_hit_tokens + self.p2p_hit_tokens
+
+    def __add__(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Summed over data-parallel ranks (each has its own tier)."""
+        return KVConnectorStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 @dataclass

@@ -3,6 +3,7 @@ prefill/decode disaggregation, each held to the same greedy tokens as one engine
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 
@@ -245,3 +246,88 @@ def test_the_consumer_refuses_a_malformed_message_and_keeps_nothing(tiny_llama):
     finally:
         socket_.close()
         consumer.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_behind_the_proxy_a_prefill_and_a_decode_server_answer_as_one_server(tiny_llama, tmp_path):
+    """Two ``stagedserve serve`` processes and the proxy: the same greedy text streamed and not, as the prefill
+    server alone gives; a client that leaves mid-stream leaves nothing running; a killed decode server is a
+    clean 502 and an unhealthy ``/health``."""
+    import httpx
+    import openai
+
+    from stage5_server.kv_transfer.proxy import create_proxy_app
+    from tests.stage5.server_fixtures import (
+        metric,
+        running_server,
+        serving_or_exited,
+        spawn_serve,
+        stop_serve,
+        wait_until,
+    )
+
+    port, flags = free_port(), ("--max-model-len", "256", "--num-kv-blocks", "128", "--block-size", "4",
+                                "--dtype", "float32", "--log-stats-interval", "0")
+    secret = {"STAGEDSERVE_CACHE_SALT_SECRET": "0123456789abcdef" * 4}  # both salt every request alike
+    consumer, consumer_url = spawn_serve(tiny_llama, (tmp_path / "decode.log").open("w"), *flags,
+                                         "--kv-transfer-config", json.dumps(p2p("kv_consumer", port)), env=secret)
+    producer, producer_url = spawn_serve(tiny_llama, (tmp_path / "prefill.log").open("w"), *flags,
+                                         "--kv-transfer-config", json.dumps(p2p("kv_producer", port)), env=secret)
+    try:
+        for process, url in ((consumer, consumer_url), (producer, producer_url)):
+            assert wait_until(serving_or_exited(process, url), timeout=120) and process.poll() is None
+        with running_server(create_proxy_app(producer_url, consumer_url)) as proxy:
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+            direct = openai.OpenAI(base_url=producer_url + "/v1", api_key="none", max_retries=0)
+            model = client.models.list().data[0].id
+            prompt = "blocks of a few tokens, found through a table, waste at most one partial block " * 3
+            ask = dict(model=model, prompt=prompt, max_tokens=16, temperature=0)
+            want = direct.completions.create(**ask).choices[0].text
+            assert client.completions.create(**ask).choices[0].text == want
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
+            assert streamed == want
+            chat = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
+            assert client.chat.completions.create(**chat).choices[0].message.content == \
+                direct.chat.completions.create(**chat).choices[0].message.content
+            metrics = httpx.get(consumer_url + "/metrics").text
+            assert metric(metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p") > 0
+            assert metric(metrics, "stagedserve:kv_p2p_received_blocks_total") > 0
+
+            stream = client.completions.create(**{**ask, "max_tokens": 150, "prompt": prompt + "again"}, stream=True)
+            next(iter(stream))
+            stream.close()  # the client leaves mid-stream
+
+            def idle(url: str) -> bool:
+                text = httpx.get(url + "/metrics").text
+                return metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
+
+            assert wait_until(lambda: idle(consumer_url) and idle(producer_url), timeout=30)
+
+            consumer.kill()
+            consumer.wait(timeout=30)
+            with pytest.raises(openai.APIStatusError) as error:
+                client.completions.create(**ask)
+            assert error.value.status_code == 502 and "decode instance" in error.value.message
+            assert httpx.get(proxy.url + "/health").status_code == 503
+            assert httpx.get(producer_url + "/health").status_code == 200
+    finally:
+        for process in (producer, consumer):
+            if process.poll() is None:
+                stop_serve(process)
+
+
+def test_the_consumer_listens_on_loopback_and_a_short_salt_secret_is_refused(tiny_llama):
+    import psutil
+
+    from stage5_server.cli.options import cache_salt_secret
+
+    port = free_port()
+    consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
+    try:
+        listening = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        assert ("127.0.0.1", port) in [(a.ip, a.port) for a in listening]
+    finally:
+        consumer.engine.shutdown()
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        cache_salt_secret("too-short")
+    assert cache_salt_secret(None) is None
