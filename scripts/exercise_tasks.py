@@ -862,6 +862,32 @@ batch.
                 "tests/stage5/test_pipeline_parallel.py::test_two_batches_are_in_flight_and_no_request_is_in_both",
             ),
         ),
+        Task(
+            name="offload_lookup",
+            file="stage5_server/kv_transfer/offload.py",
+            function="OffloadingConnector.get_num_new_matched_tokens",
+            spec="""
+The offload tier's answer to a prefix lookup: how many tokens past the local hit it can supply.
+
+``block_hashes`` are the request's full-block hashes (as far as a hit may reach), and
+``num_computed_tokens`` the local hit (whole blocks). Starting at the block after the hit
+(``num_computed_tokens // self.block_size``), count the run of hashes the tier holds (keys of
+``self.slot_of``), stopping at the first it lacks: a block is useful only if every block before
+it is there too. Remember those hashes in ``self.matched[request.request_id]`` (in order:
+``update_state_after_alloc`` pairs them with the blocks the pool gives them), and return the
+count times ``self.block_size``. Nothing else changes: the LRU order moves only when the blocks
+are really loaded.
+""",
+            hints=(
+                "Slice `block_hashes[num_computed_tokens // self.block_size:]` and stop at the first miss.",
+                "Store the list even when it is empty: the pairing step pops it.",
+            ),
+            tests=(
+                "tests/stage5/test_kv_transfer.py::test_the_tier_lookup_counts_the_run_of_stored_blocks_after_the_local_hit",
+                "tests/stage5/test_kv_transfer.py::test_offloaded_blocks_come_back_after_eviction_with_the_same_greedy_tokens",
+                "tests/stage5/test_kv_transfer.py::test_a_block_offloaded_for_one_trust_group_or_adapter_is_never_read_for_another",
+            ),
+        ),
     ],
 }
 

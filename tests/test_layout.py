@@ -92,7 +92,8 @@ BASE = {"config", "errors", "processes", "arg_types"}
 MODEL = {"model", "attention", "kernels", "cpu_kernels", "quantization", "parallel"}
 ROOM_IMPORTS = {
     "__main__": {"cli"},
-    "cli": {"server", "engine", "data_parallel", "core", "bench", "multimodal"} | BASE,  # multimodal: make-tiny-model
+    "cli": {"server", "engine", "data_parallel", "core", "bench", "multimodal", "kv_transfer"} | BASE,  # multimodal:
+    # make-tiny-model; kv_transfer: disagg-proxy
     "bench": {"server", "llm"} | BASE,
     "demo": {"__init__", "server"} | BASE,
     "__init__": {"llm", "core"} | BASE,  # the rest on first use
@@ -101,13 +102,14 @@ ROOM_IMPORTS = {
     "engine": {"core", "data_parallel", "lora", "multimodal", "weight_sync"} | BASE,
     "data_parallel": {"core"} | BASE,
     "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
-    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync"} | BASE,
+    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
-    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal", "weight_sync"} | BASE,
+    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "spec_decode": {"model"} | BASE,
     "lora": {"model", "parallel"} | BASE,
     "multimodal": BASE,
     "weight_sync": {"model", "parallel", "multimodal"} | BASE,  # weight updates and sleep: plugs into core and worker
+    "kv_transfer": BASE,  # the KV connector: plugs into the KV cache manager, the scheduler and the worker
     "quantization": {"model", "cpu_kernels"},
     "parallel": {"model"},
     "attention": {"kernels", "cpu_kernels"},

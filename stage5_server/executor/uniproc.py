@@ -26,3 +26,6 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, step: SchedulerOutput) -> DoneStep:
         return DoneStep(self.driver_worker.execute_model(step))
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()  # its sockets, if a KV connector opened any

@@ -59,7 +59,7 @@ class P2pMetadata(KVConnectorMetadata):
 class P2pZmqConnector(KVConnectorBase):
     def __init__(self, config, role, block_size: int):
         super().__init__(config, role, block_size)
-        self.context = zmq.Context.instance()
+        self.context = zmq.Context()  # its own: a host process (a notebook's kernel) may use the shared one
         self.sender: zmq.Socket | None = None  # producer, worker side
         self.send_failures = 0
         # consumer, scheduler side: hash -> (K, V) each [layers, block_size, kv_heads, head_dim], oldest first
@@ -198,6 +198,7 @@ class P2pZmqConnector(KVConnectorBase):
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+        self.context.term()
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

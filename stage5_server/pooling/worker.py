@@ -46,6 +46,9 @@ class EncoderWorker:
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(step)
 
+    def shutdown(self) -> None:
+        pass  # nothing held beyond the process
+
 
 class DecoderPoolingWorker(Worker):
     def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:

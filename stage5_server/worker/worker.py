@@ -125,6 +125,10 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         self.kv_connector.wait_for_save(transfer)  # the blocks this step completed
         return output
 
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
     def _execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.timeline is None:
             return self.model_runner.execute_model(step)

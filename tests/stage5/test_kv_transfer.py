@@ -119,6 +119,24 @@ def test_a_failed_step_forgets_what_it_was_to_save_and_a_reset_forgets_everythin
     assert tier.get_num_new_matched_tokens(Request, 0, hashes) == 0
 
 
+def test_the_tier_lookup_counts_the_run_of_stored_blocks_after_the_local_hit():
+    tier = make_kv_connector(KVTransferConfig.create(None, kv_offloading_size=0.001), KVConnectorRole.SCHEDULER,
+                             4, 1024)
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    tier.build_connector_meta([FilledBlock(hashes[i], i) for i in (1, 2, 4)])  # stored: 1, 2 and 4
+    order = list(tier.slot_of)
+
+    class Request:
+        request_id = "r"
+
+    assert tier.get_num_new_matched_tokens(Request, 0, hashes) == 0  # block 0 is missing: nothing after it helps
+    assert tier.matched["r"] == []
+    assert tier.get_num_new_matched_tokens(Request, 4, hashes) == 8  # blocks 1 and 2; block 3 is missing
+    assert tier.matched["r"] == hashes[1:3]
+    assert tier.get_num_new_matched_tokens(Request, 16, hashes) == 4  # past a hit of four blocks: block 4
+    assert list(tier.slot_of) == order  # a lookup alone moves nothing in the LRU order
+
+
 def test_a_weight_update_empties_the_tier_too(tiny_llama):
     llm = LLM(str(tiny_llama), kv_offloading_size=0.001, **POOL)
     prompts = conversations(4)
