@@ -9,7 +9,8 @@ argument: time to first token and time per output token fight over the same step
   step completed, every layer's K and V with their hashes, go to the consumer's address in one ZeroMQ
   message; the step waits for the consumer's answer (a few ms for a prompt on loopback), so once the
   producer has answered a request, its blocks are at the consumer. A consumer that does not answer in
-  ``SEND_TIMEOUT_S`` is logged and skipped: the producer's requests never fail for it.
+  ``SEND_TIMEOUT_S`` is logged and skipped, and for ``RETRY_AFTER_S`` the steps send nothing: the
+  producer's requests never fail for it, and only one step waits for it.
 - **Consumer** (``kv_role: kv_consumer``): a thread of its engine core binds the address (loopback unless
   ``kv_host`` names another) and keeps what arrives in a bounded buffer, LRU by hash. Its scheduler side
   then finds a request's blocks there past the local prefix cache, as the offload tier does
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -46,7 +48,8 @@ from stage4_prefix_cache.kv_cache_utils import BlockHash
 from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata
 
 logger = logging.getLogger("stagedserve")
-SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 30.0  # after a consumer failed to answer, steps send nothing for this long
 DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -62,6 +65,7 @@ class P2pZmqConnector(KVConnectorBase):
         self.context = zmq.Context()  # its own: a host process (a notebook's kernel) may use the shared one
         self.sender: zmq.Socket | None = None  # producer, worker side
         self.send_failures = 0
+        self.send_again_at = 0.0  # monotonic time: after a failure, no sends before it
         # consumer, scheduler side: hash -> (K, V) each [layers, block_size, kv_heads, head_dim], oldest first
         self.received: OrderedDict[BlockHash, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.received_bytes = 0
@@ -164,7 +168,7 @@ class P2pZmqConnector(KVConnectorBase):
                 value_cache[block_id].copy_(values[layer])
 
     def wait_for_save(self, metadata: P2pMetadata) -> None:
-        if not metadata.sends:
+        if not metadata.sends or time.monotonic() < self.send_again_at:
             return
         index = torch.tensor([block.block_id for block in metadata.sends])
         keys = torch.stack([layer.index_select(0, index) for layer in self.kv_cache.key], dim=1).cpu()
@@ -190,6 +194,7 @@ class P2pZmqConnector(KVConnectorBase):
             self.sender.close()
             self.sender = None
         self.send_failures += 1
+        self.send_again_at = time.monotonic() + RETRY_AFTER_S
 
     def shutdown(self) -> None:
         self.stopping.set()

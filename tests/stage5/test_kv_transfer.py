@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import time
 
 import pytest
 
@@ -230,12 +231,16 @@ def test_a_decode_instance_fed_by_a_prefill_instance_gives_one_engines_tokens_co
 
 def test_a_producer_whose_consumer_is_gone_still_answers_and_a_consumer_without_blocks_prefills(
         tiny_llama, monkeypatch):
-    monkeypatch.setattr(p2p_module, "SEND_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(p2p_module, "SEND_TIMEOUT_S", 0.5)
     prompts, port = conversations(2), free_port()
     producer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_producer", port), **POOL)
     want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **POOL).generate(prompts, GREEDY, use_tqdm=False)]
     try:
+        start = time.monotonic()
         assert [o.outputs[0].token_ids for o in producer.generate(prompts, GREEDY, use_tqdm=False)] == want
+        assert time.monotonic() - start < 5  # one step waited out the timeout; the rest sent nothing
+        worker = producer.engine.model_executor.driver_worker
+        assert worker.kv_connector.send_failures == 1
     finally:
         producer.engine.shutdown()
     consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
