@@ -118,7 +118,7 @@ class P2pZmqConnector(KVConnectorBase):
                 if block_hash in self.received:
                     self.received.move_to_end(block_hash)
                     continue
-                self.received[block_hash] = (keys[i], values[i])
+                self.received[block_hash] = (keys[i].clone(), values[i].clone())  # each freed on its own
                 self.received_bytes += block_bytes
                 self.counters.p2p_received_blocks += 1
             while self.received and self.received_bytes > self.config.buffer_bytes:
