@@ -26,14 +26,15 @@ SPLIT_MODES = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_paralle
                "ray-tp2": dict(tensor_parallel_size=2, distributed_executor_backend="ray")}
 
 
-def mode_params(module: str, modes: tuple[str, ...] = MODES) -> list:
-    """``modes`` as pytest params; each process mode's tests run on one xdist worker, so its engine starts once."""
+def mode_params(module: str, modes: tuple[str, ...] = MODES, slow: tuple[str, ...] = ()) -> list:
+    """``modes`` as pytest params; each process mode's tests run on one xdist worker, so its engine starts once.
+    The split modes, and those named in ``slow``, are marked slow."""
     def marks(mode: str) -> list:
         if mode == "in-process":
             return []
         group = [pytest.mark.xdist_group(f"{module}-{mode}")]
         if mode not in SPLIT_MODES:
-            return group
+            return [*group, *([pytest.mark.slow] if mode in slow else [])]
         needs_ray = [pytest.mark.skipif(not has_ray(), reason="needs ray")] if mode.startswith("ray") else []
         return [*group, pytest.mark.slow, *needs_ray]
 

@@ -208,7 +208,8 @@ def test_an_unload_under_a_request_in_flight_is_refused_and_the_request_finishes
 
 # ---- files deleted once loaded ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", mode_params("adapter-files", ("in-process", "engine-process", "tp2")))
+@pytest.mark.parametrize("mode", mode_params("adapter-files", ("in-process", "engine-process", "dp2", "tp2", "ray-tp2"),
+                                             slow=("dp2",)))
 def test_an_adapter_whose_files_are_deleted_once_loaded_serves_the_same_tokens(tiny_llama, tmp_path, mode):
     """The weights checked at load are the weights served: deleting the files of an adapter listed at start-up
     or loaded at run time changes nothing (before, its requests failed with a 500 ``engine_error``)."""
