@@ -180,8 +180,8 @@ class ServedModels:
         for name, adapter in list(self.unsent.items()):
             try:
                 await self._hand_over(self.adapters[name], adapter)
-            except APIError as exc:
-                logger.warning("LoRA adapter %r: its weights stay on disk until first used: %s", name, exc.message)
+            except Exception as exc:  # the server starts all the same
+                logger.warning("LoRA adapter %r: the workers will read its files at first use: %s", name, exc)
             else:
                 del self.unsent[name]
 
