@@ -7,14 +7,16 @@ fused model (over whatever method the layer had). Before each forward the model 
 1. every adapter the step uses gets a slot: the one it already holds, else an empty slot, else the
    slot of the adapter used longest ago that this step does not use (the scheduler never puts more
    distinct adapters in a step than there are slots, so one is always free). Its weights come from
-   a CPU copy loaded once per ``(lora_int_id, lora_path)`` (``adapter.py``), kept for the
-   ``max_cpu_loras`` adapters used last;
+   a CPU copy: the one the server handed over when it listed the adapter (``add_lora``: the files
+   are never read again, so deleting them changes nothing), else one loaded from ``lora_path`` once
+   per ``(lora_int_id, lora_path)`` (``adapter.py``), kept for the ``max_cpu_loras`` adapters used last;
 2. the step's ``LoRAMapping`` is rebuilt: per slot, the token rows of the requests that use it.
 
 Under tensor parallelism each rank holds its part of every adapter, cut as the layer's weight is
 (``rank_shards``): B by rows in a layer whose outputs are split, A by columns in one whose inputs are.
 
-vLLM: ``LRUCacheWorkerLoRAManager`` in ``vllm/lora/worker_manager.py`` (``set_active_adapters``),
+vLLM: ``LRUCacheWorkerLoRAManager`` in ``vllm/lora/worker_manager.py`` (``set_active_adapters``,
+``add_adapter``, ``remove_adapter``),
 ``LoRAModelManager`` in ``vllm/lora/model_manager.py``, the mapping in ``vllm/lora/layers/utils.py``
 and ``PunicaWrapperBase.update_metadata``; the cuts are ``slice_lora_a`` / ``slice_lora_b`` of
 ``vllm/lora/layers/column_parallel_linear.py`` and ``row_parallel_linear.py``.
@@ -73,6 +75,7 @@ class LoRAModelManager:
         self.steps = 0
         self.max_cpu_loras = max(max_cpu_loras, config.max_loras)
         self.cpu_cache: OrderedDict[tuple[int, str], LoRAModel] = OrderedDict()
+        self.held: dict[tuple[int, str], LoRAModel] = {}  # handed over by add_lora, kept until remove_lora
 
     @classmethod
     def for_rank(cls, model: nn.Module, config: EngineConfig, place: RankPlace) -> LoRAModelManager | None:
@@ -157,8 +160,26 @@ class LoRAModelManager:
             return a[:, start:start + size], b
         return a, b[start:start + size]
 
+    # ---- the CPU copies ----------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest, adapter: LoRAModel) -> None:
+        """Keep ``adapter`` (already checked, ``adapter.py``) as ``lora``'s weights until ``remove_lora``."""
+        self.held[lora.key] = adapter
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the CPU copies of adapter ``lora_int_id`` (a slot holding it is reused once another needs
+        it); whether there were any."""
+        keys = [key for key in (*self.held, *self.cpu_cache) if key[0] == lora_int_id]
+        for key in keys:
+            self.held.pop(key, None)
+            self.cpu_cache.pop(key, None)
+        return bool(keys)
+
     def load(self, lora: LoRARequest) -> LoRAModel:
-        """The CPU copy of ``lora``'s weights, read from its path once (LRU over ``max_cpu_loras``)."""
+        """The CPU copy of ``lora``'s weights: the one handed over, else read from its path once (LRU over
+        ``max_cpu_loras``)."""
+        held = self.held.get(lora.key)
+        if held is not None:
+            return held
         adapter = self.cpu_cache.get(lora.key)
         if adapter is None:
             adapter = load_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank)

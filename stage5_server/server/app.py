@@ -78,6 +78,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await serving.models.send_unsent()  # the start-up adapters' weights, to the workers
         yield
         if metrics in engine.stat_loggers:
             engine.stat_loggers.remove(metrics)

@@ -14,7 +14,10 @@ absolute paths and symbolic links resolved first), so a key holder cannot make t
 probe for, files elsewhere. Each load gets a new ``lora_int_id``, so an adapter unloaded and loaded
 again from another path never reuses the old weights or the old cached blocks. An adapter with
 requests still in flight is not unloaded: the route refuses with a 400 saying so (its requests keep
-their ``LoRARequest`` and run to the end).
+their ``LoRARequest`` and run to the end). The weights a load checked are the weights served: they go
+to every worker of every engine core (``collective_rpc("add_lora")``, before a runtime load is
+listed; at the app's start-up for ``--lora-modules``), so the files are read once, and deleting or
+changing them afterwards changes nothing. An unload drops the workers' copies (``remove_lora``).
 
 vLLM: ``OpenAIServingModels`` in ``vllm/entrypoints/openai/serving_models.py`` (``load_lora_adapter``,
 ``unload_lora_adapter``, ``show_available_models``).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -34,8 +38,10 @@ from pydantic import BaseModel, ConfigDict
 
 from shared.config import ModelConfig
 from stage5_server.config.model import read_model_config
-from stage5_server.lora import LoRALoadError, LoRARequest, load_adapter
+from stage5_server.lora import LoRALoadError, LoRAModel, LoRARequest, load_adapter
 from stage5_server.server.errors import APIError
+
+logger = logging.getLogger("stagedserve")
 
 RUNTIME_UPDATE_SWITCHES = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "STAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING")
 RUNTIME_ROOT_VARIABLE = "STAGEDSERVE_LORA_ADAPTER_ROOT"  # runtime loads only from under this directory
@@ -105,6 +111,7 @@ class ServedModels:
         self.max_lora_rank = args.get("max_lora_rank", 16)
         self.adapters: dict[str, LoRARequest] = {}
         self.in_flight: dict[str, list[str]] = {}  # adapter name -> request ids sent with it
+        self.unsent: dict[str, LoRAModel] = {}  # listed at start-up, weights not yet with the workers
         self._ids = itertools.count(1)
         self._model_config: ModelConfig | None = None
 
@@ -129,29 +136,70 @@ class ServedModels:
         return len(running)
 
     # ---- load and unload ------------------------------------------------------------------------
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Check the adapter at ``path`` whole, then list it as ``name`` (module docstring)."""
+    def check(self, name: str, path: str) -> tuple[LoRARequest, LoRAModel]:
+        """Read and check the adapter at ``path`` whole for the name ``name`` (a 400 otherwise); its request and
+        weights, nothing listed yet."""
         if not self.enabled:
             raise APIError(400, "LoRA adapters are not served: start the server with --enable-lora",
                            param="lora_name")
         check_lora_name(name, self.base_name)
-        if name in self.adapters:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
-                           code="lora_already_loaded")
+        self._check_free(name)
         if self._model_config is None:
             self._model_config = read_model_config(self.engine.model_path)[0]  # the decoder's shape
         try:
-            load_adapter(path, self._model_config, self.max_lora_rank)
+            adapter = load_adapter(path, self._model_config, self.max_lora_rank)
         except LoRALoadError as exc:
             raise APIError(400, str(exc), param="lora_path") from None
-        if name in self.adapters:  # loaded by another call meanwhile
+        return LoRARequest(name, next(self._ids), os.path.abspath(path)), adapter
+
+    def _check_free(self, name: str) -> None:
+        if name in self.adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                            code="lora_already_loaded")
-        lora = LoRARequest(name, next(self._ids), os.path.abspath(path))
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """At start-up: check the adapter and list it; its weights go to the workers with ``send_unsent``."""
+        lora, adapter = self.check(name, path)
+        self.adapters[name] = lora
+        self.unsent[name] = adapter
+        return lora
+
+    async def add(self, name: str, path: str) -> LoRARequest:
+        """At run time: check the adapter (off the loop), hand its weights to every worker, then list it."""
+        lora, adapter = await asyncio.to_thread(self.check, name, path)
+        await self._hand_over(lora, adapter)
+        if name in self.adapters:  # loaded by another call meanwhile
+            await self._take_back(lora)
+            self._check_free(name)
         self.adapters[name] = lora
         return lora
 
-    def unload(self, name: str) -> None:
+    async def send_unsent(self) -> None:
+        """Hand the start-up adapters' weights to the workers (the app's start); one that fails stays with its
+        files (the workers read them at first use)."""
+        for name, adapter in list(self.unsent.items()):
+            try:
+                await self._hand_over(self.adapters[name], adapter)
+            except Exception as exc:  # the server starts all the same
+                logger.warning("LoRA adapter %r: the workers will read its files at first use: %s", name, exc)
+            else:
+                del self.unsent[name]
+
+    async def _hand_over(self, lora: LoRARequest, adapter: LoRAModel) -> None:
+        try:
+            await self.engine.collective_rpc("add_lora", (lora, adapter))
+        except Exception as exc:
+            if self.engine.is_running:
+                raise
+            raise APIError(503, f"The engine is not running ({exc}).", code="engine_unavailable") from None
+
+    async def _take_back(self, lora: LoRARequest) -> None:
+        try:
+            await self.engine.collective_rpc("remove_lora", (lora.lora_int_id,))
+        except Exception as exc:  # the engine stopped: its workers and their copies are gone too
+            logger.warning("LoRA adapter %r: the workers' copies were not dropped: %s", lora.lora_name, exc)
+
+    def unload(self, name: str) -> LoRARequest:
         if name not in self.adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found")
@@ -159,8 +207,13 @@ class ServedModels:
         if busy:
             raise APIError(400, f"The lora adapter '{name}' has {busy} request(s) in flight; unload it once they "
                            f"finish", param="lora_name", code="lora_in_use")
-        del self.adapters[name]
         self.in_flight.pop(name, None)
+        self.unsent.pop(name, None)
+        return self.adapters.pop(name)
+
+    async def remove(self, name: str) -> None:
+        """Unlist adapter ``name`` and drop the workers' copies of its weights."""
+        await self._take_back(self.unload(name))
 
     def cards(self, base_card: dict[str, Any]) -> list[dict[str, Any]]:
         """``/v1/models``' entries: the base model, then each adapter with the base model as ``parent``."""
@@ -177,11 +230,10 @@ def add_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
-        path = runtime_adapter_path(body.lora_path)
-        await asyncio.to_thread(models.load, body.lora_name, path)  # reads the files off the loop
+        await models.add(body.lora_name, runtime_adapter_path(body.lora_path))
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
-        models.unload(body.lora_name)
+        await models.remove(body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -8,12 +8,13 @@ device and on every rank of a split model; the executor decides only where each 
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
 GPU, ``determine_available_memory`` (the builder sizes the pool from them) -> ``initialize_kv_cache``
 (allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step; between
-steps, weight updates and sleep (``weight_sync/worker.py``).
+steps, weight updates and sleep (``weight_sync/worker.py``), and the adapters the server hands over
+(``add_lora`` / ``remove_lora``, through ``collective_rpc``).
 Under pipeline parallelism a worker holds its stage's layers (``parallel/pipeline.py``), and its KV
 cache has room for those layers only.
 
 vLLM: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``load_model``, ``determine_available_memory``,
-``initialize_from_config``, ``execute_model``).
+``initialize_from_config``, ``execute_model``, ``add_lora``, ``remove_lora``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
-from stage5_server.lora import LoRAModelManager
+from stage5_server.lora import LoRAModel, LoRAModelManager, LoRARequest
 from stage5_server.model import compile_decode_step, compile_problem
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_tower
@@ -72,6 +73,16 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         self.kv_connector = None  # the worker side of a KV connector (kv_transfer/), made with the KV cache
         self.model_runner: ModelRunner | None = None
         self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
+
+    # ---- LoRA adapters: the server hands each one over whole once it has checked it (lora/manager.py) ----
+    def add_lora(self, lora: LoRARequest, adapter: LoRAModel) -> bool:
+        if self.lora_manager is None:
+            raise ValueError("add_lora: this engine serves no adapters; start it with enable_lora=True")
+        self.lora_manager.add_lora(lora, adapter)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
 
     def describe(self) -> dict:
         config = self.model.config  # this rank's share: its heads

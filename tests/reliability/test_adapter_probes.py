@@ -3,7 +3,8 @@ root (``..``, absolute, a symbolic link), loading without the key or with the ru
 that collide or hold whitespace, control characters, special-token text or 10k characters, adapters of
 the wrong rank or shape, corrupt safetensors, a missing or malformed adapter_config.json, and an
 unload under a request in flight. Each is a 4xx OpenAI error object naming the field, nothing is
-listed after a failed load, and the server serves the next request. The tiny Llama, the real server,
+listed after a failed load, and the server serves the next request. An adapter whose files are deleted
+once it is loaded serves the same tokens, in several engine modes. The tiny Llama, the real server,
 adapters made with PEFT."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import requests
 
 from stage5_server.server import create_app
+from tests.reliability.modes import make_engine, mode_params, shutdown
 from tests.stage5.lora_adapters import make_adapter
 from tests.stage5.server_fixtures import auth, make_llm, running_server
 
@@ -202,3 +204,33 @@ def test_an_unload_under_a_request_in_flight_is_refused_and_the_request_finishes
     assert post(served, "/v1/unload_lora_adapter", {"lora_name": "busy"}).status_code == 200
     assert "busy" not in listed(served)
     assert completes(served)
+
+
+# ---- files deleted once loaded ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", mode_params("adapter-files", ("in-process", "engine-process", "dp2", "tp2", "ray-tp2"),
+                                             slow=("dp2",)))
+def test_an_adapter_whose_files_are_deleted_once_loaded_serves_the_same_tokens(tiny_llama, tmp_path, mode):
+    """The weights checked at load are the weights served: deleting the files of an adapter listed at start-up
+    or loaded at run time changes nothing (before, its requests failed with a 500 ``engine_error``)."""
+    twin = make_adapter(tiny_llama, tmp_path / "twin", seed=3, r=4, target_modules=("q_proj", "v_proj"))
+    at_start, at_run = shutil.copytree(twin, tmp_path / "at-start"), shutil.copytree(twin, tmp_path / "at-run")
+    engine = make_engine(mode, tiny_llama, **{k: v for k, v in ENGINE.items() if k not in ("device", "dtype")})
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+            app = create_app(engine, api_keys=[KEY], served_model_name=BASE, lora_modules=[("at-start", str(at_start))])
+        with running_server(app) as server:
+            assert load(server.url, "at-run", str(at_run)).status_code == 200
+            assert load(server.url, "twin", str(twin)).status_code == 200
+            expected, base = completes(server.url, "twin"), completes(server.url)
+            assert expected != base  # the adapter reaches the forward pass
+            shutil.rmtree(at_start)
+            shutil.rmtree(at_run)
+            assert completes(server.url, "at-start") == completes(server.url, "at-run") == expected
+            assert completes(server.url) == base
+            for name in ("at-start", "at-run"):
+                assert post(server.url, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+            assert listed(server.url) == {BASE, "twin"}
+    finally:
+        shutdown(engine)

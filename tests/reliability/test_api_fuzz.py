@@ -9,12 +9,16 @@ request. A second fuzzer draws the shapes an attacker tries (lone surrogates in 
 lists and fan-outs past the caps, control tokens anywhere in a tool schema, grammars that fail
 while generating, ``min_tokens`` past the context) and holds them to the same promises. Every
 engine mode is fuzzed (``modes.py``): the engine core in-process, in its own process (the
-server's default) and as two data-parallel ranks; the process modes with a quarter of the
-examples, since the server is the same code.
+server's default) and as two data-parallel ranks, the process modes with a quarter of the
+examples, since the server is the same code; and the model split by tensor or pipeline
+parallelism over worker processes, or by tensor parallelism over Ray actors, with a tenth (the
+requests there also cross the ranks: an adapter's weights, grammars, several samples; the
+pipeline split serves no adapter, since adapters are not split into pipeline stages).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -30,7 +34,7 @@ from hypothesis import strategies as st
 from stage5_server.server import create_app
 from stage5_server.server.protocol import NOOP_VALUES
 from tests.reliability.figures import count
-from tests.reliability.modes import make_engine, mode_params, shutdown
+from tests.reliability.modes import MODES, SPLIT_MODES, make_engine, mode_params, shutdown
 from tests.reliability.settings import DERANDOMIZE
 from tests.stage5.lora_adapters import make_adapter
 from tests.stage5.server_fixtures import auth, metric, running_server, wait_until
@@ -53,21 +57,28 @@ STRUCTURED = [{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,3}"}, {"json": {"typ
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}}}
 DEFAULT_EXAMPLES = 25
-EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25}
+EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25, "tp2": 0.1, "pp2": 0.1, "ray-tp2": 0.1}
+FUZZED_MODES = (*MODES, *SPLIT_MODES)  # the split modes are slow to start: marked slow (modes.py)
+HOSTILE_EXAMPLES = 40
 # Operations with inputs are fuzzed with invalid inputs too (the others have nothing to break).
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemathesis.GenerationMode
          if mode == schemathesis.GenerationMode.POSITIVE or method == "POST"]
 
 
+LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+NO_LORA_MODES = {"pp2"}  # adapters are not split into pipeline stages: that server serves none
+
+
 @pytest.fixture(scope="module", params=mode_params("fuzz", ("in-process",)))
 def server(request, tiny_llama, tmp_path_factory):
-    adapter = make_adapter(tiny_llama, tmp_path_factory.mktemp("fuzz-adapter") / ADAPTER, seed=1, r=4,
-                           target_modules=("q_proj", "v_proj"))
-    engine = make_engine(request.param, tiny_llama, max_model_len=64, num_kv_blocks=16, enable_lora=True)
+    lora = request.param not in NO_LORA_MODES
+    engine = make_engine(request.param, tiny_llama, max_model_len=64, num_kv_blocks=16, enable_lora=lora)
+    modules = [(ADAPTER, str(make_adapter(tiny_llama, tmp_path_factory.mktemp("fuzz-adapter") / ADAPTER, seed=1, r=4,
+                                          target_modules=("q_proj", "v_proj"))))] if lora else []
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         app = create_app(engine, api_keys={KEY: "fuzzers"}, served_model_name=MODEL, log_stats_interval=None,
-                         lora_modules=[(ADAPTER, str(adapter))])
+                         lora_modules=modules)
     yield from serving_with_schema(app, engine, request.param)
 
 
@@ -107,10 +118,10 @@ def test_the_schema_documents_the_errors_the_server_answers(server):
     assert "HTTPValidationError" not in raw["components"]["schemas"]
 
 
-def make_it_reach_the_engine(body: dict) -> None:
+def make_it_reach_the_engine(body: dict, adapter: str | None = ADAPTER) -> None:
     """Half the valid-by-schema bodies are steered past the checks the schema cannot express (the
     served model's name, the fields accepted only when off, the prompt length), so the engine runs them."""
-    body["model"] = (MODEL, ADAPTER)[len(json.dumps(body, default=str)) % 2]  # the base model or its adapter
+    body["model"] = (MODEL, adapter or MODEL)[len(json.dumps(body, default=str)) % 2]  # the base model or its adapter
     for name in [*NOOP_VALUES, "cache_salt", "chat_template", "chat_template_kwargs", "store", "previous_response_id",
                  "reasoning", "text", "tool_choice", "parallel_tool_calls"]:
         body.pop(name, None)
@@ -180,10 +191,15 @@ def check_response(response: requests.Response, documented: set[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", mode_params("fuzz"), indirect=True)
+@pytest.mark.parametrize("server", mode_params("fuzz", FUZZED_MODES), indirect=True)
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
 def test_no_generated_request_gets_a_5xx_and_every_error_is_an_openai_error(server, session, method, path, mode):
-    fuzz_operation(server, session, method, path, mode, make_it_reach_the_engine, EXAMPLES.get(path, DEFAULT_EXAMPLES))
+    steer = make_it_reach_the_engine
+    if server[3] in NO_LORA_MODES:
+        if path in LORA_ROUTES:
+            pytest.skip("a server without adapters publishes no adapter routes")
+        steer = functools.partial(make_it_reach_the_engine, adapter=None)
+    fuzz_operation(server, session, method, path, mode, steer, EXAMPLES.get(path, DEFAULT_EXAMPLES))
 
 
 def fuzz_operation(server, session, method: str, path: str, mode, steer, examples: int, pooling: bool = False) -> None:
@@ -315,12 +331,12 @@ HOSTILE = st.one_of(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", mode_params("fuzz"), indirect=True)
+@pytest.mark.parametrize("server", mode_params("fuzz", FUZZED_MODES), indirect=True)
 def test_no_hostile_shape_gets_a_5xx_or_slows_health_past_a_second(server, session):
-    url, _, _, _ = server
+    url, _, _, engine_mode = server
 
-    @settings(max_examples=40, deadline=None, derandomize=DERANDOMIZE, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=max(8, round(HOSTILE_EXAMPLES * EXAMPLES_SCALE[engine_mode])), deadline=None,
+              derandomize=DERANDOMIZE, database=None, suppress_health_check=list(HealthCheck))
     @given(shape=HOSTILE)
     def fuzz(shape):
         path, body = shape

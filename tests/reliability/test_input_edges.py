@@ -4,7 +4,9 @@
 - a lone UTF-16 surrogate in any text field (checked once, where the body is parsed), whether the JSON
   spells it as an escape or sends it as raw code units in a UTF-16, UTF-32 or CESU-8 body;
 - ``min_tokens`` beyond what the context leaves (vLLM's 400);
-- a structured-output grammar that fails while generating (an error, streamed or not);
+- a structured-output grammar that fails while generating (an error, streamed or not), and recursive
+  schemas with room for 900 tokens ending streamed as they end whole (same error, or same finish and text),
+  with the engine core in-process and in its own process;
 - ``$defs`` in a tool's parameters with ``tool_choice: "required"``;
 - control-token strings anywhere in a tool's schema (``/tokenize`` shows no control token added);
 - one budget over what a request may make the server return: choices x ``max_tokens`` x logprobs.
@@ -18,6 +20,7 @@ import httpx
 import pytest
 
 from stage5_server.server import create_app
+from tests.reliability.modes import make_engine, mode_params, shutdown
 from tests.stage5.server_fixtures import auth, make_llm, running_server, sse_events
 
 KEY = "edges-key"
@@ -188,6 +191,66 @@ def test_a_grammar_that_fails_after_the_stream_started_ends_it_with_the_same_err
     assert len(events) > 3 and events[-1] == "[DONE]", events[-3:]
     assert events[-2]["error"]["code"] == "grammar_failed", events[-3:]
     assert not any(c.get("finish_reason") for e in events[:-2] for c in e["choices"])
+
+
+# Recursive schemas, each sent streamed and whole with room for 900 tokens: one whose recursion never ends (its
+# grammar fails at once), one that fails after a free string, and trees whose recursion may end (the tiny model
+# closes the one of numbers; it fills the 900 tokens with the string of the other).
+TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v", "kids"], "additionalProperties": False}
+STRING_TREE = {**TREE, "properties": {**TREE["properties"], "v": {"type": "string"}}}
+RECURSIVE_SCHEMAS = {"endless": RECURSIVE, "fails later": FAILS_LATER, "tree": TREE, "string tree": STRING_TREE}
+CARRIERS = {"response_format": lambda schema: {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema}}},
+            "structured_outputs": lambda schema: {"structured_outputs": {"json": schema}}}
+
+
+def _outcome(response: httpx.Response, chat: bool) -> tuple:
+    """How a response ended: ``("error", type, code)``, or ``("done", finish_reason, text)``; streamed or whole."""
+    if response.status_code != 200:
+        error = response.json()["error"]
+        return "error", error["type"], error["code"]
+    if "text/event-stream" not in response.headers.get("content-type", ""):
+        choice = response.json()["choices"][0]
+        return "done", choice["finish_reason"], choice["message"]["content"] if chat else choice["text"]
+    events = sse_events(response.text.split("\n"))  # SSE's line ends: a text may hold U+2028 or U+0085
+    assert events[-1] == "[DONE]", events[-3:]
+    if "error" in events[-2]:
+        return "error", events[-2]["error"]["type"], events[-2]["error"]["code"]
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
+    return "done", choices[-1]["finish_reason"], text
+
+
+@pytest.fixture(scope="module", params=mode_params("input-edges", ("in-process", "engine-process")))
+def moded_client(request, tiny_llama):
+    """A client of the server over an engine core in-process or in a process of its own (the server's default)."""
+    engine = make_engine(request.param, tiny_llama, max_model_len=1024, max_num_batched_tokens=1024)
+    app = create_app(engine, api_keys={KEY: "edges"}, served_model_name=MODEL, log_stats_interval=None)
+    try:
+        with running_server(app) as server, httpx.Client(base_url=server.url, headers=auth(KEY), timeout=120) as c:
+            yield c
+    finally:
+        shutdown(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("carrier", list(CARRIERS))
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("schema", list(RECURSIVE_SCHEMAS))
+def test_a_recursive_schema_streamed_ends_as_it_does_whole(moded_client, schema, route, carrier):
+    """The same error (type and code) when the whole answer is an error; else the same finish_reason and text."""
+    client = moded_client
+    path, fields = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}) if route == "chat"
+                    else ("/v1/completions", {"prompt": "x"}))
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 900, **fields, **CARRIERS[carrier](
+        RECURSIVE_SCHEMAS[schema])}
+    whole = _outcome(client.post(path, json=body), route == "chat")
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.read()
+    assert _outcome(response, route == "chat") == whole
+    if "tree" not in schema:
+        assert whole == ("error", "invalid_request_error", "grammar_failed")
 
 
 def test_tool_choice_required_takes_a_tool_whose_parameters_use_defs(client):
