@@ -140,6 +140,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline parallelism", rooms=("stage5_server/parallel/pipeline.py",),
             words=("pipeline", "pp_", "batch_queue"),
             room_globs=("**/pipeline*",)),
+    Feature("KV transfer", rooms=("stage5_server/kv_transfer", "stage5_server/config/kv_transfer.py"),
+            words=("kv_transfer", "kv_connector", "connector", "kv_offload", "offload", "p2p", "filled_block",
+                   "disagg"),
+            # image fetching's connector (server/media.py)
+            false_friends=(r"\bMediaConnector\b", r"\bself\.connector = connector\b", r"\bself\.connector\b",
+                           r"(?<![\w.])connector(?=: MediaConnector)")),
 )
 
 # Blanked out of every line for every feature and for row 6: names that contain a feature's word but
