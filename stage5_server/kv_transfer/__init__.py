@@ -1,14 +1,15 @@
 """KV transfer: K/V blocks moved in and out of the engine's pool through one seam, the KV connector.
 
 - ``base.py``: the seam, its scheduler-side and worker-side calls (vLLM's names);
+- ``lookup.py``: where a connector's blocks enter the pool, during a prefix lookup;
 - ``offload.py``: a second tier in host memory that keeps blocks past a full pool (``--kv-offloading-size``);
 - ``p2p.py``: prefill/decode disaggregation, a prefill engine sending the blocks it computes to a decode
   engine (``--kv-transfer-config`` with ``kv_producer`` / ``kv_consumer``);
 - ``proxy.py``: the small HTTP proxy in front of such a pair (``stagedserve disagg-proxy``).
 
 The engine plugs it in at three places: stage 5's KV cache manager asks the connector during a prefix
-lookup (``core/kv_cache_manager.py``), the scheduler puts its per-step metadata on the ``SchedulerOutput``,
-and each worker calls it around the forward. The course page: ``docs/kv-transfer.md``.
+lookup (``core/kv_cache_manager.py`` calls ``lookup.py``), the scheduler puts its per-step metadata on
+the ``SchedulerOutput``, and each worker calls it around the forward. The course page: ``docs/kv-transfer.md``.
 
 vLLM: ``vllm/distributed/kv_transfer/`` (``kv_connector/factory.py``'s ``KVConnectorFactory``).
 """
