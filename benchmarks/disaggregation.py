@@ -72,15 +72,16 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def bench(url: str, rate: float, args) -> dict:
+def bench(url: str, rate: float, seed: int, args) -> dict:
+    """One rate's run; ``seed``: its prompts (each rate its own, so no rate finds the last one's in a cache)."""
     from stage5_server.bench.datasets import DatasetConfig
     from stage5_server.bench.goodput import SLO
     from stage5_server.bench.report import summarize_run
     from stage5_server.bench.serve import ServeConfig, run_serve
 
-    config = ServeConfig(base_url=url, request_rate=rate, seed=args.seed, warmup_requests=2,
+    config = ServeConfig(base_url=url, request_rate=rate, seed=seed, warmup_requests=2,
                          slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms),
-                         dataset=DatasetConfig(num_prompts=args.num_prompts, seed=args.seed,
+                         dataset=DatasetConfig(num_prompts=args.num_prompts, seed=seed,
                                                prompt_len=args.prompt_len, output_len=args.output_len, len_sigma=0.0))
     summary = summarize_run(run_serve(config))
     return {"rate": rate, "completed": summary["counts"]["completed"], "failed": summary["counts"].get("failed", 0),
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = {"one server (2 cores)": [], "prefill + decode (1 core each)": []}
     single, single_url = start_server("0,1", 2, logs / "single.log", *model)
     try:
-        rows["one server (2 cores)"] = [bench(single_url, rate, args) for rate in args.rates]
+        rows["one server (2 cores)"] = [bench(single_url, rate, args.seed + i, args)
+                                        for i, rate in enumerate(args.rates)]
     finally:
         stop(single)
     kv_port = free_port()
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         prefill, prefill_url = start_server("0", 1, logs / "prefill.log", *model, "--kv-transfer-config", json.dumps(
             {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}))
         with ServerThread(create_proxy_app(prefill_url, decode_url)) as proxy:
-            rows["prefill + decode (1 core each)"] = [bench(proxy.url, rate, args) for rate in args.rates]
+            rows["prefill + decode (1 core each)"] = [bench(proxy.url, rate, args.seed + i, args)
+                                                        for i, rate in enumerate(args.rates)]
         received = httpx.get(decode_url + "/metrics").text
     finally:
         for process in (prefill, decode):
@@ -135,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                               "defaults"), "",
              f"Poisson arrivals, {args.num_prompts} streamed completions a rate, {args.prompt_len} prompt tokens, "
              f"{args.output_len} output tokens; goodput: TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= "
-             f"{args.slo_tpot_ms:.0f} ms. The decode server took {p2p_tokens:,.0f} prompt tokens from the prefill "
-             "server.", "",
+             f"{args.slo_tpot_ms:.0f} ms; each rate its own prompts. The decode server took {p2p_tokens:,.0f} prompt "
+             "tokens from the prefill server.", "",
              "| setup | req/s offered | completed | goodput req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
              "| TPOT p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for setup, results in rows.items():
