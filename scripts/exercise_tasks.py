@@ -879,7 +879,8 @@ count times ``self.block_size``. Nothing else changes: the LRU order moves only 
 are really loaded.
 """,
             hints=(
-                "Slice `block_hashes[num_computed_tokens // self.block_size:]` and stop at the first miss.",
+                "`stored_run` (`kv_transfer/base.py`) walks `block_hashes` from a block on and stops at the first "
+                "hash its test rejects; `self.slot_of.__contains__` is the test.",
                 "Store the list even when it is empty: the pairing step pops it.",
             ),
             tests=(

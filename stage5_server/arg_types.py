@@ -72,3 +72,19 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value
+
+
+def json_object_argument(name: str, value: str | dict, accepted: tuple[str, ...]) -> dict:
+    """An engine argument given as a JSON object (``speculative_config``, ``kv_transfer_config``): ``value``
+    as a dict, or its JSON text, with only ``accepted`` keys; a ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not JSON ({exc.msg}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(accepted))
+    if unknown:
+        raise ValueError(f"{name}: unknown key {unknown[0]!r}; accepted: {list(accepted)}")
+    return value

@@ -22,12 +22,11 @@ vLLM: ``KVTransferConfig`` in ``vllm/config/kv_transfer.py``; ``_post_init_kv_tr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stage5_server.arg_types import json_object
+from stage5_server.arg_types import json_object, json_object_argument
 
 KV_CONNECTORS = {"OffloadingConnector": ("kv_both",), "P2pZmqConnector": ("kv_producer", "kv_consumer")}
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -81,16 +80,7 @@ class KVTransferConfig:
                      "kv_connector_extra_config": {"cpu_bytes_to_use": int(kv_offloading_size * GIB)}}
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config: not JSON ({exc.msg}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config: must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - set(KV_TRANSFER_KEYS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}; accepted: {list(KV_TRANSFER_KEYS)}")
+        value = json_object_argument("kv_transfer_config", value, KV_TRANSFER_KEYS)
         connector, role = value.get("kv_connector"), value.get("kv_role")
         if connector not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector: must be one of {list(KV_CONNECTORS)}, "

@@ -21,13 +21,12 @@ vLLM: ``SpeculativeConfig`` in ``vllm/config/speculative.py``.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from shared.config import ModelConfig
 from shared.named_models import resolve_model
-from stage5_server.arg_types import json_object
+from stage5_server.arg_types import json_object, json_object_argument
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -47,16 +46,7 @@ class SpeculativeConfig:
         """``value`` as ``LLM`` or the command line gives it: a dict, its JSON text, or None (off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not JSON ({exc.msg}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; accepted: {list(SPECULATIVE_KEYS)}")
+        value = json_object_argument("speculative_config", value, SPECULATIVE_KEYS)
         method = value.get("method") or ("draft_model" if value.get("model") else None)
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method: must be one of {list(SPECULATIVE_METHODS)}, "

@@ -81,6 +81,17 @@ class FilledBlock:
     block_id: int
 
 
+def stored_run(block_hashes: list[BlockHash], start: int, holds) -> list[BlockHash]:
+    """The hashes from block ``start`` on that ``holds``, up to the first it does not: a block helps only if
+    every block before it is there too."""
+    run = []
+    for block_hash in block_hashes[start:]:
+        if not holds(block_hash):
+            break
+        run.append(block_hash)
+    return run
+
+
 class KVConnectorBase:
     """Both sides' calls, each a no-op here; a connector overrides the ones its role needs."""
 

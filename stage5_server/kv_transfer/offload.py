@@ -30,7 +30,7 @@ import torch
 
 from shared.host_memory import kv_zeros
 from stage4_prefix_cache.kv_cache_utils import BlockHash
-from stage5_server.kv_transfer.base import BlockCopies, FilledBlock, KVConnectorBase
+from stage5_server.kv_transfer.base import BlockCopies, FilledBlock, KVConnectorBase, stored_run
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -52,12 +52,7 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
-        start = num_computed_tokens // self.block_size
-        found = []
-        for block_hash in block_hashes[start:]:
-            if block_hash not in self.slot_of:
-                break
-            found.append(block_hash)
+        found = stored_run(block_hashes, num_computed_tokens // self.block_size, self.slot_of.__contains__)
         self.matched[request.request_id] = found
         return len(found) * self.block_size
 

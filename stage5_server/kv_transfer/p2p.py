@@ -45,7 +45,7 @@ import torch
 import zmq
 
 from stage4_prefix_cache.kv_cache_utils import BlockHash
-from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata
+from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata, stored_run
 
 logger = logging.getLogger("stagedserve")
 SEND_TIMEOUT_S = 5.0
@@ -130,12 +130,8 @@ class P2pZmqConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
         if not self.config.is_consumer:
             return 0
-        found = []
         with self.lock:
-            for block_hash in block_hashes[num_computed_tokens // self.block_size:]:
-                if block_hash not in self.received:
-                    break
-                found.append(block_hash)
+            found = stored_run(block_hashes, num_computed_tokens // self.block_size, self.received.__contains__)
         self.matched[request.request_id] = found
         return len(found) * self.block_size
 
