@@ -63,8 +63,10 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         cache_config = CacheConfig(block_size, num_blocks, shuffle_seed=config.cache.block_shuffle_seed,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
+        mc = config.model_config
         connector = make_kv_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, block_size,
-                                      per_token * block_size, executor.world_size)
+                                      per_token * block_size, executor.world_size,
+                                      (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.dtype))
         scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
             config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
             max_loras=None if config.lora is None else config.lora.max_loras,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 
 if TYPE_CHECKING:
@@ -25,9 +27,11 @@ if TYPE_CHECKING:
 
 
 def make_kv_connector(config: KVTransferConfig | None, role: KVConnectorRole, block_size: int,
-                      block_bytes: int, world_size: int = 1) -> KVConnectorBase | None:
+                      block_bytes: int, world_size: int = 1,
+                      layout: tuple[int, int, int, torch.dtype] | None = None) -> KVConnectorBase | None:
     """The connector ``config`` names, for one side; None when there is none. ``block_bytes``: one block of
-    every layer's K and V on a rank (the scheduler passes the largest rank's)."""
+    every layer's K and V on a rank (the scheduler passes the largest rank's); ``layout``: the model's
+    ``(layers, kv_heads, head_dim, dtype)``, what a block received from another engine must have."""
     if config is None:
         return None
     if config.kv_connector == "OffloadingConnector":
@@ -36,7 +40,7 @@ def make_kv_connector(config: KVTransferConfig | None, role: KVConnectorRole, bl
         return OffloadingConnector(config, role, block_size, config.cpu_bytes_to_use // world_size // block_bytes)
     from stage5_server.kv_transfer.p2p import P2pZmqConnector
 
-    return P2pZmqConnector(config, role, block_size)
+    return P2pZmqConnector(config, role, block_size, layout)
 
 
 __all__ = ["FilledBlock", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "make_kv_connector"]

@@ -60,8 +60,9 @@ class P2pMetadata(KVConnectorMetadata):
 
 
 class P2pZmqConnector(KVConnectorBase):
-    def __init__(self, config, role, block_size: int):
+    def __init__(self, config, role, block_size: int, layout: tuple[int, int, int, torch.dtype] | None = None):
         super().__init__(config, role, block_size)
+        self.layout = layout  # (layers, kv_heads, head_dim, dtype): what a received block must be
         self.context = zmq.Context()  # its own: a host process (a notebook's kernel) may use the shared one
         self.sender: zmq.Socket | None = None  # producer, worker side
         self.send_failures = 0
@@ -70,7 +71,7 @@ class P2pZmqConnector(KVConnectorBase):
         self.received: OrderedDict[BlockHash, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.received_bytes = 0
         self.lock = threading.Lock()
-        self.matched: dict[str, list[BlockHash]] = {}
+        self.matched: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # request id -> the K, V it matched
         self.pending_loads: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.receiver: threading.Thread | None = None
         self.stopping = threading.Event()
@@ -108,8 +109,10 @@ class P2pZmqConnector(KVConnectorBase):
         dtype, shape, hashes = DTYPES[header["dtype"]], tuple(header["shape"]), header["hashes"]
         if len(frames) != 3 or len(shape) != 5 or shape[0] != len(hashes):
             raise ValueError("expected a header, K and V of [blocks, layers, block_size, heads, head_dim]")
-        if shape[2] != self.block_size:
-            raise ValueError(f"block size {shape[2]}, this engine's is {self.block_size}")
+        layers, heads, head_dim, own_dtype = self.layout
+        if shape[1:] != (layers, self.block_size, heads, head_dim) or dtype != own_dtype:
+            raise ValueError(f"blocks of {list(shape[1:])} in {dtype}; this engine's are "
+                             f"{[layers, self.block_size, heads, head_dim]} in {own_dtype}")
         keys = torch.frombuffer(bytearray(frames[1].buffer), dtype=dtype).view(shape)
         values = torch.frombuffer(bytearray(frames[2].buffer), dtype=dtype).view(shape)
         block_bytes = 2 * keys[0].numel() * keys.element_size()
@@ -130,18 +133,17 @@ class P2pZmqConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
         if not self.config.is_consumer:
             return 0
-        with self.lock:
+        with self.lock:  # the K/V themselves: the receiving thread may drop a hash from the buffer meanwhile
             found = stored_run(block_hashes, num_computed_tokens // self.block_size, self.received.__contains__)
-        self.matched[request.request_id] = found
+            for block_hash in found:
+                self.received.move_to_end(block_hash)
+            self.matched[request.request_id] = [self.received[block_hash] for block_hash in found]
         return len(found) * self.block_size
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        hashes = self.matched.pop(request.request_id, [])[:num_external_tokens // self.block_size]
-        with self.lock:
-            for block, block_hash in zip(blocks, hashes):
-                self.received.move_to_end(block_hash)
-                self.pending_loads.append((block.block_id, *self.received[block_hash]))
-        self.counters.p2p_hit_tokens += len(hashes) * self.block_size
+        matched = self.matched.pop(request.request_id, [])[:num_external_tokens // self.block_size]
+        self.pending_loads += [(block.block_id, keys, values) for block, (keys, values) in zip(blocks, matched)]
+        self.counters.p2p_hit_tokens += len(matched) * self.block_size
 
     def build_connector_meta(self, filled):
         metadata = P2pMetadata(list(filled) if self.config.is_producer else [], self.pending_loads)
