@@ -325,8 +325,18 @@ def test_behind_the_proxy_a_prefill_and_a_decode_server_answer_as_one_server(tin
                 return metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
 
             assert wait_until(lambda: idle(consumer_url) and idle(producer_url), timeout=30)
+            with pytest.raises(httpx.TimeoutException):  # a client that leaves while the prefill server works
+                httpx.post(proxy.url + "/v1/completions", json={**ask, "prompt": prompt * 2, "max_tokens": 20},
+                           timeout=0.05)
+            assert wait_until(lambda: idle(consumer_url) and idle(producer_url), timeout=30)
 
-            consumer.kill()
+            stream = client.completions.create(**{**ask, "max_tokens": 150, "prompt": prompt + "once more"},
+                                               stream=True)
+            next(iter(stream))
+            consumer.kill()  # the decode server dies mid-stream: the stream ends with an error
+            with pytest.raises(openai.APIError):
+                for _ in stream:
+                    pass
             consumer.wait(timeout=30)
             with pytest.raises(openai.APIStatusError) as error:
                 client.completions.create(**ask)
