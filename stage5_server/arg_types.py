@@ -74,6 +74,22 @@ def json_object(text: str) -> dict:
     return value
 
 
+def checked_json_object(check: Callable[[dict], object]) -> Callable[[str], dict]:
+    """A type for a flag that takes a JSON object (``--speculative-config``, ``--kv-transfer-config``): the
+    object, refused as the command line is read (before any engine process starts) when ``check``
+    raises a ``ValueError`` for it."""
+
+    def parse(text: str) -> dict:
+        value = json_object(text)
+        try:
+            check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
 def json_object_argument(name: str, value: str | dict, accepted: tuple[str, ...]) -> dict:
     """An engine argument given as a JSON object (``speculative_config``, ``kv_transfer_config``): ``value``
     as a dict, or its JSON text, with only ``accepted`` keys; a ``ValueError`` naming ``name`` otherwise."""

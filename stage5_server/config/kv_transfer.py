@@ -21,12 +21,11 @@ vLLM: ``KVTransferConfig`` in ``vllm/config/kv_transfer.py``; ``_post_init_kv_tr
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stage5_server.arg_types import json_object, json_object_argument
+from stage5_server.arg_types import checked_json_object, json_object_argument
 
 KV_CONNECTORS = {"OffloadingConnector": ("kv_both",), "P2pZmqConnector": ("kv_producer", "kv_consumer")}
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -116,14 +115,7 @@ class KVTransferConfig:
         return cls(connector, role, dict(extra))
 
 
-def kv_transfer_config_arg(text: str) -> dict[str, Any]:
-    """``--kv-transfer-config``: a JSON object checked as the command line is read."""
-    value = json_object(text)
-    try:
-        KVTransferConfig.create(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+kv_transfer_config_arg = checked_json_object(KVTransferConfig.create)  # --kv-transfer-config
 
 
 def check_kv_transfer_support(config: KVTransferConfig | None, *, runner: str, enable_prefix_caching: bool,

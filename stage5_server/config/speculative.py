@@ -20,13 +20,12 @@ vLLM: ``SpeculativeConfig`` in ``vllm/config/speculative.py``.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
 from shared.config import ModelConfig
 from shared.named_models import resolve_model
-from stage5_server.arg_types import json_object, json_object_argument
+from stage5_server.arg_types import checked_json_object, json_object_argument
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -72,15 +71,9 @@ class SpeculativeConfig:
         return cls(method, k, low, high, model)
 
 
-def speculative_config_arg(text: str) -> dict[str, Any]:
-    """``--speculative-config``: a JSON object whose keys are checked as the command line is read, before
-    any engine process starts (the draft checkpoint itself is read later, ``check_draft_model``)."""
-    value = json_object(text)
-    try:
-        SpeculativeConfig.create(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+# ``--speculative-config``: its keys are checked as the command line is read (the draft checkpoint itself is
+# read later, ``check_draft_model``)
+speculative_config_arg = checked_json_object(SpeculativeConfig.create)
 
 
 def check_draft_model(spec: SpeculativeConfig | None, target: ModelConfig, tensor_parallel_size: int) -> None:

@@ -74,7 +74,6 @@ class OffloadingConnector(KVConnectorBase):
         metadata = BlockCopies(self.pending_loads, saves)
         self.pending_loads = []
         self.counters.offload_saved_blocks += len(saves)
-        self.counters.offload_used_blocks = len(self.slot_of)
         return metadata
 
     def _take_slot(self, block_hash: BlockHash) -> int:
@@ -95,7 +94,6 @@ class OffloadingConnector(KVConnectorBase):
             if block_hash is not None:
                 del self.slot_of[block_hash]
                 self.free_slots.append(slot)
-        self.counters.offload_used_blocks = len(self.slot_of)
 
     def reset_cache(self):
         self.slot_of.clear()
@@ -103,7 +101,10 @@ class OffloadingConnector(KVConnectorBase):
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.matched.clear()
         self.pending_loads = []
-        self.counters.offload_used_blocks = 0
+
+    def stats(self):
+        self.counters.offload_used_blocks = len(self.slot_of)  # the gauge, read when the snapshot is taken
+        return self.counters
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache):

@@ -127,7 +127,6 @@ class P2pZmqConnector(KVConnectorBase):
             while self.received and self.received_bytes > self.config.buffer_bytes:
                 self.received.popitem(last=False)
                 self.received_bytes -= block_bytes
-            self.counters.p2p_buffered_blocks = len(self.received)
 
     # ---- consumer: scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
@@ -154,9 +153,13 @@ class P2pZmqConnector(KVConnectorBase):
         with self.lock:
             self.received.clear()
             self.received_bytes = 0
-            self.counters.p2p_buffered_blocks = 0
         self.matched.clear()
         self.pending_loads = []
+
+    def stats(self):
+        with self.lock:
+            self.counters.p2p_buffered_blocks = len(self.received)  # the gauge, read when the snapshot is taken
+        return self.counters
 
     # ---- worker side --------------------------------------------------------------------------
     def start_load_kv(self, metadata: P2pMetadata) -> None:
