@@ -325,8 +325,11 @@ def test_behind_the_proxy_a_prefill_and_a_decode_server_answer_as_one_server(tin
                 return metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
 
             assert wait_until(lambda: idle(consumer_url) and idle(producer_url), timeout=30)
-            with pytest.raises(httpx.TimeoutException):  # a client that leaves while the prefill server works
-                httpx.post(proxy.url + "/v1/completions", json={**ask, "prompt": prompt * 2, "max_tokens": 20},
+            # a client that leaves early, while the prefill server or the decode server works: 150 tokens are
+            # never made in 50 ms, so the timeout always comes first
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(proxy.url + "/v1/completions",
+                           json={**ask, "prompt": prompt + "early", "max_tokens": 150, "ignore_eos": True},
                            timeout=0.05)
             assert wait_until(lambda: idle(consumer_url) and idle(producer_url), timeout=30)
 
