@@ -100,11 +100,20 @@ class LLM(PoolingAPI, BaseLLM):
             raise exc.cause from None
 
     def check_adapter(self, lora_request: LoRARequest) -> None:
-        """An adapter is served only once its directory passed the checks the workers will make
-        (``lora/adapter.py``), checked once: a bad one fails here, before any request is queued."""
+        """An adapter is served only once its directory passed the checks (``lora/adapter.py``), once: a bad one
+        fails here, before any request is queued. The weights checked go to every worker (``add_lora``) and
+        are the ones served until ``remove_lora``: the files are not read again."""
         if lora_request.key not in self._checked_adapters:
-            load_adapter(lora_request.lora_path, self.model_config, self.config.lora.max_lora_rank)
+            adapter = load_adapter(lora_request.lora_path, self.model_config, self.config.lora.max_lora_rank)
+            self.collective_rpc("add_lora", (lora_request, adapter))
             self._checked_adapters.add(lora_request.key)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop adapter ``lora_int_id``'s weights from the workers (a later request with it reads its files
+        again); whether any were held. Refused while requests are unfinished."""
+        self.engine.weight_sync.require_idle("remove_lora")
+        self._checked_adapters = {key for key in self._checked_adapters if key[0] != lora_int_id}
+        return any(self.collective_rpc("remove_lora", (lora_int_id,)))
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:

@@ -80,6 +80,9 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
     the output thread; ``cache_configs``: each core's KV-cache config, by rank."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
+    # Which of the API servers that share the engine cores this front end is (``--api-server-count``).
+    client_index: int = 0
+    client_count: int = 1
 
     def __init__(self, *, tokenizer: Tokenizer, model_path: str, stage: str, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], engine_args: dict[str, Any],

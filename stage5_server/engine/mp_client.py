@@ -134,9 +134,9 @@ class MPAsyncLLM(AsyncEngine):
                          cache_configs={r.engine_index: r.cache_config for r in topology.ready})
         self.topology = topology
         self.client_id = f"api{client_index}-{os.getpid()}"
+        self.client_index, self.client_count = client_index, topology.api_server_count
         self.engine_pids = [r.pid for r in topology.ready]
         self._owner = owner
-        self._api_server_count = topology.api_server_count
         self._router = Router(topology.routing, int(ready.engine_args["block_size"]),
                               slack=max(1, int(ready.engine_args["max_num_seqs"]) // 2))
         self._route_lock = threading.Lock()  # the routing table, the ranks' counts and their push sockets
@@ -230,7 +230,7 @@ class MPAsyncLLM(AsyncEngine):
         """The live rank for a new request (caller holds ``_route_lock``)."""
         if self._stopping:
             raise EngineDeadError("the engine is not running (shut down)")
-        loads = {r.index: rank_load(r.stats.num_waiting, r.stats.num_running, r.in_flight, self._api_server_count)
+        loads = {r.index: rank_load(r.stats.num_waiting, r.stats.num_running, r.in_flight, self.client_count)
                  for r in self._ranks if r.alive}
         if not loads:
             raise EngineDeadError("the engine is not running (every engine core has died)")

@@ -7,9 +7,11 @@ fused model (over whatever method the layer had). Before each forward the model 
 1. every adapter the step uses gets a slot: the one it already holds, else an empty slot, else the
    slot of the adapter used longest ago that this step does not use (the scheduler never puts more
    distinct adapters in a step than there are slots, so one is always free). Its weights come from
-   a CPU copy: the one the server handed over when it listed the adapter (``add_lora``: the files
-   are never read again, so deleting them changes nothing), else one loaded from ``lora_path`` once
-   per ``(lora_int_id, lora_path)`` (``adapter.py``), kept for the ``max_cpu_loras`` adapters used last;
+   a CPU copy: the one handed over when the adapter was checked (``add_lora``: by the server when it
+   lists an adapter, by the offline ``LLM`` when it first meets one; the files are never read
+   again, so deleting them changes nothing), else, for an engine driven directly, one loaded from
+   ``lora_path`` once per ``(lora_int_id, lora_path)`` (``adapter.py``), kept for the
+   ``max_cpu_loras`` adapters used last;
 2. the step's ``LoRAMapping`` is rebuilt: per slot, the token rows of the requests that use it.
 
 Under tensor parallelism each rank holds its part of every adapter, cut as the layer's weight is

@@ -3,9 +3,10 @@
 
 A request that runs under an adapter carries ``LoRARequest(lora_name, lora_int_id, lora_path)``,
 vLLM's own three fields: the name a client asks for (the server's ``model`` field), a number the
-server gives each load, and the PEFT directory the weights come from. The server hands the
-weights it checked to the workers when it lists an adapter (``manager.py``'s ``add_lora``); others
-the workers load from ``lora_path`` the first time they meet ``(lora_int_id, lora_path)``. The prefix
+server gives each load, and the PEFT directory the weights come from. The server and the offline
+``LLM`` hand the weights they checked to the workers (``manager.py``'s ``add_lora``); an engine
+driven directly has its workers load ``lora_path`` the first time they meet ``(lora_int_id,
+lora_path)``. The prefix
 cache keys a block by the name and the path (``core/kv_cache_manager.py``).
 
 vLLM: ``vllm/lora/request.py``.

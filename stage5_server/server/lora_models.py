@@ -17,7 +17,9 @@ requests still in flight is not unloaded: the route refuses with a 400 saying so
 their ``LoRARequest`` and run to the end). The weights a load checked are the weights served: they go
 to every worker of every engine core (``collective_rpc("add_lora")``, before a runtime load is
 listed; at the app's start-up for ``--lora-modules``), so the files are read once, and deleting or
-changing them afterwards changes nothing. An unload drops the workers' copies (``remove_lora``).
+changing them afterwards changes nothing; one the workers do not take at start-up is not listed. An
+unload drops the workers' copies (``remove_lora``). Several API servers over the same engine cores
+(``--api-server-count``) number their loads apart, so one's unload never drops another's copy.
 
 vLLM: ``OpenAIServingModels`` in ``vllm/entrypoints/openai/serving_models.py`` (``load_lora_adapter``,
 ``unload_lora_adapter``, ``show_available_models``).
@@ -29,7 +31,9 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -111,8 +115,11 @@ class ServedModels:
         self.max_lora_rank = args.get("max_lora_rank", 16)
         self.adapters: dict[str, LoRARequest] = {}
         self.in_flight: dict[str, list[str]] = {}  # adapter name -> request ids sent with it
+        self.sending: Counter[str] = Counter()  # adapter name -> requests on their way to the engine
         self.unsent: dict[str, LoRAModel] = {}  # listed at start-up, weights not yet with the workers
-        self._ids = itertools.count(1)
+        # API server i of A numbers its loads i+1, i+1+A, ...: no two servers over the same engine cores give
+        # one id to two adapters, so an unload (which drops the workers' copies by id) drops only its own.
+        self._ids = itertools.count(engine.client_index + 1, engine.client_count)
         self._model_config: ModelConfig | None = None
 
     # ---- what a request's ``model`` means ---------------------------------------------------------
@@ -122,18 +129,36 @@ class ServedModels:
             return None
         lora = self.adapters.get(model)
         if lora is None:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise model_not_found(model)
         return lora
+
+    @contextmanager
+    def send(self, lora: LoRARequest | None) -> Iterator[None]:
+        """Around handing a request's engine requests to the engine, then ``track``: an unload meanwhile is
+        refused as busy, and an adapter unloaded since the request was admitted is a 404 (its weights may
+        have left the workers)."""
+        if lora is None:
+            yield
+            return
+        if self.adapters.get(lora.lora_name) != lora:
+            raise model_not_found(lora.lora_name)
+        self.sending[lora.lora_name] += 1
+        try:
+            yield
+        finally:
+            self.sending[lora.lora_name] -= 1
+            if not self.sending[lora.lora_name]:
+                del self.sending[lora.lora_name]
 
     def track(self, lora: LoRARequest | None, request_ids: list[str]) -> None:
         if lora is not None:
             self.in_flight.setdefault(lora.lora_name, []).extend(request_ids)
 
     def busy(self, name: str) -> int:
-        """How many requests sent with adapter ``name`` are still in flight."""
+        """How many requests with adapter ``name`` are in flight or on their way to the engine."""
         running = [rid for rid in self.in_flight.get(name, []) if self.engine.is_in_flight(rid)]
         self.in_flight[name] = running
-        return len(running)
+        return len(running) + self.sending[name]
 
     # ---- load and unload ------------------------------------------------------------------------
     def check(self, name: str, path: str) -> tuple[LoRARequest, LoRAModel]:
@@ -175,15 +200,15 @@ class ServedModels:
         return lora
 
     async def send_unsent(self) -> None:
-        """Hand the start-up adapters' weights to the workers (the app's start); one that fails stays with its
-        files (the workers read them at first use)."""
+        """Hand the start-up adapters' weights to the workers (the app's start). One the workers did not take
+        is unlisted (its requests are 404s), never served from files that may have changed since the check."""
         for name, adapter in list(self.unsent.items()):
+            del self.unsent[name]
             try:
                 await self._hand_over(self.adapters[name], adapter)
             except Exception as exc:  # the server starts all the same
-                logger.warning("LoRA adapter %r: the workers will read its files at first use: %s", name, exc)
-            else:
-                del self.unsent[name]
+                logger.error("LoRA adapter %r is not served: the workers did not take its weights: %s", name, exc)
+                await self._take_back(self.adapters.pop(name))
 
     async def _hand_over(self, lora: LoRARequest, adapter: LoRAModel) -> None:
         try:
@@ -221,6 +246,10 @@ class ServedModels:
                               "permission": [{**p, "id": f"modelperm-{lora.lora_name}"}
                                              for p in base_card.get("permission", [])]}
                              for lora in self.adapters.values())]
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def add_routes(app: FastAPI, models: ServedModels) -> None:

@@ -242,18 +242,19 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
-        try:
-            for i, prompt in enumerate(prompts):
-                request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
-                with engine_errors(prompt_param):
-                    streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
-                                                                 received_time=received, output_kind=kind,
-                                                                 lora_request=lora_request))
-        except BaseException:
-            self.engine.abort([s.request_id for s in streams])
-            raise
-        finally:
-            self.models.track(lora_request, [s.request_id for s in streams])
+        with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+            try:
+                for i, prompt in enumerate(prompts):
+                    request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
+                    with engine_errors(prompt_param):
+                        streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
+                                                                     received_time=received, output_kind=kind,
+                                                                     lora_request=lora_request))
+            except BaseException:
+                self.engine.abort([s.request_id for s in streams])
+                raise
+            finally:
+                self.models.track(lora_request, [s.request_id for s in streams])
         return await self.respond(request, streams, params, responder, stream)
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,

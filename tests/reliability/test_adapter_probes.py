@@ -4,8 +4,8 @@ that collide or hold whitespace, control characters, special-token text or 10k c
 the wrong rank or shape, corrupt safetensors, a missing or malformed adapter_config.json, and an
 unload under a request in flight. Each is a 4xx OpenAI error object naming the field, nothing is
 listed after a failed load, and the server serves the next request. An adapter whose files are deleted
-once it is loaded serves the same tokens, in several engine modes. The tiny Llama, the real server,
-adapters made with PEFT."""
+once it is loaded serves the same tokens: in several engine modes, in the offline ``LLM``, and behind two
+API servers when the other unloads its own. The tiny Llama, the real server, adapters made with PEFT."""
 
 from __future__ import annotations
 
@@ -206,6 +206,28 @@ def test_an_unload_under_a_request_in_flight_is_refused_and_the_request_finishes
     assert completes(served)
 
 
+def test_an_unload_between_a_requests_admission_and_its_engine_requests_cannot_strand_it(tiny_llama, adapters):
+    """A request admitted with an adapter holds it while its engine requests are made (tokenizing, fetching
+    images): an unload meanwhile is refused as busy, and a request admitted before an unload that went
+    through is a 404, never sent to workers whose copy of the weights is gone."""
+    from stage5_server.server.errors import APIError
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        app = create_app(make_llm(tiny_llama, **ENGINE), api_keys=[KEY], served_model_name=BASE,
+                         lora_modules=[("held", str(adapters["root"] / "good"))])
+    models = app.state.serving.models
+    with running_server(app) as server:
+        admitted = models.resolve("held")
+        with models.send(admitted):
+            client_error(post(server.url, "/v1/unload_lora_adapter", {"lora_name": "held"}), "lora_name", "in flight")
+        assert post(server.url, "/v1/unload_lora_adapter", {"lora_name": "held"}).status_code == 200
+        with pytest.raises(APIError) as gone, models.send(admitted):
+            pass
+        assert gone.value.status == 404
+        assert completes(server.url)
+
+
 # ---- files deleted once loaded ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", mode_params("adapter-files", ("in-process", "engine-process", "dp2", "tp2", "ray-tp2"),
@@ -234,3 +256,71 @@ def test_an_adapter_whose_files_are_deleted_once_loaded_serves_the_same_tokens(t
             assert listed(server.url) == {BASE, "twin"}
     finally:
         shutdown(engine)
+
+
+def test_offline_an_adapter_whose_files_are_deleted_after_its_request_was_added_runs_on_the_checked_weights(
+        tiny_llama, tmp_path):
+    """The offline ``LLM`` hands the weights it checked to the workers too: deleting the files between
+    ``add_request`` and the steps changes nothing (before, the workers read the files at the first step
+    and failed it); ``remove_lora`` drops the copy, after which the gone files are a load error again."""
+    from shared.sampling_params import SamplingParams
+    from stage5_server.lora import LoRALoadError, LoRARequest
+
+    twin = make_adapter(tiny_llama, tmp_path / "twin", seed=3, r=4, target_modules=("q_proj", "v_proj"))
+    doomed = shutil.copytree(twin, tmp_path / "doomed")
+    llm = make_llm(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(["def f(x):"], params, use_tqdm=False, lora_request=LoRARequest("twin", 1, str(twin)))
+    base = llm.generate(["def f(x):"], params, use_tqdm=False)
+    assert expected[0].outputs[0].token_ids != base[0].outputs[0].token_ids  # the adapter reaches the forward
+
+    doomed_request = LoRARequest("doomed", 2, str(doomed))
+    llm.add_request("def f(x):", params, request_id="after-delete", lora_request=doomed_request)
+    shutil.rmtree(doomed)
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished.update({out.request_id: out for out in llm.step() if out.finished})
+    assert finished["after-delete"].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+    assert llm.remove_lora(2) and not llm.remove_lora(2)
+    with pytest.raises(LoRALoadError):  # its copy is gone and so are its files: refused before anything is queued
+        llm.generate(["def f(x):"], params, use_tqdm=False, lora_request=doomed_request)
+    assert not llm.has_unfinished_requests()
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("adapter-two-api-servers")
+def test_two_api_servers_over_one_engine_core_never_drop_each_others_adapters(tiny_llama, tmp_path):
+    """Two API servers over the same engine core (``--api-server-count 2``) each load an adapter at run time;
+    one unloads its own, the other's files are deleted, and the other still serves it (before, both loads
+    got ``lora_int_id`` 1, so the unload dropped the workers' copy of both and the other's next request
+    read deleted files: a 500)."""
+    import dataclasses
+
+    from stage5_server.engine.mp_client import MPAsyncLLM
+    from tests.stage5.server_fixtures import ENGINE_KWARGS
+
+    first_dir = make_adapter(tiny_llama, tmp_path / "first", seed=3, r=4, target_modules=("q_proj", "v_proj"))
+    second_dir = shutil.copytree(first_dir, tmp_path / "second")
+    one_slot = {**{k: v for k, v in ENGINE.items() if k not in ("device", "dtype")}, "max_loras": 1}
+    owner = MPAsyncLLM(str(tiny_llama), log_stats_interval=None, startup_timeout_s=300,
+                       **{**ENGINE_KWARGS, **one_slot})  # one slot: "second" must come from a copy each time
+    topology = dataclasses.replace(owner.topology, api_server_count=3)  # API servers 1 and 2 (0 only starts it)
+    engines = [MPAsyncLLM.connect(topology, client_index=i, log_stats_interval=None) for i in (1, 2)]
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+            apps = [create_app(engine, api_keys=[KEY], served_model_name=BASE) for engine in engines]
+        with running_server(apps[0]) as one, running_server(apps[1]) as two:
+            assert load(one.url, "first", str(first_dir)).status_code == 200
+            assert load(two.url, "second", str(second_dir)).status_code == 200
+            expected = completes(two.url, "second")
+            assert expected == completes(one.url, "first") != completes(two.url)
+            assert post(one.url, "/v1/unload_lora_adapter", {"lora_name": "first"}).status_code == 200  # in the slot
+            shutil.rmtree(second_dir)
+            assert completes(two.url, "second") == expected
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        owner.shutdown()
