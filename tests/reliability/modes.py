@@ -1,8 +1,8 @@
 """The engine modes the reliability suite holds to the same promises: the engine core on a thread of the server
 (``in-process``), in a process of its own (``engine-process``, the server's default), and two data-parallel engine
 cores behind a coordinator (``dp2``); and, for the slow tests, the model split over two worker processes by tensor
-or pipeline parallelism (``tp2``, ``pp2``) or over two Ray actors (``ray-tp2``: a Ray instance for this host alone),
-each under an engine-core process.
+or pipeline parallelism (``tp2``, ``pp2``) or over two Ray actors (``ray-tp2``, ``ray-pp2``: a Ray instance for
+this host alone), each under an engine-core process.
 
 Each process mode's engine starts once per module and xdist worker group (``xdist_group``), since
 starting engine processes costs seconds; faults reach its engine cores through the engine plugin of
@@ -23,7 +23,8 @@ from tests.stage5.server_fixtures import ENGINE_KWARGS, make_llm
 
 MODES = ("in-process", "engine-process", "dp2")
 SPLIT_MODES = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2),
-               "ray-tp2": dict(tensor_parallel_size=2, distributed_executor_backend="ray")}
+               "ray-tp2": dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+               "ray-pp2": dict(pipeline_parallel_size=2, distributed_executor_backend="ray")}
 
 
 def mode_params(module: str, modes: tuple[str, ...] = MODES, slow: tuple[str, ...] = ()) -> list:

@@ -11,7 +11,7 @@ while generating, ``min_tokens`` past the context) and holds them to the same pr
 engine mode is fuzzed (``modes.py``): the engine core in-process, in its own process (the
 server's default) and as two data-parallel ranks, the process modes with a quarter of the
 examples, since the server is the same code; and the model split by tensor or pipeline
-parallelism over worker processes, or by tensor parallelism over Ray actors, with a tenth (the
+parallelism, over worker processes or over Ray actors, with a tenth (the
 requests there also cross the ranks: an adapter's weights, grammars, several samples; the
 pipeline split serves no adapter, since adapters are not split into pipeline stages).
 """
@@ -57,7 +57,8 @@ STRUCTURED = [{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,3}"}, {"json": {"typ
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}}}
 DEFAULT_EXAMPLES = 25
-EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25, "tp2": 0.1, "pp2": 0.1, "ray-tp2": 0.1}
+EXAMPLES_SCALE = {"in-process": 1.0, "engine-process": 0.25, "dp2": 0.25, "tp2": 0.1, "pp2": 0.1, "ray-tp2": 0.1,
+                  "ray-pp2": 0.1}
 FUZZED_MODES = (*MODES, *SPLIT_MODES)  # the split modes are slow to start: marked slow (modes.py)
 HOSTILE_EXAMPLES = 40
 # Operations with inputs are fuzzed with invalid inputs too (the others have nothing to break).
@@ -66,7 +67,7 @@ CASES = [(method, path, mode) for method, path in OPERATIONS for mode in schemat
 
 
 LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-NO_LORA_MODES = {"pp2"}  # adapters are not split into pipeline stages: that server serves none
+NO_LORA_MODES = {"pp2", "ray-pp2"}  # adapters are not split into pipeline stages: that server serves none
 
 
 @pytest.fixture(scope="module", params=mode_params("fuzz", ("in-process",)))
