@@ -6,18 +6,41 @@ larger GEMMs instead of seven), and the step's cos/sin table is built once. The 
 same, their rows concatenated, so float32 outputs stay token-identical; under tensor parallelism
 each rank fuses its own shards. Every projection, fused or not, ends up a ``linear.Linear``.
 
+The elementwise parts (RMSNorm, SiLU(gate) * up, RoPE's rotation) are a second seam:
+``use_elementwise_kernels`` gives the norms, the MLPs and the rotary table an ``ElementwiseKernels``
+(one operator each instead of four to six torch calls; ``cpu_kernels/elementwise.py``). Without
+one, and inside a compiled graph (which fuses them itself), they run the torch code.
+
 vLLM: ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` in
-``vllm/model_executor/layers/linear.py`` (there the checkpoint is loaded straight into the fused weight).
+``vllm/model_executor/layers/linear.py`` (there the checkpoint is loaded straight into the fused weight);
+the elementwise seam is ``CustomOp`` (``vllm/model_executor/custom_op.py``: ``forward_native`` or
+``forward_cpu``) as ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` use it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model import Attention, DecoderModel, RotaryEmbedding
+from shared.model import Attention, DecoderModel, RMSNorm, RotaryEmbedding
 from stage5_server.model.linear import Linear, use_linear_method
+
+
+class ElementwiseKernels(Protocol):
+    """One operator for each elementwise part of a layer, rounding as the torch code does."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def rotate_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
+def _kernels_for(module: nn.Module) -> ElementwiseKernels | None:
+    """The module's kernels, unless there are none or a graph is being compiled."""
+    kernels = module.elementwise
+    return None if kernels is None or torch.compiler.is_compiling() else kernels
 
 
 def _merged(*linears: nn.Linear) -> Linear:
@@ -67,10 +90,28 @@ class FusedMLP(nn.Module):
         self.intermediate = mlp.gate_proj.out_features
         self.gate_up_proj = _merged(mlp.gate_proj, mlp.up_proj)
         self.down_proj = mlp.down_proj
+        self.elementwise: ElementwiseKernels | None = None
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (kernels := _kernels_for(self)) is not None and gate_up.dim() == 2:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class StepRMSNorm(RMSNorm):
+    """``shared.model.RMSNorm``, through the elementwise kernels when there are some."""
+
+    def __init__(self, norm: RMSNorm):
+        nn.Module.__init__(self)
+        self.weight, self.eps = norm.weight, norm.eps
+        self.elementwise: ElementwiseKernels | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (kernels := _kernels_for(self)) is not None and x.dtype == self.weight.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 class StepRotaryEmbedding(RotaryEmbedding):
@@ -81,6 +122,7 @@ class StepRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("inv_freq", rope.inv_freq, persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.elementwise: ElementwiseKernels | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if torch.compiler.is_compiling():  # a compiled step computes the table once in its own graph
@@ -91,6 +133,8 @@ class StepRotaryEmbedding(RotaryEmbedding):
             self._cos_sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
             self._positions = positions  # held, so its address cannot be reused by a new step's tensor
         cos, sin = self._cos_sin
+        if self.elementwise is not None:
+            return self.elementwise.rotate_half(q, cos, sin), self.elementwise.rotate_half(k, cos, sin)
         return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
 
 
@@ -108,4 +152,17 @@ def fuse_projections(model: DecoderModel) -> DecoderModel:
             layer.mlp = FusedMLP(layer.mlp)
     if not isinstance(model.rotary_emb, StepRotaryEmbedding):
         model.rotary_emb = StepRotaryEmbedding(model.rotary_emb)
+    for parent in [model, *model.layers]:
+        for name, child in list(parent.named_children()):
+            if type(child) is RMSNorm:
+                setattr(parent, name, StepRMSNorm(child))
     return use_linear_method(model)  # every projection behind the one linear seam (``linear.py``)
+
+
+def use_elementwise_kernels(model: DecoderModel, kernels: ElementwiseKernels | None) -> DecoderModel:
+    """Run the norms, the MLPs' activation and RoPE's rotation of a fused model through ``kernels``
+    (None: the torch code again)."""
+    for module in model.modules():
+        if isinstance(module, (FusedMLP, StepRMSNorm, StepRotaryEmbedding)):
+            module.elementwise = kernels
+    return model
