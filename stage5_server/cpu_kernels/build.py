@@ -23,6 +23,7 @@ import torch
 from shared.tiny_model import cache_dir
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ def cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """Sources, flags, torch version and CPU in one name: a change to any of them builds afresh."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode()
+    """Sources and headers, flags, torch version and CPU in one name: a change to any of them builds afresh."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS]) + " ".join(FLAGS).encode()
                             + torch.__version__.encode() + cpu_flags().encode())
     return f"stagedserve_cpu_{digest.hexdigest()[:12]}"
 

@@ -129,6 +129,25 @@ def test_fewer_sequences_than_threads_split_their_blocks_into_parts_and_merge_ex
 
 
 @pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("head_dim", [24, 32, 64, 128, 256])  # vector widths compiled for 32, 64, 128
+@pytest.mark.parametrize("group", [1, 3, 6, 7])  # query heads per KV head: whole and partial sets of registers
+def test_the_decode_operator_matches_the_reference_for_each_head_size_and_group(head_dim, group, dtype, tolerance):
+    """Each head size takes its own code (a compiled vector width, or scalar loops for the others) and
+    each group size its own split into sets of query heads; all of them give the reference's result."""
+    from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention
+
+    seq_lens, q_lens = BATCHES["decodes"]
+    query, key_cache, value_cache, tables, seq_lens_t, qsl = make_paged_batch(
+        seq_lens, q_lens, block_size=16, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    expected = paged_attention(query.float(), key_cache.float(), value_cache.float(), tables, seq_lens_t, qsl, 0.2)
+    out = torch.full_like(query, float("nan"))
+    rows = torch.arange(len(seq_lens))
+    cpu_paged_decode_attention(out, query, key_cache, value_cache, tables, seq_lens_t, rows, rows, 0.2)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
 def test_the_decode_operator_reads_strided_queries_and_rejects_mismatched_inputs():
     """The model's queries are a view into the fused QKV projection: every row strided, as here."""
     from stage5_server.cpu_kernels.paged_decode import cpu_paged_decode_attention

@@ -7,6 +7,11 @@
 // thread pool; where there are fewer pairs than threads (one request has a few KV heads), each
 // pair's blocks are split into parts that run in parallel and merge at the end.
 //
+// The inner loops work on 16 floats at a time (cpu_math.h's VecF): for the common head sizes (32,
+// 64 and 128) the width is fixed when compiled, so a key's or a value's row, and the outputs of up
+// to four query heads, stay in registers while the tokens stream past; other sizes take scalar
+// loops. The exponentials are a polynomial the compiler vectorizes, not a library call per score.
+//
 // vLLM: csrc/cpu/attention.cpp (paged_attention_v1) behind vllm/v1/attention/backends/cpu_attn.py.
 
 #include <ATen/ATen.h>
@@ -18,7 +23,16 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
+
+using stagedserve_cpu::exp_series;
+using stagedserve_cpu::kVecWidth;
+using stagedserve_cpu::load_vec;
+using stagedserve_cpu::store_vec;
+using stagedserve_cpu::sum_vec;
+using stagedserve_cpu::VecF;
 
 // One cache row (head_dim elements) as float32.
 template <typename scalar_t>
@@ -38,13 +52,26 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
 }
 
+// Ask for a block's rows of one head (row_bytes each) before they are read: the blocks of a
+// sequence lie anywhere in the pool, where the hardware's own prefetcher cannot guess them.
+inline void prefetch_block(const void* block, int64_t block_size, int64_t token_bytes, int64_t row_bytes) {
+  const char* base = static_cast<const char*>(block);
+  for (int64_t offset = 0; offset < block_size; ++offset) {
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(base + offset * token_bytes + line);
+  }
+}
+
 // fn(t, row) for each token t < len of a sequence, walking its block table block by block.
 template <typename scalar_t, typename Fn>
 inline void for_each_token(const scalar_t* cache, const int32_t* table, int64_t len, int64_t block_size,
-                           int64_t block_stride, int64_t token_stride, Fn&& fn) {
+                           int64_t block_stride, int64_t token_stride, int64_t row_bytes, Fn&& fn) {
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const scalar_t* block = cache + static_cast<int64_t>(table[b]) * block_stride;
     const int64_t n = std::min(block_size, len - start);
+    if (start + block_size < len) {
+      prefetch_block(cache + static_cast<int64_t>(table[b + 1]) * block_stride, block_size,
+                     token_stride * sizeof(scalar_t), row_bytes);
+    }
     for (int64_t offset = 0; offset < n; ++offset) fn(start + offset, block + offset * token_stride);
   }
 }
@@ -56,6 +83,131 @@ constexpr int64_t kMinPartTokens = 64;
 constexpr int64_t kMaxHeadDim = 512;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// acc [kHeads, kChunks * kVecWidth] = the sum over the part's n tokens of weights[h, t] * value_t
+// (weights: kHeads rows of n), with the kHeads x kChunks accumulators in registers and each value
+// row loaded once for all of them (a loop of its own: a lambda's by-reference capture would keep
+// the accumulators in memory).
+template <int64_t kChunks, int64_t kHeads, typename scalar_t>
+void weigh_values(const scalar_t* v_head, const int32_t* table, int64_t n, int64_t block_size, int64_t block_stride,
+                  int64_t token_stride, const float* weights, float* acc) {
+  VecF sums[kHeads][kChunks] = {};
+  for (int64_t start = 0, b = 0; start < n; start += block_size, ++b) {
+    const scalar_t* block = v_head + static_cast<int64_t>(table[b]) * block_stride;
+    const int64_t count = std::min(block_size, n - start);
+    if (start + block_size < n) {
+      prefetch_block(v_head + static_cast<int64_t>(table[b + 1]) * block_stride, block_size,
+                     token_stride * sizeof(scalar_t), kChunks * kVecWidth * sizeof(scalar_t));
+    }
+    for (int64_t offset = 0; offset < count; ++offset) {
+      const scalar_t* value = block + offset * token_stride;
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const VecF row = load_vec(value + c * kVecWidth);
+        for (int64_t h = 0; h < kHeads; ++h) sums[h][c] += weights[h * n + start + offset] * row;
+      }
+    }
+  }
+  for (int64_t h = 0; h < kHeads; ++h) {
+    for (int64_t c = 0; c < kChunks; ++c) store_vec(acc + (h * kChunks + c) * kVecWidth, sums[h][c]);
+  }
+}
+
+// One part of one (decode, KV head): each query head of the group (qf, pre-scaled, [group, D])
+// against the part's n keys, exp(score - max) per head, and the values weighted by it: writes the
+// heads' max, their sums of exp and their unnormalized outputs acc [group, D]. kChunks is D in
+// VecF widths, fixed when compiled for the common head sizes so that a key's or a value's chunks
+// stay in registers; 0 takes any D through scalar loops (row_f: one row as float32).
+template <int64_t kChunks, typename scalar_t>
+void attend_part(const float* qf, int64_t group, int64_t head_dim, const scalar_t* k_head, const scalar_t* v_head,
+                 const int32_t* table, int64_t n, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                 float* scores, float* row_f, float* max, float* sum, float* acc) {
+  const int64_t row_bytes = head_dim * sizeof(scalar_t);
+  if constexpr (kChunks > 0) {
+    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* key) {
+      VecF row[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) row[c] = load_vec(key + c * kVecWidth);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * head_dim;
+        VecF dot = row[0] * load_vec(qg);
+        for (int64_t c = 1; c < kChunks; ++c) dot += row[c] * load_vec(qg + c * kVecWidth);
+        scores[g * n + t] = sum_vec(dot);
+      }
+    });
+  } else {
+    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* key) {
+      to_float(key, row_f, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row_f[d];
+        scores[g * n + t] = dot;
+      }
+    });
+  }
+  for (int64_t g = 0; g < group; ++g) {  // exp(score - max) over the part's keys, per query head
+    float* s = scores + g * n;
+    const float top = *std::max_element(s, s + n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_series(s[t] - top);
+      total += s[t];
+    }
+    max[g] = top;
+    sum[g] = total;
+  }
+  if constexpr (kChunks > 0) {
+    // A few query heads at a time, their accumulators in registers (kChunks each).
+    constexpr int64_t kHeads = kChunks <= 4 ? 4 : 2;
+    for (int64_t g = 0; g < group; g += kHeads) {
+      float* head_acc = acc + g * head_dim;
+      const float* weights = scores + g * n;
+      switch (std::min(kHeads, group - g)) {
+        case 1: weigh_values<kChunks, 1>(v_head, table, n, block_size, block_stride, token_stride, weights, head_acc);
+          break;
+        case 2: weigh_values<kChunks, 2>(v_head, table, n, block_size, block_stride, token_stride, weights, head_acc);
+          break;
+        case 3: weigh_values<kChunks, 3>(v_head, table, n, block_size, block_stride, token_stride, weights, head_acc);
+          break;
+        default: weigh_values<kChunks, kHeads>(v_head, table, n, block_size, block_stride, token_stride, weights,
+                                              head_acc);
+      }
+    }
+  } else {
+    std::fill(acc, acc + group * head_dim, 0.f);
+    for_each_token(v_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* value) {
+      to_float(value, row_f, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * n + t];
+        float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
+      }
+    });
+  }
+}
+
+// attend_part for this head size: a compiled width where there is one, else scalar loops.
+template <typename scalar_t>
+void attend_part_any(int64_t head_dim, const float* qf, int64_t group, const scalar_t* k_head,
+                     const scalar_t* v_head, const int32_t* table, int64_t n, int64_t block_size,
+                     int64_t block_stride, int64_t token_stride, float* scores, float* row_f, float* max,
+                     float* sum, float* acc) {
+  switch (head_dim) {
+#define STAGEDSERVE_ATTEND(width)                                                                              \
+  case width * kVecWidth:                                                                                      \
+    return attend_part<width>(qf, group, head_dim, k_head, v_head, table, n, block_size, block_stride,         \
+                              token_stride, scores, row_f, max, sum, acc);
+    STAGEDSERVE_ATTEND(2)
+    STAGEDSERVE_ATTEND(4)
+    STAGEDSERVE_ATTEND(8)
+#undef STAGEDSERVE_ATTEND
+    default:
+      return attend_part<0>(qf, group, head_dim, k_head, v_head, table, n, block_size, block_stride, token_stride,
+                            scores, row_f, max, sum, acc);
+  }
+}
 
 // seqs/rows: decode i is sequence seqs[i] at query row rows[i]; null: sequence i at row i.
 template <typename scalar_t>
@@ -114,41 +266,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(q_head_row[d]) * scale_f;
       }
       scores.resize(group * n);
-
-      const scalar_t* k_head = k + kv_head * head_dim;  // scores: each query head of the group against each key
-      for_each_token(k_head, table, n, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* key) {
-        to_float(key, row_f.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row_f[d];
-          scores[g * n + t] = dot;
-        }
-      });
-      for (int64_t g = 0; g < group; ++g) {  // exp(score - max) over the part's keys, per query head
-        float* s = scores.data() + g * n;
-        const float top = *std::max_element(s, s + n);
-        float total = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        max[g] = top;
-        sum[g] = total;
-      }
-
-      std::fill(acc, acc + group * head_dim, 0.f);
-      const scalar_t* v_head = v + kv_head * head_dim;  // the weighted sum of the values
-      for_each_token(v_head, table, n, block_size, block_stride, token_stride, [&](int64_t t, const scalar_t* value) {
-        to_float(value, row_f.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row_f[d];
-        }
-      });
+      attend_part_any(head_dim, qf.data(), group, k + kv_head * head_dim, v + kv_head * head_dim, table, n,
+                      block_size, block_stride, token_stride, scores.data(), row_f.data(), max, sum, acc);
     }
   });
 
