@@ -186,3 +186,21 @@ def test_without_a_compiler_the_decodes_take_the_sdpa_path(tmp_path):
     reason, in_place = run.stdout.strip().splitlines()
     assert reason.startswith("the C++ CPU operators did not build"), reason
     assert in_place == "False"
+
+
+@pytest.mark.skipif(load_cpu_kernels() is not None, reason="the C++ decode operator did not build")
+def test_the_decode_attention_benchmark_times_two_paths_that_agree():
+    """benchmarks.cpu_decode_attention times the operator against the SDPA path on the same steps; both give the
+    same attention for each of its sequence sets, and its floor counts the bytes the sequences hold."""
+    from benchmarks.cpu_decode_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, decode_sets, measure
+
+    key_cache, value_cache, query, steps, lens = decode_sets(4, torch.float32)
+    for meta in steps[:2]:
+        in_place, sdpa = (grouped_paged_attention(query, key_cache, value_cache,
+                                                  plan_groups(meta, BLOCK_SIZE, HEADS // KV_HEADS, torch.float32, p),
+                                                  HEAD_DIM ** -0.5) for p in (True, False))
+        torch.testing.assert_close(in_place, sdpa, atol=1e-5, rtol=1e-5)
+    row = measure(4, torch.float32, bandwidth=1e9, calls=2)
+    expected_floor = sum(int(n.sum()) for n in lens) / len(lens) * KV_HEADS * HEAD_DIM * 2 * 4 / 1e9 * 1e3
+    assert row["floor_ms"] == pytest.approx(expected_floor)
+    assert row["operator_ms"] > 0 and row["sdpa_ms"] > 0
