@@ -12,7 +12,8 @@
 // to four query heads, stay in registers while the tokens stream past; other sizes take scalar
 // loops. The exponentials are a polynomial the compiler vectorizes, not a library call per score.
 //
-// vLLM: csrc/cpu/attention.cpp (paged_attention_v1) behind vllm/v1/attention/backends/cpu_attn.py.
+// vLLM: csrc/cpu/attention.cpp (paged_attention_v1) behind vllm/v1/attention/backends/cpu_attn.py;
+// its 16-float vector attention is csrc/cpu/cpu_attn_vec16.hpp.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -123,7 +124,8 @@ void attend_part(const float* qf, int64_t group, int64_t head_dim, const scalar_
                  float* scores, float* row_f, float* max, float* sum, float* acc) {
   const int64_t row_bytes = head_dim * sizeof(scalar_t);
   if constexpr (kChunks > 0) {
-    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* key) {
+    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes,
+                   [&](int64_t t, const scalar_t* key) {
       VecF row[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) row[c] = load_vec(key + c * kVecWidth);
       for (int64_t g = 0; g < group; ++g) {
@@ -134,7 +136,8 @@ void attend_part(const float* qf, int64_t group, int64_t head_dim, const scalar_
       }
     });
   } else {
-    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* key) {
+    for_each_token(k_head, table, n, block_size, block_stride, token_stride, row_bytes,
+                   [&](int64_t t, const scalar_t* key) {
       to_float(key, row_f, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qf + g * head_dim;
@@ -176,7 +179,8 @@ void attend_part(const float* qf, int64_t group, int64_t head_dim, const scalar_
     }
   } else {
     std::fill(acc, acc + group * head_dim, 0.f);
-    for_each_token(v_head, table, n, block_size, block_stride, token_stride, row_bytes, [&](int64_t t, const scalar_t* value) {
+    for_each_token(v_head, table, n, block_size, block_stride, token_stride, row_bytes,
+                   [&](int64_t t, const scalar_t* value) {
       to_float(value, row_f, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * n + t];
