@@ -29,6 +29,7 @@ import time
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
+from benchmarks.machine_roofline import read_bandwidth
 from stage2_paged.attention import PagedAttentionMetadata
 from stage5_server.attention.cpu_attn import grouped_paged_attention, plan_groups
 from stage5_server.cpu_kernels.paged_decode import load_cpu_kernels
@@ -59,16 +60,6 @@ def decode_sets(rows: int, dtype: torch.dtype, seed: int = 0):
         steps.append(meta)
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
     return key_cache, value_cache, query, steps, lens
-
-
-def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a sum over a float32 buffer of ``nbytes`` (larger than any cache)."""
-    buffer = torch.ones(nbytes // 4)
-    buffer.sum()
-    start = time.perf_counter()
-    for _ in range(3):
-        buffer.sum()
-    return 3 * nbytes / (time.perf_counter() - start)
 
 
 def measure(rows: int, dtype: torch.dtype, bandwidth: float, calls: int) -> dict:

@@ -17,9 +17,12 @@ Engines, one after the other:
 - vLLM's CPU build (``STAGEDSERVE_VLLM_PYTHON=<venv>/bin/python``, ``benchmarks/vllm_peer.py``) on the
   dequantized checkpoint, bfloat16 and float32.
 
-Every engine gets the same threads (``--threads``, default: the CPUs). In the same run, the batch-64
-workload's roofline in each float dtype (``cpu_roofline.py``'s: torch's ``linear`` at the model's
-shapes over an ideal schedule); "of roofline" is that time over the engine's. The last column is how
+Every engine gets the same threads (``--threads``, default: the CPUs). In the same run, two rooflines
+of the batch-64 workload in each float dtype, over an ideal schedule of its steps: "linear",
+``cpu_roofline.py``'s, torch's ``linear`` timed at the model's shapes; and "machine",
+``machine_roofline.py``'s, the products' FLOPs at the machine's measured peak (a hand-timed vector
+FMA loop, or a large GEMM where a library reaches matrix units) or the weights read once a step at
+its read bandwidth, whichever is longer. "of ... roofline" is that time over the engine's. The last column is how
 many of the batch-1 request's greedy tokens match stage5 float32's before the first difference: a
 sanity check across engines; closeness proper is ``benchmarks/linear_methods.py``'s.
 
@@ -38,6 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks import machine_roofline
 from benchmarks.api_oracle import free_port, server
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
 from benchmarks.cpu_roofline import gemm_times, ideal_schedule, make_workload, roofline_seconds, run_vllm
@@ -161,20 +165,24 @@ def to_markdown(result: dict) -> str:
         f"{cfg['num_requests']}: {cfg['num_requests']} requests, {cfg['batch_output_tokens']} output tokens "
         "in all (`cpu_roofline`'s workload).",
         "",
-        "Roofline of the batch workload: " + ", ".join(f"{dtype} {r['seconds']:.2f} s"
-                                                      for dtype, r in result["roofline"].items()) + ".",
+        "Rooflines of the batch workload: the products at their shapes through torch's `linear` (\"linear\"): "
+        + ", ".join(f"{dtype} {r['seconds']:.2f} s" for dtype, r in result["roofline"].items())
+        + "; the products at the machine's measured limits (\"machine\": "
+        + machine_roofline.describe(result["machine_peaks"]) + "): "
+        + ", ".join(f"{dtype} {r['machine_seconds']:.2f} s" for dtype, r in result["roofline"].items()) + ".",
         "",
-        f"| engine | batch 1 tok/s | TPOT ms | batch {cfg['num_requests']} tok/s | of roofline "
-        "| same tokens as fp32 |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| engine | batch 1 tok/s | TPOT ms | batch {cfg['num_requests']} tok/s | of linear roofline "
+        "| of machine roofline | same tokens as fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in rows.items():
         tpot = f"{r['tpot_ms']:.1f}" if r.get("tpot_ms") else "n/a"
         roof = f"{100 * r['of_roofline']:.0f}%" if r.get("of_roofline") else "n/a"
+        machine = f"{100 * r['of_machine']:.0f}%" if r.get("of_machine") else "n/a"
         lines.append(f"| {label} | {r['batch1_tokens_per_s']:.1f} | {tpot} | {r['batch_tokens_per_s']:.0f} | "
-                     f"{roof} | {r['matching_prefix']}/{cfg['output_len']} |")
+                     f"{roof} | {machine} | {r['matching_prefix']}/{cfg['output_len']} |")
     for label, why in result["skipped"].items():
-        lines.append(f"| {label} | not run: {why[:60]} | | | | |")
+        lines.append(f"| {label} | not run: {why[:60]} | | | | | |")
     ratios, batch = result["ratios"], f"batch {cfg['num_requests']}"
     if ratios:
         lines += ["", "Ratios (same run): "
@@ -236,6 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     result["roofline"] = {name: {"seconds": roofline_seconds(gemm_times(model_config, dtype), steps)}
                           for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    result["machine_peaks"] = machine = machine_roofline.measure(args.threads)
+    for name, size in (("float32", 4), ("bfloat16", 2)):  # the larger of the vector loop's and the GEMM's peak
+        peak = max(machine["fma_float32_gflops"] or 0.0, machine["gemm_gflops"][name])
+        result["roofline"][name]["machine_seconds"] = machine_roofline.products_floor_seconds(
+            model_config, steps, peak, machine["read_gb_s"] * 1e9, size)
     runs = {label: (lambda a=STAGE5_ROWS[label]: run_stage5({**a, "cpu_threads": args.threads}, one,
                                                            args.output_len, prompts, outputs)) for label in args.rows}
     if args.llama_server:
@@ -257,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["batch_tokens_per_s"] = sum(outputs) / row["batch_s"]
         if row["dtype"] in result["roofline"]:
             row["of_roofline"] = result["roofline"][row["dtype"]]["seconds"] / row["batch_s"]
+            row["of_machine"] = result["roofline"][row["dtype"]]["machine_seconds"] / row["batch_s"]
         result["rows"][label] = row
         print(f"{label}: {row['batch1_tokens_per_s']:.1f} tok/s at batch 1, {row['batch_tokens_per_s']:.0f} at "
               f"batch {args.num_requests}", flush=True)

@@ -161,8 +161,29 @@ def test_cpu_peers_smoke(tmp_path):
     assert set(rows) == {"stage5 defaults", "stage5 float32"} and set(data["skipped"]) == {"llama.cpp", "vLLM"}
     assert rows["stage5 float32"]["dtype"] == "float32" and rows["stage5 float32"]["matching_prefix"] == 6
     assert all(r["batch1_tokens_per_s"] > 0 and r["batch_tokens_per_s"] > 0 and r["of_roofline"] > 0
-               for r in rows.values())
+               and 0 < r["of_machine"] for r in rows.values())
     assert data["ratios"] == {} and set(data["roofline"]) == {"float32", "bfloat16"}
+    assert data["machine_peaks"]["read_gb_s"] > 0 and data["machine_peaks"]["gemm_gflops"]["bfloat16"] > 0
+
+
+def test_the_machine_roofline_takes_the_longer_of_products_and_weights_each_step():
+    """Per step: the products' FLOPs at the peak, or the weights read once, whichever takes longer; a step that
+    samples nothing reads no LM head."""
+    from types import SimpleNamespace
+
+    from benchmarks.machine_roofline import fma_peak_gflops, model_products, products_floor_seconds
+
+    cfg = SimpleNamespace(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    layers, head = model_products(cfg)
+    assert layers == 2 * (64 * (4 + 4) * 16 + 64 * 64 + 3 * 64 * 128) and head == 64_000
+    peak, bandwidth = 1.0, 1e9  # 1 GFLOP/s, 1 GB/s
+    one_token = products_floor_seconds(cfg, [(1, 1)], peak, bandwidth, 2)
+    assert one_token == pytest.approx(max(2 * (layers + head) / 1e9, (layers + head) * 2 / 1e9))
+    many = products_floor_seconds(cfg, [(4096, 0)], peak, bandwidth, 2)
+    assert many == pytest.approx(2 * 4096 * layers / 1e9)  # compute-bound, no LM head
+    gflops = fma_peak_gflops(1)
+    assert gflops is None or gflops > 1
 
 
 def test_weight_updates_smoke(tmp_path, tiny_llama):
