@@ -1,4 +1,4 @@
-"""What every benchmark shares: the run's provenance and where its results go."""
+"""What every benchmark shares: the run's provenance, where its results go, and a best-of timer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 
@@ -28,6 +29,17 @@ def cpu_model() -> str:
     extensions = [label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"),
                                             ("avx512f", "AVX-512")) if flag in flags]
     return f"{name} with {extensions[0]}" if extensions else name
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn``, after one call that warms it up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run_info(module: str, argv: list[str] | None) -> dict:

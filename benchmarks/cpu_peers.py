@@ -44,7 +44,7 @@ import torch
 from benchmarks import machine_roofline
 from benchmarks.api_oracle import free_port, server
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
-from benchmarks.cpu_roofline import gemm_times, ideal_schedule, make_workload, roofline_seconds, run_vllm
+from benchmarks.cpu_roofline import DTYPES, gemm_times, ideal_schedule, make_workload, roofline_seconds, run_vllm
 from shared import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -242,13 +242,14 @@ def main(argv: list[str] | None = None) -> dict:
                          "threads": args.threads}, "rows": {}, "skipped": {}}
     steps = ideal_schedule(list(map(len, prompts)), outputs, BATCH["max_num_seqs"], BATCH["max_num_batched_tokens"])
     torch.set_num_threads(args.threads)
-    result["roofline"] = {name: {"seconds": roofline_seconds(gemm_times(model_config, dtype), steps)}
-                          for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     result["machine_peaks"] = machine = machine_roofline.measure(args.threads)
-    for name, size in (("float32", 4), ("bfloat16", 2)):  # the larger of the vector loop's and the GEMM's peak
+    result["roofline"] = {}
+    for name, dtype in DTYPES.items():  # machine: the larger of the vector loop's and the GEMM's peak
         peak = max(machine["fma_float32_gflops"] or 0.0, machine["gemm_gflops"][name])
-        result["roofline"][name]["machine_seconds"] = machine_roofline.products_floor_seconds(
-            model_config, steps, peak, machine["read_gb_s"] * 1e9, size)
+        result["roofline"][name] = {
+            "seconds": roofline_seconds(gemm_times(model_config, dtype), steps),
+            "machine_seconds": machine_roofline.products_floor_seconds(model_config, steps, peak,
+                                                                       machine["read_gb_s"] * 1e9, dtype.itemsize)}
     runs = {label: (lambda a=STAGE5_ROWS[label]: run_stage5({**a, "cpu_threads": args.threads}, one,
                                                            args.output_len, prompts, outputs)) for label in args.rows}
     if args.llama_server:

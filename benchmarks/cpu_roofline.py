@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_info, save_figure, write_results
+from benchmarks.common import best_seconds, run_info, save_figure, write_results
+from benchmarks.machine_roofline import gemm_peak_gflops
 from shared import ModelConfig, SamplingParams, kv_bytes_per_token, resolve_model
 from shared.closeness import as_token_logprobs, first_divergences
 
@@ -102,16 +103,6 @@ def ideal_schedule(prompt_lens: list[int], output_lens: list[int], max_num_seqs:
 
 
 # ---- the roofline ---------------------------------------------------------------------------
-def _timed(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def gemm_times(cfg: ModelConfig, dtype: torch.dtype, points=M_POINTS, repeats: int = 3) -> dict:
     """Seconds for M tokens through every layer's GEMMs, and for M rows of the LM head."""
     gen = torch.Generator().manual_seed(0)
@@ -129,8 +120,8 @@ def gemm_times(cfg: ModelConfig, dtype: torch.dtype, points=M_POINTS, repeats: i
                 for (k, _), w in zip(shapes, layer):
                     torch.nn.functional.linear(xs[k], w)
 
-        layers[m] = _timed(run_layers, repeats)
-        lm_head[m] = _timed(lambda x=xs[hidden]: torch.nn.functional.linear(x, head), repeats)
+        layers[m] = best_seconds(run_layers, repeats)
+        lm_head[m] = best_seconds(lambda x=xs[hidden]: torch.nn.functional.linear(x, head), repeats)
     flops = {m: 2 * m * sum(k * n for k, n in shapes) * cfg.num_hidden_layers for m in points}
     return {"layers_s": layers, "lm_head_s": lm_head,
             "layers_gflops": {m: flops[m] / layers[m] / 1e9 for m in points}}
@@ -155,12 +146,11 @@ def roofline_seconds(times: dict, steps: list[tuple[int, int]]) -> float:
 
 def machine_peaks(dtype: torch.dtype, repeats: int = 3) -> dict:
     """Peak GEMM GFLOP/s (2048^3) and copy bandwidth GB/s (256 MiB read + written)."""
-    a = torch.randn(2048, 2048).to(dtype)
-    gemm = _timed(lambda: a @ a, repeats)
     src = torch.empty(64 << 20, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy = _timed(lambda: dst.copy_(src), repeats)
-    return {"peak_gemm_gflops": 2 * 2048**3 / gemm / 1e9, "copy_bandwidth_gbs": 2 * src.numel() * 4 / copy / 1e9}
+    copy = best_seconds(lambda: dst.copy_(src), repeats)
+    return {"peak_gemm_gflops": gemm_peak_gflops(dtype, 2048, repeats),
+            "copy_bandwidth_gbs": 2 * src.numel() * 4 / copy / 1e9}
 
 
 # ---- the engines ----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import best_seconds
 from shared import ModelConfig
 
 FMA_LOOP = textwrap.dedent("""
@@ -71,13 +72,7 @@ def fma_peak_gflops(processes: int) -> float | None:
 def gemm_peak_gflops(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> float:
     """GFLOP/s of the best of ``repeats`` square ``size`` GEMMs in ``dtype`` on torch's threads."""
     a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats) / 1e9
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
