@@ -759,28 +759,30 @@ and one at a time.
         Task(
             name="compiled_step",
             file="stage5_server/model/compile.py",
-            function="CompiledDecodeForward.runs_compiled",
+            function="one_row_per_token",
             spec="""
-Whether a step runs the compiled graph (``True``) or the eager forward (``False``).
+The step as decodes, so that the compiled graph, which attends one query row per sequence, can run
+a step whose requests bring several tokens (a speculative verify step, a short prompt).
 
-The graphs were compiled for one shape of step only: every row a decode (one new token a
-request, so the attention metadata's ``max_query_len == 1``), the stage-2 paged attention
-metadata (``PagedAttentionMetadata``; another backend's metadata is another graph), token ids
-rather than precomputed embeddings (``inputs_embeds is None``: a step carrying an image's
-embeddings runs eagerly), and at most ``self.max_tokens`` rows (``input_ids.shape[0]``: the rows
-the quantized kernels take). Anything else (a prefill chunk, a mixed step, a larger batch) runs
-eagerly. The tests check that compiled decode steps stay logprob-close to eager ones and that a
-prefill, or a batch past eight rows, runs eagerly.
+Token ``i`` of the step becomes row ``i`` of the returned ``PagedAttentionMetadata``: it keeps its
+slot (``slot_mapping`` unchanged), reads its own request's block table (the request's row of
+``meta.block_tables``, repeated once for each of the request's tokens), and sees ``p + 1`` tokens,
+``p`` its position (``seq_lens`` is ``positions + 1``, int32). Every row is a query of one:
+``query_start_loc`` is ``0, 1, ..., T`` (int32) and ``max_query_len`` is 1; ``max_seq_len`` stays.
+The attention operator writes all rows' K/V before any row attends, so row ``i`` sees the tokens
+of its request scheduled before it in the same step: the causal mask, without a mask. The tests
+compare the operator on these rows with the reference causal attention, and run verify steps and
+a short prompt through the compiled graph, logprob-close to the eager forward.
 """,
             hints=(
-                "It is one boolean expression over the four conditions.",
-                "`isinstance(attn_metadata, PagedAttentionMetadata)` comes first: other metadata may not have "
-                "`max_query_len`.",
+                "A request's number of tokens this step is `meta.query_start_loc.diff()`.",
+                "`meta.block_tables.repeat_interleave(query_lens, dim=0)` gives each token its request's row.",
             ),
             tests=(
-                "tests/stage5/test_compiled_decode.py::test_a_prefill_or_a_batch_past_eight_rows_runs_eagerly",
                 "tests/stage5/test_compiled_decode.py::"
-                "test_compiled_decode_is_logprob_close_to_eager_and_compiles_only_at_start_up",
+                "test_a_step_of_several_positions_a_request_attends_causally_as_one_decode_row_per_token",
+                "tests/stage5/test_compiled_decode.py::"
+                "test_verify_steps_and_short_prompts_run_the_start_up_graphs_and_stay_close_to_eager",
             ),
         ),
         Task(

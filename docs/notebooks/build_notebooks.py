@@ -1210,13 +1210,46 @@ if len(results) == 2:
 """),
         md("""
 The compiled engine pays its compile at start-up (the first time; later start-ups read
-inductor's cache), so no request waits for a compiler, and runs every decode step of one to
-eight rows in the graph: 31 of the 32 tokens, the first coming from the eager prefill. The
-operator calls per token (the prefill's included) are the count the graph removes; they do
+inductor's cache), so no request waits for a compiler, and runs every step of one to eight
+tokens in the graph: all 32 here, the prefill too, since the warm-up request left the prompt's
+first 16 tokens in the prefix cache and 4 were left to compute (the rows of a step of several
+tokens are shown below). The greedy tokens part early: in bfloat16 the graph and the eager
+operators round differently, and this random model's next-token probabilities are nearly flat,
+so a small difference flips a token. The tests hold the two paths logprob-close instead; in
+float32 they give the same tokens. The operator calls per token (the prefill's included) are the count the graph removes; they do
 not depend on the machine. The milliseconds do, and on a machine shared with other work they
 say little about either path. On the default model, measured on a quiet machine, the
 difference was 93.5 against 42.8 output tokens/s at batch 1 (`python -m benchmarks.cpu_peers`,
 in `docs/performance.md`).
+
+A step can bring several tokens of one request, too: a verify step of speculative decoding
+(chapter 5) holds the last sampled token and the drafts. The graph attends one query row per
+sequence, so such a step is rewritten first, each token a row of its own that sees its request
+up to itself (`one_row_per_token`). Here a request with 16 tokens in the cache (blocks of 8)
+verifies 3 drafts:
+"""),
+        code("""
+import torch
+
+from stage2_paged.attention import PagedAttentionMetadata
+from stage5_server.model.compile import one_row_per_token
+
+positions = torch.arange(16, 20)  # the last sampled token, then three drafts
+step = PagedAttentionMetadata(slot_mapping=torch.tensor([72, 73, 74, 75]),  # block 9, slots 0-3
+                              query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+                              seq_lens=torch.tensor([20], dtype=torch.int32),
+                              block_tables=torch.tensor([[7, 3, 9]], dtype=torch.int32), max_query_len=4,
+                              max_seq_len=20)
+rows = one_row_per_token(step, positions)
+for i in range(4):
+    print(f"row {i}: slot {rows.slot_mapping[i].item()}, sees {rows.seq_lens[i].item()} tokens "
+          f"through blocks {rows.block_tables[i].tolist()}")
+"""),
+        md("""
+The operator writes the four rows' K/V before any row attends, so the row of the second draft
+sees the first draft's K/V, written in the same call: the causal mask, with no mask. Both
+graphs compiled at start-up serve these rows; the tests hold their tokens logprob-close to the
+eager forward's.
 """),
     ]
 

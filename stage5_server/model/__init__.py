@@ -1,6 +1,6 @@
 """The shared model, rearranged for serving: fused projections, a once-per-step RoPE table, every
 linear layer behind one ``LinearMethod`` seam, the elementwise parts behind an ``ElementwiseKernels``
-seam, and a compiled decode step for small batches on a CPU.
+seam, and a compiled forward for steps of a few tokens on a CPU.
 Stages 1-4 keep ``shared/model.py`` as written."""
 
 from stage5_server.model.compile import CompiledDecodeForward, compile_decode_step, compile_problem

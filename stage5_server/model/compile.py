@@ -1,24 +1,31 @@
-"""A compiled decode step on a CPU: what CUDA graphs are to a GPU.
+"""A compiled step on a CPU: what CUDA graphs are to a GPU.
 
-A decode step at a small batch pushes a few rows through every layer. Each operator is tiny, so
-eager PyTorch spends more time walking modules and dispatching about 140 operators a layer from
-Python than computing them. ``CompiledDecodeForward`` compiles the whole forward once with
-inductor (``fullgraph=True``: no graph break) for decode-only steps of up to ``max_tokens`` rows.
-In that graph, attention is one operator a layer (``cpu_kernels``' ``decode_step_attention``: it
-writes the step's K/V and attends in place); RMSNorm, RoPE, SiLU-and-multiply and the residual
-adds become generated C++ loops; the linear layers' int4/packed kernels are called directly.
+A step of a few tokens pushes a few rows through every layer. Each operator is tiny, so eager
+PyTorch spends more time walking modules and dispatching about 140 operators a layer from Python
+than computing them. ``CompiledDecodeForward`` compiles the whole forward once with inductor
+(``fullgraph=True``: no graph break) for steps of up to ``max_tokens`` tokens. In that graph,
+attention is one operator a layer (``cpu_kernels``' ``decode_step_attention``: it writes the step's
+K/V, then attends each row in place); RMSNorm, RoPE, SiLU-and-multiply and the residual adds become
+generated C++ loops; the linear layers' int4/packed kernels are called directly.
 
-Two graphs serve every decode batch: one row, and 2 to ``max_tokens`` rows (dynamic sizes, so no
+The graph sees only decodes: one query row per sequence. A step that is not (a speculative verify
+step, 1 + k positions of one request; the last short chunk of a prompt) becomes one: the token at
+position ``p`` is a decode row over its request's blocks that sees ``p + 1`` tokens. The operator
+writes every row's K/V before any row attends, so each row sees the tokens before it in the same
+step, which is the causal mask of the eager path.
+
+Two graphs serve every such step: one row, and 2 to ``max_tokens`` rows (dynamic sizes, so no
 padding). Both are compiled at start-up by ``capture`` on a dummy step that writes nothing, so no
 request waits for a compiler; inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by default
 under the temp directory) makes the next start-up quicker. Per call, dynamo checks only its guards
 on the step's inputs, which tell the two graphs apart, not the thousands on the model's modules
-and weights (vLLM drops its guards too). Every other step (a prefill chunk, a mixed step, a
-larger batch, an image's embeddings) runs the eager forward.
+and weights (vLLM drops its guards too). Every other step (more tokens, an image's embeddings)
+runs the eager forward.
 
 vLLM: ``vllm/compilation/`` (``backends.py``'s ``VllmBackend``; ``cuda_graph.py``: graphs captured
 per batch size at start-up, ``cudagraph_capture_sizes``; ``wrapper.py``'s
-``TorchCompileGuardsStripWrapper``) and ``capture_model`` in ``vllm/v1/worker/gpu_model_runner.py``.
+``TorchCompileGuardsStripWrapper``) and ``capture_model`` in ``vllm/v1/worker/gpu_model_runner.py``;
+its CUDA graphs for uniform decode and verify batches: ``uniform_decode_query_len`` there.
 """
 
 from __future__ import annotations
@@ -37,14 +44,14 @@ from stage5_server.model.linear import Linear
 
 logger = logging.getLogger("stagedserve")
 
-# decode batches up to this many rows run compiled: the rows the quantized kernels take
+# steps of up to this many tokens run compiled: the rows the quantized kernels take
 # (quantization/dispatch.py's QUANTIZED_MAX_ROWS), so one graph never holds both of a layer's methods
 MAX_COMPILED_TOKENS = 8
 
 
 class CompiledDecodeForward:
-    """The model's forward: compiled for decode-only steps of at most ``max_tokens`` rows, eager
-    otherwise. Installed as ``model.forward``."""
+    """The model's forward: compiled for steps of at most ``max_tokens`` tokens, eager otherwise.
+    Installed as ``model.forward``."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int = MAX_COMPILED_TOKENS):
         self.eager = model.forward
@@ -57,14 +64,15 @@ class CompiledDecodeForward:
 
     def runs_compiled(self, input_ids: torch.Tensor, attn_metadata, inputs_embeds) -> bool:
         return (inputs_embeds is None and isinstance(attn_metadata, PagedAttentionMetadata)
-                and attn_metadata.max_query_len == 1 and input_ids.shape[0] <= self.max_tokens)
+                and input_ids.shape[0] <= self.max_tokens)
 
     def __call__(self, input_ids, positions, attn_metadata, inputs_embeds=None):
         if not self.runs_compiled(input_ids, attn_metadata, inputs_embeds):
             return self.eager(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
         self.compiled_steps += 1
+        meta = attn_metadata if attn_metadata.max_query_len == 1 else one_row_per_token(attn_metadata, positions)
         with torch.no_grad():
-            return self.graph(input_ids, positions, _at_least_two_blocks(attn_metadata))
+            return self.graph(input_ids, positions, _at_least_two_blocks(meta))
 
     def capture(self, kv_caches: list[torch.Tensor] = ()) -> float:
         """Compile both graphs now, on dummy steps (slots -1: nothing written); returns the seconds.
@@ -120,6 +128,18 @@ def _dummy_decode(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, PagedAtt
     return torch.zeros(num_tokens, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long), meta
 
 
+def one_row_per_token(meta: PagedAttentionMetadata, positions: torch.Tensor) -> PagedAttentionMetadata:
+    """The step as decodes: the token at position ``p`` of a request becomes a row of its own, with
+    the request's block table and ``p + 1`` tokens to see (itself and everything before it)."""
+    query_lens = meta.query_start_loc.diff()
+    num_tokens = positions.shape[0]
+    return PagedAttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32),
+        seq_lens=(positions + 1).to(torch.int32),
+        block_tables=meta.block_tables.repeat_interleave(query_lens, dim=0, output_size=num_tokens),
+        max_query_len=1, max_seq_len=meta.max_seq_len)
+
+
 def _at_least_two_blocks(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
     """A block table one block wide, padded to two: the graphs were traced for two or more (a size of
     one would be a new graph)."""
@@ -152,6 +172,6 @@ def compile_decode_step(model: torch.nn.Module, kv_caches: list[torch.Tensor] = 
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return f"compiling failed ({type(exc).__name__}: {(lines[0] if lines else '')[:300]})"
     model.forward = compiled
-    logger.info("compiled decode step: decode batches of 1 to %d rows run inductor graphs (two, compiled in "
-                "%.1f s); other steps run eagerly", max_tokens, seconds)
+    logger.info("compiled step: steps of 1 to %d tokens (decodes, verify steps, short chunks) run inductor graphs "
+                "(two, compiled in %.1f s); other steps run eagerly", max_tokens, seconds)
     return None

@@ -1,6 +1,7 @@
-"""The compiled decode step (``model/compile.py``): which steps run it, that it compiles only at
-start-up, and that its tokens are logprob-close to the eager forward's; its attention operator
-against the reference; and when the engine arguments turn it on."""
+"""The compiled step (``model/compile.py``): which steps run it (decodes, verify steps, short chunks),
+that it compiles only at start-up, and that its tokens are logprob-close to the eager forward's;
+its attention operator against the reference, with a step's queries of several positions as one
+row per token; and when the engine arguments turn it on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from stage5_server import LLM
 from stage5_server.config import EngineConfig
 from stage5_server.cpu_kernels import cpu_decode_step_attention, load_cpu_kernels
 from stage5_server.model import CompiledDecodeForward
+from stage5_server.model.compile import one_row_per_token
 from tests.invariants.prompts import PROMPTS
 from tests.stage5.test_cpu_attention import make_paged_batch
 
@@ -41,6 +43,33 @@ def test_decode_step_attention_writes_each_rows_kv_and_attends_like_the_referenc
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
     reference = paged_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens, starts,
                                 32 ** -0.5)
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_step_of_several_positions_a_request_attends_causally_as_one_decode_row_per_token(dtype, tolerance):
+    """A verify step (5 positions after 16 cached), a decode, and a 3-token prompt: each token a row
+    that sees its request up to itself, including the rows before it written in the same call."""
+    from stage2_paged.attention import PagedAttentionMetadata
+
+    seq_lens, q_lens = [21, 9, 3], [5, 1, 3]
+    query, key_cache, value_cache, tables, lens, starts = make_paged_batch(
+        seq_lens, q_lens, block_size=8, num_heads=6, num_kv_heads=2, head_dim=32, dtype=dtype)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, q_lens)])
+    owner = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
+    slots = tables[owner, positions // 8].long() * 8 + positions % 8
+    gen = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(9, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    meta = PagedAttentionMetadata(slots, starts, lens, tables, max_query_len=5, max_seq_len=21)
+
+    rows = one_row_per_token(meta, positions)
+    out = cpu_decode_step_attention(query, key, value, key_cache, value_cache, rows.slot_mapping,
+                                    rows.block_tables, rows.seq_lens, 32 ** -0.5)
+
+    assert rows.seq_lens.tolist() == [17, 18, 19, 20, 21, 9, 1, 2, 3]
+    assert torch.equal(key_cache.view(-1, 2, 32)[slots], key)  # the step's K/V, then the attention:
+    reference = paged_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens, starts,
+                                32 ** -0.5)  # causal over the cache as written
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
 
 
@@ -94,7 +123,36 @@ def test_int8_linears_compile_and_stay_logprob_close_to_eager(tiny_llama):
     assert all(d.close for d in divergences), divergences
 
 
-def test_a_prefill_or_a_batch_past_eight_rows_runs_eagerly(tiny_llama):
+def test_verify_steps_and_short_prompts_run_the_start_up_graphs_and_stay_close_to_eager(tiny_llama):
+    """Drafts replayed from the eager run (some wrong on purpose, ``ReplayProposer``), so verify steps
+    accept and reject: each step but the long prompt's prefill runs compiled, with no new graph."""
+    from torch._dynamo.utils import counters
+
+    from stage5_server.spec_decode import NgramDrafter
+    from tests.stage5.test_spec_decode import ReplayProposer
+
+    prompts = [PROMPTS[1] * 3, "one two"]  # 63 tokens (eager), and 5 (compiled from its first step)
+    _, ids_eager, lps_eager = _run(tiny_llama, True, prompts, max_tokens=16)
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm, _, _ = _run(tiny_llama, False, [[1, 2]], max_tokens=1)
+    runs = [llm.tokenizer.encode(p) + ids for p, ids in zip(prompts, ids_eager)]
+    llm.engine.drafter = NgramDrafter(ReplayProposer(runs, k=3, vocab_size=llm.tokenizer.vocab_size))
+    steps_before = llm.engine.stats().num_steps
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]  # one at a time
+
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # the start-up ones, nothing new
+    stats = llm.engine.stats()
+    spec = stats.spec_decoding
+    assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens
+    compiled = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]
+    assert compiled == 1 + (stats.num_steps - steps_before) - 1  # the warm-up's, then all but one prefill
+    divergences = first_divergences([o.token_ids for o in outs], [as_token_logprobs(o.logprobs) for o in outs],
+                                    ids_eager, lps_eager)
+    assert all(d.close for d in divergences), divergences
+
+
+def test_a_step_past_eight_tokens_runs_eagerly(tiny_llama):
     llm, _, _ = _run(tiny_llama, False, ["one prompt"] * 12, max_tokens=3)  # 12 decode rows a step
     steps = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward.compiled_steps)[0]
     assert steps == 0
