@@ -111,6 +111,22 @@ def test_cpu_gemm_smoke(tmp_path):
     assert "python -m benchmarks.cpu_gemm" in (tmp_path / "cpu_gemm.md").read_text()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch build with oneDNN")
+def test_cpu_decode_products_smoke(tmp_path):
+    from benchmarks import cpu_decode_products
+
+    result = cpu_decode_products.main(["--rows", "4", "--layers", "2", "--repeats", "1", "--out-dir", str(tmp_path),
+                                       "--markdown", str(tmp_path / "cpu_decode_products.md")])
+    (row,) = json.loads((tmp_path / "cpu_decode_products.json").read_text())["rows"]
+    flops = 2 * 4 * 2 * sum(n * k for n, k in cpu_decode_products.SHAPES.values())
+    assert row["gflop"] == pytest.approx(flops / 1e9) and row["weight_mb"] == pytest.approx(flops / 4 / 1e6)
+    assert row["bf16_packed_ms"] > 0 and row["bf16_packed_hot_ms"] > 0 and row["read_ms"] > 0
+    if cpu_decode_products.int8_available():  # int8 rounds more than bfloat16, and both stay near float32
+        assert row["bf16_relative_error"] < row["int8_relative_error"] < 0.05
+    md = (tmp_path / "cpu_decode_products.md").read_text()
+    assert "python -m benchmarks.cpu_decode_products" in md and result["rows"][0]["rows"] == 4
+
+
 def test_spec_decode_smoke(tmp_path, tiny_llama):
     spec_decode.main(["--model", str(tiny_llama), "--batch-sizes", "1", "2", "--output-len", "6", "--k", "2",
                       "--out-dir", str(tmp_path), "--markdown", str(tmp_path / "spec_decode.md")])
