@@ -1216,9 +1216,9 @@ first 16 tokens in the prefix cache and 4 were left to compute (the rows of a st
 tokens are shown below). The greedy tokens part early: in bfloat16 the graph and the eager
 operators round differently, and this random model's next-token probabilities are nearly flat,
 so a small difference flips a token. The tests hold the two paths logprob-close instead; in
-float32 they give the same tokens. The operator calls per token (the prefill's included) are the count the graph removes; they do
-not depend on the machine. The milliseconds do, and on a machine shared with other work they
-say little about either path. On the default model, measured on a quiet machine, the
+float32 they give the same tokens. The operator calls per token (the prefill's included) are
+the count the graph removes; they do not depend on the machine. The milliseconds do, and on a
+machine shared with other work they say little about either path. On the default model, measured on a quiet machine, the
 difference was 93.5 against 42.8 output tokens/s at batch 1 (`python -m benchmarks.cpu_peers`,
 in `docs/performance.md`).
 
