@@ -84,14 +84,11 @@ def profile_engine(top: int) -> dict:
     """The engine on cpu_peers's batch-64 workload under torch.profiler: the top operators by self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.cpu_peers import BATCH
+    from benchmarks.cpu_peers import batch_engine, greedy
     from benchmarks.cpu_roofline import make_workload
-    from shared import SamplingParams
-    from stage5_server import LLM
 
     prompts, outputs = make_workload(64, 0, 49152)
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)  # noqa: E731
-    llm = LLM(device="cpu", enable_prefix_caching=False, seed=0, **BATCH)
+    llm = batch_engine()
     llm.generate([prompts[0][:16], prompts[0][:8]], greedy(4), use_tqdm=False)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()

@@ -117,14 +117,11 @@ def profile_engine() -> list[dict]:
     """The engine on cpu_peers's batch-64 workload: its packed products' GFLOP/s by shape and step kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.cpu_peers import BATCH
+    from benchmarks.cpu_peers import BATCH, batch_engine, greedy
     from benchmarks.cpu_roofline import make_workload
-    from shared import SamplingParams
-    from stage5_server import LLM
 
     prompts, outputs = make_workload(64, 0, 49152)
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)  # noqa: E731
-    llm = LLM(device="cpu", enable_prefix_caching=False, seed=0, **BATCH)
+    llm = batch_engine()
     llm.generate(prompts, [greedy(n) for n in outputs], use_tqdm=False)  # warm-up: the same run once
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         llm.generate(prompts, [greedy(n) for n in outputs], use_tqdm=False)

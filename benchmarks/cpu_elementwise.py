@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
-from benchmarks.cpu_peers import BATCH
+from benchmarks.cpu_peers import batch_engine, greedy
 from benchmarks.cpu_roofline import make_workload
-from shared import SamplingParams
 from shared.closeness import as_token_logprobs, first_divergences
 from shared.model import RMSNorm
 from stage5_server.cpu_kernels.elementwise import SWITCH, CPUElementwiseKernels
@@ -65,11 +64,8 @@ def operator_rows(dtype: torch.dtype, m: int) -> list[dict]:
 
 
 def run_engine(switch: str, one: list[int], prompts, outputs, check: int) -> dict:
-    from stage5_server import LLM
-
     os.environ[SWITCH] = switch  # read when the model loads
-    llm = LLM(device="cpu", enable_prefix_caching=False, seed=0, **BATCH)
-    greedy = lambda n, **kw: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, **kw)  # noqa: E731
+    llm = batch_engine()
     llm.generate([one[:16], one[:8]], greedy(4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     llm.generate([one], greedy(128), use_tqdm=False)

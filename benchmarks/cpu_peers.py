@@ -66,25 +66,32 @@ BATCH1_TEXT = (
 BATCH = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)  # cpu_roofline's settings
 
 
-def _params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+def greedy(max_tokens: int, **fields) -> SamplingParams:
+    """What every engine here is asked: greedy, ``max_tokens`` with EOS ignored, no text."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, **fields)
+
+
+def batch_engine(**engine_args):
+    """stage5 with the batch settings (``BATCH``, no prefix caching): ``LLM()`` defaults unless
+    ``engine_args`` say otherwise."""
+    from stage5_server import LLM
+
+    return LLM(device="cpu", enable_prefix_caching=False, seed=0, **BATCH, **engine_args)
 
 
 def run_stage5(engine_args: dict, one: list[int], output_len: int, prompts, outputs) -> dict:
-    from stage5_server import LLM
-
     start = time.perf_counter()
-    llm = LLM(device="cpu", enable_prefix_caching=False, seed=0, **BATCH, **engine_args)
-    llm.generate([one[:16], one[:8]], _params(4), use_tqdm=False)  # warm-up: one row and two
+    llm = batch_engine(**engine_args)
+    llm.generate([one[:16], one[:8]], greedy(4), use_tqdm=False)  # warm-up: one row and two
     load = time.perf_counter() - start
     start = time.perf_counter()
-    llm.generate([one], _params(1), use_tqdm=False)
+    llm.generate([one], greedy(1), use_tqdm=False)
     first = time.perf_counter() - start
     start = time.perf_counter()
-    [out] = llm.generate([one], _params(output_len), use_tqdm=False)
+    [out] = llm.generate([one], greedy(output_len), use_tqdm=False)
     whole = time.perf_counter() - start
     start = time.perf_counter()
-    llm.generate(prompts, [_params(n) for n in outputs], use_tqdm=False)
+    llm.generate(prompts, [greedy(n) for n in outputs], use_tqdm=False)
     batch = time.perf_counter() - start
     dtype = str(llm.dtype).removeprefix("torch.")
     del llm

@@ -10,7 +10,7 @@ import torch
 
 from shared import SamplingParams
 from shared.closeness import as_token_logprobs, first_divergences
-from stage2_paged.attention import paged_attention
+from stage2_paged.attention import PagedAttentionMetadata, paged_attention
 from stage5_server import LLM
 from stage5_server.config import EngineConfig
 from stage5_server.cpu_kernels import cpu_decode_step_attention, load_cpu_kernels
@@ -50,8 +50,6 @@ def test_decode_step_attention_writes_each_rows_kv_and_attends_like_the_referenc
 def test_a_step_of_several_positions_a_request_attends_causally_as_one_decode_row_per_token(dtype, tolerance):
     """A verify step (5 positions after 16 cached), a decode, and a 3-token prompt: each token a row
     that sees its request up to itself, including the rows before it written in the same call."""
-    from stage2_paged.attention import PagedAttentionMetadata
-
     seq_lens, q_lens = [21, 9, 3], [5, 1, 3]
     query, key_cache, value_cache, tables, lens, starts = make_paged_batch(
         seq_lens, q_lens, block_size=8, num_heads=6, num_kv_heads=2, head_dim=32, dtype=dtype)
