@@ -77,9 +77,9 @@ def trainer_main(path: str, port: int, world_size: int, seed: int) -> None:
 def update_over_gloo(llm, path: str, seed: int) -> float:
     """Seconds from the trainer's first byte to an engine serving the new weights (the trainer's start-up
     and reading the checkpoint are not counted: the group is joined first)."""
-    from stage5_server.weight_sync import describe_tensors
-
     import secrets
+
+    from stage5_server.weight_sync import describe_tensors
 
     os.environ.setdefault("STAGEDSERVE_WEIGHT_SYNC_SECRET", secrets.token_hex(32))  # both ends read it
     port = free_port()
