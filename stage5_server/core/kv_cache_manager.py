@@ -30,6 +30,7 @@ from stage4_prefix_cache.kv_cache_manager import KVCacheManager as _KVCacheManag
 from stage4_prefix_cache.kv_cache_utils import ExtraKey, KVCacheBlock
 from stage5_server.core.request import Request
 from stage5_server.kv_transfer import FilledBlock, KVConnectorBase
+from stage5_server.kv_transfer.base import transfer_id_of
 from stage5_server.kv_transfer.lookup import filled_blocks, take_connector_blocks
 
 
@@ -46,7 +47,8 @@ class KVCacheManager(_KVCacheManager):
 
     def filled_blocks(self, request: Request, num_new_tokens: int) -> list[FilledBlock]:
         return filled_blocks(self._get_block_hashes(request), self.req_to_blocks[request.request_id],
-                             request.num_computed_tokens, num_new_tokens, request.num_tokens, self.block_size)
+                             request.num_computed_tokens, num_new_tokens, request.num_tokens, self.block_size,
+                             transfer_id_of(request))
 
     def block_extra_keys(self, request: Request, start: int, end: int) -> tuple[ExtraKey, ...]:
         keys: list[ExtraKey] = []

@@ -6,7 +6,9 @@
 
 An endpoint module (``completions.py``, ``chat.py``) parses its request and writes its bodies
 with a ``Responder``; ``OpenAIServing`` does the rest. ``X-Stagedserve-Timeline: 1`` (opt-in)
-adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``.
+adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``;
+``X-KV-Transfer-Id`` (from the disaggregation proxy) names the transfer its blocks cross between a prefill and a
+decode instance under (``kv_transfer/p2p.py``).
 
 vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 """
@@ -51,6 +53,15 @@ from stage5_server.server.sse import (
 GENERATION_APIS = {"chat.completion": "Chat Completions", "text_completion": "Completions",
                    "response": "Responses"}  # a responder's ``object`` -> the API's name in vLLM's errors
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
+KV_TRANSFER_HEADER = "x-kv-transfer-id"  # the disaggregation proxy's id for one request's blocks (kv_transfer/)
+
+
+def in_transfer(prompt: PromptType, transfer_id: str) -> PromptType:
+    """``prompt`` with the ``kv_transfer_params`` its blocks cross between a prefill and a decode instance under."""
+    params = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    if isinstance(prompt, dict):
+        return {**prompt, **params}
+    return {("prompt" if isinstance(prompt, str) else "prompt_token_ids"): prompt, **params}
 
 
 def usage_of(outputs: list[RequestOutput], n: int = 1, num_tokens: list[int] | None = None) -> dict[str, Any]:
@@ -240,6 +251,9 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
+        transfer_id = request.headers.get(KV_TRANSFER_HEADER)
+        if transfer_id is not None:
+            prompts = [in_transfer(prompt, transfer_id) for prompt in prompts]
         with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
             try:
                 for i, prompt in enumerate(prompts):
