@@ -12,6 +12,8 @@ The real server on the tiny Llama, adapters made with PEFT.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import requests
@@ -61,6 +63,17 @@ def unload(url: str, key: str, name: str) -> requests.Response:
     return call(url, key, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
 
+@contextmanager
+def loaded(url: str, key: str, name: str, path) -> Iterator[None]:
+    """Adapter ``name`` loaded by ``key``'s group for the block, unloaded by it after."""
+    response = load(url, key, name, path)
+    assert response.status_code == 200, response.text
+    try:
+        yield
+    finally:
+        assert unload(url, key, name).status_code == 200
+
+
 def complete(url: str, key: str, model: str, prompt: str = "def f(x):") -> requests.Response:
     return call(url, key, "POST", "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4,
                                                       "temperature": 0, "ignore_eos": True})
@@ -90,8 +103,7 @@ def every_model_route(url: str, key: str, model: str) -> dict[str, int]:
 def test_another_group_gets_a_404_for_an_adapter_on_every_route_and_cannot_unload_it(served, adapter_dirs,
                                                                                       two_trust_groups):
     groups = two_trust_groups
-    assert load(served, groups.a_key, "team-a-only", adapter_dirs["first"]).status_code == 200
-    try:
+    with loaded(served, groups.a_key, "team-a-only", adapter_dirs["first"]):
         owner = every_model_route(served, groups.a_other_key, "team-a-only")  # the group's other key too
         assert set(owner.values()) == {200}, owner
         stranger = every_model_route(served, groups.b_key, "team-a-only")
@@ -100,32 +112,23 @@ def test_another_group_gets_a_404_for_an_adapter_on_every_route_and_cannot_unloa
         assert refused.status_code == 404, refused.text
         assert refused.json()["error"]["code"] == "model_not_found"
         assert complete(served, groups.a_key, "team-a-only").status_code == 200  # still there for its group
-    finally:
-        assert unload(served, groups.a_key, "team-a-only").status_code == 200
 
 
 def test_each_group_may_load_its_own_adapter_under_a_name_another_group_uses(served, adapter_dirs,
                                                                              two_trust_groups):
     groups = two_trust_groups
-    assert load(served, groups.a_key, "ours", adapter_dirs["first"]).status_code == 200
-    try:
-        assert load(served, groups.b_key, "ours", adapter_dirs["second"]).status_code == 200
-        try:
+    with loaded(served, groups.a_key, "ours", adapter_dirs["first"]):
+        with loaded(served, groups.b_key, "ours", adapter_dirs["second"]):
             text_a = complete(served, groups.a_key, "ours").json()["choices"][0]["text"]
             text_b = complete(served, groups.b_key, "ours").json()["choices"][0]["text"]
             assert text_a != text_b  # each group's name is its own adapter
-        finally:
-            assert unload(served, groups.b_key, "ours").status_code == 200
         assert complete(served, groups.a_key, "ours").status_code == 200
-    finally:
-        assert unload(served, groups.a_key, "ours").status_code == 200
 
 
 def test_the_models_list_shows_each_key_what_it_may_use_and_no_adapter_path(served, adapter_dirs,
                                                                             two_trust_groups):
     groups = two_trust_groups
-    assert load(served, groups.a_key, "listed-for-a", adapter_dirs["first"]).status_code == 200
-    try:
+    with loaded(served, groups.a_key, "listed-for-a", adapter_dirs["first"]):
         ids = {key: {card["id"] for card in listed(served, key)}
                for key in (groups.a_key, groups.a_other_key, groups.b_key)}
         assert ids[groups.a_key] == ids[groups.a_other_key] == {BASE, "at-start", "listed-for-a"}
@@ -133,8 +136,6 @@ def test_the_models_list_shows_each_key_what_it_may_use_and_no_adapter_path(serv
         for key in (groups.a_key, groups.b_key):
             text = call(served, key, "GET", "/v1/models").text + call(served, key, "GET", "/v1/models/at-start").text
             assert str(adapter_dirs["root"]) not in text, text
-    finally:
-        assert unload(served, groups.a_key, "listed-for-a").status_code == 200
 
 
 def cached_tokens(url: str, key: str, model: str) -> tuple[int, str]:
@@ -154,15 +155,10 @@ def test_an_adapter_reloaded_with_other_weights_under_the_same_name_and_path_reu
     assert cached_tokens(served, key, "reloaded")[0] > 0  # its blocks are cached
     assert unload(served, key, "reloaded").status_code == 200
     shutil.copy(adapter_dirs["second"] / WEIGHTS, swapped / WEIGHTS)  # other weights, same name, same path
-    assert load(served, key, "reloaded", swapped).status_code == 200
-    assert load(served, key, "fresh", adapter_dirs["second"]).status_code == 200
-    try:
+    with loaded(served, key, "reloaded", swapped), loaded(served, key, "fresh", adapter_dirs["second"]):
         reused, text = cached_tokens(served, key, "reloaded")
         assert reused == 0  # no block the old weights computed
         assert text == cached_tokens(served, key, "fresh")[1]
-    finally:
-        for name in ("reloaded", "fresh"):
-            assert unload(served, key, name).status_code == 200
 
 
 @pytest.mark.parametrize("damage, words", [
