@@ -26,6 +26,7 @@ vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py`` (``Inpro
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,7 +72,7 @@ class LLM(PoolingAPI, BaseLLM):
                                               check_max_tokens=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._checked_adapters: set[tuple[int, str]] = set()
+        self._checked_adapters: dict[tuple[int, str], str] = {}  # (lora_int_id, lora_path) -> weights digest
 
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
@@ -87,7 +88,9 @@ class LLM(PoolingAPI, BaseLLM):
         parent, requests = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
                                                                cache_salt=cache_salt, lora_request=lora_request)
         if lora_request is not None:  # a LoRARequest, with adapters on: process_inputs checked both
-            self.check_adapter(lora_request)
+            checked = self.check_adapter(lora_request)
+            for request in requests:
+                request.lora_request = checked
         taken = [r.request_id for r in requests if self.output_processor.has_request(r.request_id)]
         if taken and parent is not None:
             raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
@@ -99,20 +102,24 @@ class LLM(PoolingAPI, BaseLLM):
         except StepFailed as exc:  # the core aborted the step's requests; the caller sees what failed
             raise exc.cause from None
 
-    def check_adapter(self, lora_request: LoRARequest) -> None:
+    def check_adapter(self, lora_request: LoRARequest) -> LoRARequest:
         """An adapter is served only once its directory passed the checks (``lora/adapter.py``), once: a bad one
         fails here, before any request is queued. The weights checked go to every worker (``add_lora``) and
-        are the ones served until ``remove_lora``: the files are not read again."""
-        if lora_request.key not in self._checked_adapters:
+        are the ones served until ``remove_lora``: the files are not read again. Returns ``lora_request``
+        with the digest of those weights, which keys its cached blocks."""
+        digest = self._checked_adapters.get(lora_request.key)
+        if digest is None:
             adapter = load_adapter(lora_request.lora_path, self.model_config, self.config.lora.max_lora_rank)
             self.collective_rpc("add_lora", (lora_request, adapter))
-            self._checked_adapters.add(lora_request.key)
+            digest = self._checked_adapters[lora_request.key] = adapter.digest
+        return dataclasses.replace(lora_request, weights_digest=digest)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop adapter ``lora_int_id``'s weights from the workers (a later request with it reads its files
         again); whether any were held. Refused while requests are unfinished."""
         self.engine.weight_sync.require_idle("remove_lora")
-        self._checked_adapters = {key for key in self._checked_adapters if key[0] != lora_int_id}
+        self._checked_adapters = {key: digest for key, digest in self._checked_adapters.items()
+                                  if key[0] != lora_int_id}
         return any(self.collective_rpc("remove_lora", (lora_int_id,)))
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,

@@ -1615,17 +1615,24 @@ through the model. The tokens are the same, because the blocks hold the same K/V
 ## A prefill engine and a decode engine
 
 The same seam moves blocks between two engines. A `kv_producer` sends every block it completes
-to a `kv_consumer` over ZeroMQ (loopback here); the consumer finds a prompt's blocks there.
+to a `kv_consumer` over ZeroMQ (loopback here); the consumer finds a prompt's blocks there. The
+two prove who they are with a secret they share (`STAGEDSERVE_KV_TRANSFER_SECRET`), and a block
+travels under the transfer id of its request, which the proxy gives both engines; here we give
+each prompt one by hand.
 """),
         code("""
+import os
+
 plain.shutdown(); tiered.shutdown()
+os.environ["STAGEDSERVE_KV_TRANSFER_SECRET"] = "only-this-pair-shares-it-" + "0123456789" * 2
 extra = {"kv_port": 14583}
 decode = LLM(MODEL, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
                                         "kv_connector_extra_config": extra}, **POOL)
 prefill = LLM(MODEL, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
                                          "kv_connector_extra_config": extra}, **POOL)
-prefill.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the proxy's first call
-outs = decode.generate(prompts[:2], params, use_tqdm=False)
+sent = [{**p, "kv_transfer_params": {"transfer_id": f"notebook-request-{i:04d}"}} for i, p in enumerate(prompts[:2])]
+prefill.generate(sent, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the proxy's first call
+outs = decode.generate(sent, params, use_tqdm=False)
 stats = decode.engine.stats()
 print("decode engine: prompt tokens computed", stats.num_prompt_tokens_computed,
       "| taken from the prefill engine", stats.kv_connector.p2p_hit_tokens)

@@ -46,12 +46,13 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
     mm_features: list[MultiModalFeature] = []  # the prompt's images, prepared by the front end
     lora_request: LoRARequest | None = None  # the adapter it runs under (lora/)
+    kv_transfer_params: dict[str, str] | None = None  # its blocks' transfer between instances (kv_transfer/)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
                        priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids,
                        bad_words_token_ids=self.bad_words_token_ids, mm_features=self.mm_features,
-                       lora_request=self.lora_request)
+                       lora_request=self.lora_request, kv_transfer_params=self.kv_transfer_params)
 
 
 class AddRequest(msgspec.Struct, tag="add"):

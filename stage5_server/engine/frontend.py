@@ -69,6 +69,13 @@ def _guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise EngineError(f"the engine failed on this request ({type(exc).__name__})") from None
 
 
+def prompt_text(prompt: PromptType) -> str | None:
+    """The prompt's text, if it came as text (a string, or ``{"prompt": text, ...}``)."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def dead_core_stats(stats: SchedulerStats) -> SchedulerStats:
     """A dead core runs and holds nothing; its counters keep what it did."""
     return dataclasses.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
@@ -175,7 +182,7 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             stream = RequestStream(request_id, loop, output_kind is RequestOutputKind.DELTA)
             for index, r in enumerate(requests):
-                self.output_processor.add_request(r.request_id, prompt if isinstance(prompt, str) else None,
+                self.output_processor.add_request(r.request_id, prompt_text(prompt),
                                                   r.prompt_token_ids, r.sampling_params, r.arrival_time,
                                                   kind=output_kind, parent=parent, index=index, queue=stream,
                                                   received=received_time)

@@ -69,6 +69,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(config.cache_salt_secret), config.trust_client_cache_salt,
                             version(), metrics, config.chat_options, config.limits, config.media)
+    serving.models.num_groups = len(keys.groups) if keys is not None else 1
     for name, path in config.lora_modules:  # a bad adapter stops the start, with the 400's reason
         try:
             serving.models.load(name, path)

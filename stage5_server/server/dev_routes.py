@@ -12,6 +12,12 @@ each is a 404 and none is in the schema. On, each sits behind the API key like e
     POST /update_weights       {"path"} | {"reload": true} | {"tensors": [{"name", "dtype", "shape"}]}
                                -> {"weight_version"}     (``tensors``: broadcast by the trainer's group)
 
+Weights change through ``/update_weights`` only: it drains, resets the prefix cache and counts a version.
+``/collective_rpc`` refuses the worker's weight methods, ``shutdown`` and the core's own (``weight_sync/core.py``),
+and the adapter methods (the LoRA routes load and unload adapters per trust group); joining a trainer's group
+(``init_weight_update_group``) returns at once and the join runs beside the engine's steps. A checkpoint path
+the server cannot read is one 400 whatever the reason, so the route tells nobody which paths exist.
+
 While the engine sleeps, a generation request is a 503 naming the cause (``engine_unavailable``).
 
 vLLM: ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``, ``/collective_rpc`` in
@@ -64,11 +70,16 @@ async def parse(request: Request, model: type[BaseModel]) -> Any:
         raise validation_error(exc) from None
 
 
-def to_api_error(exc: Exception) -> APIError:
+# Worker methods the route does not pass on by name: adapters are loaded and unloaded, each for its trust group,
+# through /v1/load_lora_adapter and /v1/unload_lora_adapter (server/lora_models.py).
+NOT_BY_RPC = {"add_lora": "POST /v1/load_lora_adapter", "remove_lora": "POST /v1/unload_lora_adapter"}
+
+
+def to_api_error(exc: Exception, param: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=param)
     if isinstance(exc, EngineSleepingError):
         return APIError(503, str(exc), code="engine_sleeping")
     if isinstance(exc, TimeoutError):
@@ -86,11 +97,11 @@ def plain(value: Any) -> Any:
 
 
 def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    async def run(coro) -> Any:
+    async def run(coro, param: str | None = None) -> Any:
         try:
             return await coro
         except Exception as exc:
-            raise to_api_error(exc) from None
+            raise to_api_error(exc, param) from None
 
     @app.post("/sleep", summary="Free the KV cache (level 1) and the weights (level 2); requests are refused")
     async def sleep(level: int = 1) -> dict:
@@ -115,6 +126,9 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.post("/collective_rpc", summary="A worker method on every worker, by name; the results in rank order")
     async def collective_rpc(request: Request) -> dict:
         body = await parse(request, CollectiveRPCBody)
+        if body.method in NOT_BY_RPC:
+            raise APIError(400, f"collective_rpc: {body.method!r} is not called by name here; use "
+                           f"{NOT_BY_RPC[body.method]}", param="method")
         results = await run(engine.collective_rpc(body.method, tuple(body.args), body.kwargs, body.timeout))
         return {"results": [plain(r) for r in results]}
 
@@ -125,7 +139,7 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
         if sum(sources) != 1:
             raise APIError(400, "update_weights: give exactly one of path, reload, tensors")
         if body.path is not None:
-            version = await run(engine.update_weights_from_path(body.path))
+            version = await run(engine.update_weights_from_path(body.path), param="path")
         elif body.reload:
             version = await run(engine.reload_weights())
         else:

@@ -8,7 +8,10 @@ engine what that loop needs, plugged into the seams stage 5 already has:
   ``init_weight_update_group`` / ``update_weights_from_distributed``, ``sleep``, ``wake_up``);
 - ``loader.py``: checkpoint-named tensors into a rank's fused, sharded, maybe packed model, through the
   load path's own ``rename`` and ``load_shard``, re-running ``process_weights_after_loading``;
-- ``group.py``: the gloo group a trainer process and the workers share to broadcast tensors;
+- ``group.py``: the gloo group a trainer process and the workers share to broadcast tensors, each checked
+  against the trainer's HMAC;
+- ``store.py``: the store that group forms through, hosted by the trainer on the address it names, which admits
+  only peers holding the shared secret (``STAGEDSERVE_WEIGHT_SYNC_SECRET``);
 - ``core.py``: the engine core's side: ``collective_rpc`` in rank order, an update between steps with
   the prefix cache reset and the weight version counted, sleep levels 1 and 2;
 - ``loop.py``: the same calls through the core's busy loop, draining the requests in flight first;

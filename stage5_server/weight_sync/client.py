@@ -112,7 +112,11 @@ class WeightSyncClient:
         return await self._update("update_weights_from_path", str(path))
 
     async def update_weights_from_distributed(self, metadata: list) -> int:
-        """Receive a trainer's broadcasts (``group.py``), one per ``(name, dtype, shape)``."""
+        """Receive a trainer's broadcasts (``group.py``), one per ``(name, dtype, shape)``, once every worker has
+        joined the trainer's group: each poll is a quick call between steps, so the update that follows waits on
+        no join inside the engine's loop (a join that failed is a ValueError, HTTP 400)."""
+        while not all(await self.collective_rpc("weight_update_group_ready")):
+            await asyncio.sleep(0.05)
         return await self._update("update_weights_from_distributed", list(metadata))
 
     async def reload_weights(self) -> int:

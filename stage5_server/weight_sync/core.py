@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from shared.weights import checkpoint_files
 from stage5_server.errors import EngineDeadError
 from stage5_server.weight_sync.loader import describe_tensors
 
@@ -74,13 +75,33 @@ class RankCall:
             return RankError(type(exc).__name__, str(exc), traceback.format_exc())
 
 
-# Worker methods whose state the core keeps: refused through the public collective_rpc.
+# Worker methods whose state the core keeps: refused through the public collective_rpc. A weight method by name
+# would swap the weights without the drain, the prefix-cache reset and the version bump of the core's own call.
 CORE_ONLY = {"execute_model": "LLM.generate", "initialize_kv_cache": "LLM.wake_up", "sleep": "LLM.sleep",
-             "wake_up": "LLM.wake_up"}
+             "wake_up": "LLM.wake_up", "shutdown": "LLM.shutdown",
+             "update_weights": "LLM.update_weights or POST /update_weights",
+             "update_weights_from_path": "LLM.update_weights_from_path or POST /update_weights {\"path\"}",
+             "update_weights_from_distributed":
+                 "LLM.update_weights_from_distributed or POST /update_weights {\"tensors\"}"}
+UNREADABLE_CHECKPOINT = ("update_weights_from_path: not a checkpoint directory this server can read (a directory of "
+                         "*.safetensors files, or an index and its shards)")
 # Utilities that wait for the requests in the core to finish (and hold new ones) before they run.
 DRAINING = frozenset({"update_weights", "update_weights_from_path", "update_weights_from_distributed",
                       "reload_weights", "sleep"})
 UTILITIES = DRAINING | {"collective_rpc", "wake_up", "is_sleeping", "reset_prefix_cache", "weight_version", "refusal"}
+
+
+def readable_checkpoint(path: str) -> None:
+    """``path`` names a checkpoint directory whose weight files this process can open; ``UNREADABLE_CHECKPOINT``
+    otherwise."""
+    try:
+        if not isinstance(path, str) or not path.strip():
+            raise ValueError("empty")
+        for file in checkpoint_files(Path(path)):
+            with open(file, "rb") as weights:
+                weights.read(8)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(UNREADABLE_CHECKPOINT) from None
 
 
 class WeightSync:
@@ -88,7 +109,7 @@ class WeightSync:
         self.core = core
         self.version = 0  # weight updates done
         self.sleep_level = 0  # 0: awake
-        self.weights_missing = False  # woke from level 2: no request runs until every weight is loaded again
+        self.weights_missing = False  # a level-2 sleep dropped them: no request runs until every one is loaded again
         module, _, name = core.config.worker_cls.partition(":")  # the worker by its qualified name
         worker_cls = getattr(importlib.import_module(module), name)
         self.worker_cls = worker_cls if isinstance(worker_cls, type) else None  # a factory: checked on the rank
@@ -132,8 +153,10 @@ class WeightSync:
         return self._updated(self._rpc("update_weights", (tensors,)))
 
     def update_weights_from_path(self, path: str) -> int:
-        if not Path(path).is_dir():
-            raise ValueError(f"update_weights_from_path: {path!r} is not a checkpoint directory")
+        """Every tensor of the checkpoint directory ``path``. A path this process cannot read, for whatever reason
+        (missing, not a directory, no weights, no permission, too long), is one ValueError that does not say
+        which: a caller learns nothing about the server's files from it."""
+        readable_checkpoint(path)
         return self._updated(self._rpc("update_weights_from_path", (str(path),)))
 
     def reload_weights(self) -> int:
@@ -164,6 +187,8 @@ class WeightSync:
         self._reset_prefix_cache("sleep")  # the blocks' contents are gone: nothing may hit them after waking
         freed = sum(self._rpc("sleep", (level,)))
         self.sleep_level = level
+        if level >= 2:  # until an update (asleep or awake) brings every weight back
+            self.weights_missing = True
         return freed
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -178,7 +203,6 @@ class WeightSync:
         config = self.core.config
         self._rpc("initialize_kv_cache", (self.core.num_kv_blocks, config.cache.block_size,
                                                     self.core.max_model_len))
-        self.weights_missing = self.weights_missing or self.sleep_level >= 2
         self.sleep_level = 0
         return True
 
@@ -225,4 +249,5 @@ class WeightSync:
         return getattr(self, method)(*args, **kwargs)
 
 
-__all__ = ["DRAINING", "EngineSleepingError", "RankCall", "RankError", "UTILITIES", "WeightSync", "describe_tensors"]
+__all__ = ["DRAINING", "EngineSleepingError", "RankCall", "RankError", "UNREADABLE_CHECKPOINT", "UTILITIES",
+           "WeightSync", "describe_tensors"]

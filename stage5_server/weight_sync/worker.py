@@ -6,7 +6,8 @@ every rank where that rank's worker lives (this process, a worker process, a Ray
 - ``update_weights(named_tensors)``: tensors by checkpoint name (``loader.py`` takes this rank's part);
 - ``update_weights_from_path(path)``: every tensor of a checkpoint directory, read as the load does;
 - ``init_weight_update_group`` / ``update_weights_from_distributed(metadata)``: join a trainer's gloo
-  group and receive each tensor it broadcasts (``group.py``);
+  group (on a thread: the call returns at once) and receive each tensor it broadcasts, checked against
+  the trainer's HMAC (``group.py``);
 - ``sleep(level)``: drop the KV cache (level 1), and the weights too (level 2); ``wake_up`` (the
   engine core then re-allocates the KV cache by ``initialize_kv_cache``, as at start-up).
 
@@ -26,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from shared.weights import checkpoint_files
-from stage5_server.weight_sync.group import broadcast_tensor, init_weight_update_group
+from stage5_server.weight_sync.group import DEFAULT_GROUP_TIMEOUT_S, join_in_background, receive_tensors
 from stage5_server.weight_sync.loader import RankWeightLoader, tensor_dtype, weight_bytes
 
 
@@ -65,26 +66,35 @@ class WeightSyncWorker:
         return self.update_weights(tensors())
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                 world_size: int) -> int:
-        """Join a trainer's group as rank ``rank_offset + this worker's rank``; returns that rank."""
+                                 world_size: int, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> int:
+        """Start joining a trainer's group as rank ``rank_offset + this worker's rank`` and return that rank at
+        once: the join runs on a thread (``group.py``), so the engine steps on meanwhile."""
         rank = rank_offset + self.rank
-        self._weight_group = init_weight_update_group(master_address, master_port, rank, world_size)
+        self._weight_group = join_in_background(master_address, master_port, rank, world_size, timeout_s)
         return rank
 
-    def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
-        """Receive one broadcast per ``(name, dtype, shape)``, in order, then load them all."""
+    def weight_update_group_ready(self) -> bool:
+        """Whether the join has finished (a ValueError says why it failed)."""
         if self._weight_group is None:
             raise ValueError("update_weights_from_distributed: no weight-update group; call "
                              "init_weight_update_group first")
-        received = []
-        for name, dtype, shape in metadata:
-            tensor = torch.empty(shape, dtype=tensor_dtype(dtype))
-            broadcast_tensor(self._weight_group, tensor)
-            received.append((name, tensor))
-        return self.update_weights(received)
+        if not self._weight_group.done():
+            return False
+        error = self._weight_group.exception()
+        if error is not None:
+            raise ValueError(f"update_weights_from_distributed: the weight-update group did not form: {error}")
+        return True
+
+    def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
+        """Receive one broadcast per ``(name, dtype, shape)``, in order, check each, then load them all."""
+        self.weight_update_group_ready()
+        member = self._weight_group.result()  # the join's own timeout bounds the wait
+        return self.update_weights(receive_tensors(member, metadata, tensor_dtype))
 
     def destroy_weight_update_group(self) -> None:
-        self._weight_group = None
+        joining, self._weight_group = self._weight_group, None
+        if joining is not None and joining.done() and joining.exception() is None:
+            joining.result().store.close()
 
     def missing_weights(self) -> list[str]:
         """Parameters holding no weights (dropped by ``sleep(level=2)`` and not updated since)."""

@@ -9,6 +9,7 @@ and need the key.
 from __future__ import annotations
 
 import multiprocessing
+import secrets
 import shutil
 import socket
 import threading
@@ -79,6 +80,15 @@ def references(tiny_llama, trained):
     return hf_tokens(hf_model(tiny_llama)), hf_tokens(trained[0])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def weight_sync_secret():
+    """The secret a trainer and the workers share (``weight_sync/store.py``): set for this process and every
+    process it starts, trainers and workers alike."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGEDSERVE_WEIGHT_SYNC_SECRET", secrets.token_hex(32))
+        yield
+
+
 @pytest.fixture
 def llm(tiny_llama):
     engine = make_llm(tiny_llama)
@@ -103,8 +113,22 @@ def test_collective_rpc_returns_each_workers_result_and_names_an_unknown_method(
     with pytest.raises(ValueError, match="run by the engine core itself"):  # the core keeps the KV pool's state
         llm.collective_rpc("sleep", args=(1,))
     with pytest.raises(ValueError, match="model.bogus"):  # a worker's ValueError comes back; the engine lives on
-        llm.collective_rpc("update_weights", args=([("model.bogus", torch.zeros(1))],))
+        llm.collective_rpc(update_behind_the_cores_back, args=([("model.bogus", torch.zeros(1))],))
     assert engine_tokens(llm)  # still serving
+
+
+def update_behind_the_cores_back(worker, named_tensors):
+    """A function run on the worker (only the offline caller's own code can be one): the worker's weight method
+    without the core's drain, reset and version."""
+    return worker.update_weights(named_tensors)
+
+
+def test_a_weight_method_by_name_is_refused_through_collective_rpc(llm, trained):
+    for method, args in (("update_weights", ([],)), ("update_weights_from_path", (str(trained[1]),)),
+                         ("update_weights_from_distributed", ([],)), ("shutdown", ())):
+        with pytest.raises(ValueError, match="run by the engine core itself"):
+            llm.collective_rpc(method, args=args)
+    assert llm.weight_version == 0
 
 
 def slow_method(worker, seconds: float) -> int:
@@ -141,8 +165,8 @@ def test_an_update_from_a_checkpoint_directory_and_back(llm, tiny_llama, trained
     assert engine_tokens(llm) == before
 
 
-def test_the_worker_method_through_collective_rpc_loads_the_same_weights(llm, trained, references):
-    counts = llm.collective_rpc("update_weights", args=(list(trained[0].state_dict().items()),))
+def test_the_worker_method_run_as_a_function_loads_the_same_weights(llm, trained, references):
+    counts = llm.collective_rpc(update_behind_the_cores_back, args=(list(trained[0].state_dict().items()),))
     assert counts[0] > 0
     llm.reset_prefix_cache()
     assert engine_tokens(llm) == references[1]
@@ -171,7 +195,7 @@ def test_no_prefix_cache_hit_crosses_an_update(llm, trained, references):
 def test_without_the_reset_the_stale_prefix_gives_other_tokens(llm, trained, references):
     """What the reset prevents: the worker method alone swaps the weights but leaves the cached blocks."""
     engine_tokens(llm, PROMPTS[:1])
-    llm.collective_rpc("update_weights_from_path", args=(str(trained[1]),))
+    llm.collective_rpc(update_behind_the_cores_back, args=(list(trained[0].state_dict().items()),))
     stale = engine_tokens(llm, PROMPTS[:1])
     assert stale != references[1][:1]
     llm.reset_prefix_cache()
