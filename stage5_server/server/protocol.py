@@ -54,7 +54,7 @@ def log_ignored(name: str) -> None:
     logger.info("request field %r is accepted and changes nothing here", name)
 
 
-def _is_noop(value: Any, allowed: tuple) -> bool:
+def is_noop(value: Any, allowed: tuple) -> bool:
     if value is None:
         return True
     for a in allowed:
@@ -69,7 +69,7 @@ def _is_noop(value: Any, allowed: tuple) -> bool:
 
 def _check_noop(value: Any, info: ValidationInfo) -> Any:
     allowed = NOOP_VALUES[info.field_name]
-    if not _is_noop(value, allowed):
+    if not is_noop(value, allowed):
         hint = f" (only {', '.join(json.dumps(a) for a in allowed)} or null)" if allowed else ""
         raise ValueError(f"{info.field_name} is not supported by this server{hint}")
     return value
