@@ -62,6 +62,10 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
     net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    net.add_argument("--strict-request-fields", action="store_true",
+                     help="answer a top-level request field the route does not define with a 400 (OpenAI's way), "
+                          "instead of ignoring it and naming it in the X-Stagedserve-Ignored-Fields header "
+                          "(vLLM's way)")
     net.add_argument("--enable-dev-routes", action="store_true",
                      help="serve /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc and "
                           "/update_weights (behind the API key; for RL post-training: docs/rl-weight-updates.md)")
@@ -260,8 +264,9 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
         logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
                     ", ".join(map(str, engine.engine_pids)))
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
-                "log_stats_interval=%s", args.host, args.port, config.trust_client_cache_salt, config.metrics_public,
-                config.max_body_bytes, config.log_stats_interval or "off")
+                "log_stats_interval=%s strict_request_fields=%s", args.host, args.port, config.trust_client_cache_salt,
+                config.metrics_public, config.max_body_bytes, config.log_stats_interval or "off",
+                config.strict_request_fields)
     log_api_keys(args, config.api_keys, app.state.api_keys.groups if config.api_keys else [])
     for line in describe_routes(app):
         logger.info("route: %s", line)

@@ -29,7 +29,8 @@ from stage5_server.server.completions import token_text, wire_logprob
 from stage5_server.server.errors import APIError
 from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
 from stage5_server.server.protocol import ChatCompletionRequest
-from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
+from stage5_server.server.serving import OpenAIServing, Responder, finish_reason, usage_of
+from stage5_server.server.sse import sse
 from stage5_server.server.tool_parsers import (
     TOOL_PARSERS,
     ForcedToolCalls,
@@ -96,7 +97,6 @@ class ChatResponder(Responder):
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.tool_calls = tool_calls  # None: the text is all content
-        self.started: set[int] = set()  # choices whose first delta (carrying the role) went out
         self.streams: dict[int, ToolCallStream] = {}  # per choice, with tool_calls
         self.call_index: dict[int, dict[str, int]] = {}  # per choice: call id -> its index in the stream
 
@@ -114,27 +114,34 @@ class ChatResponder(Responder):
                 "logprobs": chat_logprobs(output, self.top_logprobs),
                 "finish_reason": reason, "stop_reason": c.stop_reason}
 
+    def opening_frames(self, firsts: list[RequestOutput]) -> list[str]:
+        """Each choice's first chunk: the role alone, ``content: ""`` (as OpenAI's and vLLM's streams begin)."""
+        frames = []
+        for index in range(len(firsts) * self.n):
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None, "stop_reason": None}
+            usage = {}
+            if self.include_usage:  # nothing generated yet: the prompt's tokens, with continuous usage
+                usage["usage"] = usage_of([firsts[index // self.n]], num_tokens=[0]) if self.continuous_usage else None
+            frames.append(sse(self.body(self.chunk_object, [choice], **usage)))
+        return frames
+
     def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
-        first = index not in self.started
-        self.started.add(index)
         finished = output.finished
         content, calls = output.outputs[0].text, []
         if self.tool_calls is not None:
             got = read_delta(self.streams.setdefault(index, self.tool_calls.stream()), content, finished)
             content, calls = got.content, self._call_deltas(index, got.tool_calls)
-        delta: dict[str, Any] = {"content": content} if content or first else {}
-        if first:
-            delta = {"role": "assistant", **delta}
+        delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
-        if not delta and not finished:
-            return None  # text held back: it may be part of a tool call
+        logprobs = chat_logprobs(output, self.top_logprobs)
+        if not delta and not finished and (logprobs is None or self.tool_calls is not None):
+            return None  # nothing new to show yet (text held back: part of a character, or of a tool call)
         reason = finish_reason(output) if finished else None
         if reason == "stop" and self.call_index.get(index):
             reason = "tool_calls"
-        choice = {"index": index, "delta": delta,
-                  "logprobs": chat_logprobs(output, self.top_logprobs),
-                  "finish_reason": reason,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
 

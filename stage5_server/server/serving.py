@@ -151,7 +151,8 @@ class Responder:
 
     # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
     # Responses API overrides these for its typed events.
-    def opening_frames(self) -> list[str]:
+    def opening_frames(self, firsts: list[RequestOutput]) -> list[str]:
+        """Before any choice's first delta (``firsts``: each prompt's first output)."""
         return []
 
     def frames(self, index: int, output: RequestOutput) -> list[str]:
@@ -302,7 +303,7 @@ class OpenAIServing:
         latest: dict[int, RequestOutput] = {}  # per choice: its latest delta
         waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished prompt
         try:
-            for frame in responder.opening_frames():
+            for frame in responder.opening_frames(firsts):
                 yield frame
             ready = list(enumerate(firsts))
             while True:
