@@ -22,10 +22,11 @@ from dataclasses import dataclass
 class Task:
     name: str  # what the learner types: make check STAGE=N TASK=name
     file: str  # the file that holds the function, relative to the repository root
-    function: str  # "function" or "Class.method"
+    functions: tuple[str, ...]  # what the learner writes: "function" or "Class.method", all in ``file``
     spec: str  # what the tests pin; goes into the blanked function's docstring
     hints: tuple[str, ...]  # shown one by one on the stage page and by make hint
     tests: tuple[str, ...]  # pytest node ids that judge this task and nothing else
+    minutes: int = 15  # about how long the task takes a learner who has read the stage's page
 
 
 S1 = "tests/stage1/test_contiguous_kv_cache.py::"
@@ -41,7 +42,7 @@ TASKS: dict[int, list[Task]] = {
         Task(
             name="reserve",
             file="stage1_naive/kv_cache.py",
-            function="ContiguousKVCache.reserve",
+            functions=("ContiguousKVCache.reserve",),
             spec="""
 Reserve ``num_slots`` contiguous slots for ``request_id`` by first fit and return the start slot.
 
@@ -70,7 +71,7 @@ Reserve ``num_slots`` contiguous slots for ``request_id`` by first fit and retur
         Task(
             name="release",
             file="stage1_naive/kv_cache.py",
-            function="ContiguousKVCache.release",
+            functions=("ContiguousKVCache.release",),
             spec="""
 Return ``request_id``'s extent to the free list.
 
@@ -95,7 +96,7 @@ Return ``request_id``'s extent to the free list.
         Task(
             name="external_fragmentation",
             file="stage1_naive/kv_cache.py",
-            function="ContiguousKVCache.external_fragmentation",
+            functions=("ContiguousKVCache.external_fragmentation",),
             spec="""
 Free slots that a reservation of ``request_slots`` cannot use.
 
@@ -111,7 +112,7 @@ does not count.
         Task(
             name="blocks_needed",
             file="stage2_paged/block_table.py",
-            function="BlockTable.blocks_needed",
+            functions=("BlockTable.blocks_needed",),
             spec="""
 How many more blocks this table needs so that ``num_tokens`` tokens have slots.
 
@@ -132,7 +133,7 @@ only when a block fills.
         Task(
             name="slot_mapping",
             file="stage2_paged/block_table.py",
-            function="slot_mapping",
+            functions=("slot_mapping",),
             spec="""
 The flat KV-cache slots of positions ``start .. end - 1`` of a sequence whose blocks are ``block_ids``.
 
@@ -152,7 +153,7 @@ engine, tensor parallelism) addresses K/V through this one function.
         Task(
             name="gather_kv",
             file="stage2_paged/attention.py",
-            function="gather_kv",
+            functions=("gather_kv",),
             spec="""
 The first ``seq_len`` token rows of one sequence's K (or V), read through its block table.
 
@@ -180,7 +181,7 @@ runs sixteen requests through a paged stage 2 ``LLM``.
         Task(
             name="update_from_output",
             file="stage3_continuous/scheduler.py",
-            function="Scheduler.update_from_output",
+            functions=("Scheduler.update_from_output",),
             spec="""
 Advance every request the step scheduled, append the tokens it sampled, finish what must stop.
 
@@ -219,7 +220,7 @@ whole step. The tests build each step's ``SchedulerOutput`` by hand, so this tas
         Task(
             name="schedule",
             file="stage3_continuous/scheduler.py",
-            function="Scheduler.schedule",
+            functions=("Scheduler.schedule",),
             spec="""
 Decide the next forward pass: which requests run and how many input positions each computes.
 
@@ -284,7 +285,7 @@ the caps holding every step while requests join others that are decoding.
         Task(
             name="preempt",
             file="stage3_continuous/scheduler.py",
-            function="Scheduler._preempt",
+            functions=("Scheduler._preempt",),
             spec="""
 Preempt ``request`` by recompute (the caller has already removed it from ``self.running``).
 
@@ -314,7 +315,7 @@ greedy outputs that do not change when a small pool forces preemptions.
         Task(
             name="hash_request_tokens",
             file="stage4_prefix_cache/kv_cache_utils.py",
-            function="hash_request_tokens",
+            functions=("hash_request_tokens",),
             spec="""
 The chained hashes of every *full* block of ``token_ids``, from the first block on.
 
@@ -339,7 +340,7 @@ integer is a ``ValueError`` naming ``block_size``.
         Task(
             name="free_blocks",
             file="stage4_prefix_cache/block_pool.py",
-            function="BlockPool.free_blocks",
+            functions=("BlockPool.free_blocks",),
             spec="""
 Drop one user from each block of ``ordered_blocks``, in the order given.
 
@@ -362,7 +363,7 @@ its prefix.)
         Task(
             name="touch",
             file="stage4_prefix_cache/block_pool.py",
-            function="BlockPool.touch",
+            functions=("BlockPool.touch",),
             spec="""
 Record a prefix-cache hit on each block of ``blocks``: one more user each.
 
@@ -382,7 +383,7 @@ request's own new blocks can never evict the block it just hit.
         Task(
             name="get_computed_blocks",
             file="stage4_prefix_cache/kv_cache_manager.py",
-            function="KVCacheManager.get_computed_blocks",
+            functions=("KVCacheManager.get_computed_blocks",),
             spec="""
 The longest run of cached blocks that matches the request from its first token.
 
@@ -424,7 +425,7 @@ only 4; a 9-token prompt whose first 8 are cached reuses 8. Count the lookup in
         Task(
             name="reshape_and_cache",
             file="stage5_server/kernels/reshape_and_cache.py",
-            function="_reshape_and_cache_kernel",
+            functions=("_reshape_and_cache_kernel",),
             spec="""
 The Triton kernel that writes this step's new K and V rows into their cache slots.
 
@@ -451,7 +452,7 @@ without a GPU) and compares every slot exactly, for block sizes 8 and 16, fp32 a
         Task(
             name="workers_view",
             file="stage5_server/core/scheduler.py",
-            function="Scheduler._for_workers",
+            functions=("Scheduler._for_workers",),
             spec="""
 Stage 4's decision for a step (``live``: its ``SchedulerOutput``, with live ``Request`` objects) as
 every worker receives it: plain data, each request whole the first time the workers see it and
@@ -494,7 +495,7 @@ prefill, preemption and aborts.
         Task(
             name="authenticate",
             file="stage5_server/server/auth.py",
-            function="APIKeys.authenticate",
+            functions=("APIKeys.authenticate",),
             spec="""
 The trust group of the API key ``token``, or None if it is no configured key (or is None).
 
@@ -512,7 +513,7 @@ configured without a group has a group of its own (``key#3``); a near miss (``"k
         Task(
             name="auth_middleware",
             file="stage5_server/server/auth.py",
-            function="APIKeyMiddleware.__call__",
+            functions=("APIKeyMiddleware.__call__",),
             spec="""
 The ASGI middleware around the whole app: no valid key, no entry (``public_paths`` excepted).
 
@@ -551,7 +552,7 @@ only when the server makes it public.
         Task(
             name="trust_group_salt",
             file="stage5_server/server/auth.py",
-            function="CacheSalter.salt",
+            functions=("CacheSalter.salt",),
             spec="""
 The prefix-cache salt of a trust group (and, when the server trusts clients with one, of a
 client's own salt within it): an HMAC that nobody without the server's secret can compute.
@@ -576,7 +577,7 @@ receives and that only keys of one group get prefix-cache hits on each other's p
         Task(
             name="sse",
             file="stage5_server/server/sse.py",
-            function="sse",
+            functions=("sse",),
             spec="""
 One server-sent event: ``data: `` then ``data`` as JSON, then a blank line (two newlines).
 
@@ -591,7 +592,7 @@ block starts with ``data: ``, a usage chunk comes last, then ``[DONE]``).
         Task(
             name="stream_deltas",
             file="stage5_server/engine/output_processor.py",
-            function="RequestState.text_delta",
+            functions=("RequestState.text_delta",),
             spec="""
 The part of the text not streamed yet: ``(new text, first new token index, end token index)``, or
 None when there is nothing to send yet.
@@ -620,7 +621,7 @@ streamed or not.
         Task(
             name="rejection_sample",
             file="stage5_server/spec_decode/rejection_sampler.py",
-            function="rejection_sample",
+            functions=("rejection_sample",),
             spec="""
 The rejection rule of speculative decoding for one request: which drafts to keep, and the one
 token after them.
@@ -652,7 +653,7 @@ greedy target rows (one-hot) the drafts are kept exactly while they are the argm
         Task(
             name="ngram_proposer",
             file="stage5_server/spec_decode/ngram_proposer.py",
-            function="NgramProposer.propose",
+            functions=("NgramProposer.propose",),
             spec="""
 Draft up to ``k`` tokens for a request from its own history: the tokens that followed the most
 recent earlier occurrence of its last ``n`` tokens.
@@ -680,7 +681,7 @@ tokens after it, as plain ints. No ``n`` matches: ``[]``. So ``[1, 2, 3, 4, 1, 2
         Task(
             name="int4_groups",
             file="stage5_server/quantization/weight_only.py",
-            function="Int4Groups.quantize",
+            functions=("Int4Groups.quantize",),
             spec="""
 Quantize a float weight ``[N, K]`` to 4-bit codes in groups of ``GROUP_SIZE`` (32) along ``K``,
 the layout of a GGUF Q4_1 block.
@@ -705,7 +706,7 @@ stored ``zero`` is ``min + 8 * scale``. Return ``cls(codes, scale, zero)``, scal
         Task(
             name="lora_delta",
             file="stage5_server/lora/layers.py",
-            function="LoRALinearMethod._add_padded",
+            functions=("LoRALinearMethod._add_padded",),
             spec="""
 Add every adapter's LoRA delta to this layer's output ``out`` at once, for a step whose tokens use
 several adapters (``self.mapping`` has one segment per adapter slot in use).
@@ -733,7 +734,7 @@ adapters and the base model mixed in one batch, against peft's.
         Task(
             name="pooler",
             file="stage5_server/pooling/pooler.py",
-            function="Pooler.pool_padded",
+            functions=("Pooler.pool_padded",),
             spec="""
 One vector per prompt from an encoder's final hidden states ``hidden [batch, seq, dim]``, the
 prompts right-padded to ``seq``, ``lengths [batch]`` their true lengths.
@@ -759,7 +760,7 @@ and one at a time.
         Task(
             name="compiled_step",
             file="stage5_server/model/compile.py",
-            function="one_row_per_token",
+            functions=("one_row_per_token",),
             spec="""
 The step as decodes, so that the compiled graph, which attends one query row per sequence, can run
 a step whose requests bring several tokens (a speculative verify step, a short prompt).
@@ -788,7 +789,7 @@ a short prompt through the compiled graph, logprob-close to the eager forward.
         Task(
             name="image_hash",
             file="stage5_server/multimodal/inputs.py",
-            function="hash_image",
+            functions=("hash_image",),
             spec="""
 The identity of an image for the prefix cache: a hex SHA-256 digest of the PIL image's mode,
 size and pixel bytes (``f"{image.mode}:{image.width}x{image.height}:"`` encoded, then
@@ -807,7 +808,7 @@ starts.
         Task(
             name="image_placeholders",
             file="stage5_server/multimodal/processor.py",
-            function="ImageProcessor.process",
+            functions=("ImageProcessor.process",),
             spec="""
 A prompt's token ids, with one image token (``self.image_token_id``) per image, become the ids
 the model runs, with each image token replaced by ``self.num_image_tokens`` placeholders (one
@@ -836,7 +837,7 @@ offset is where its placeholders start in the expanded ids; then the placeholder
         Task(
             name="pipeline_batch_queue",
             file="stage5_server/core/engine_core.py",
-            function="EngineCore.step_with_batch_queue",
+            functions=("EngineCore.step_with_batch_queue",),
             spec="""
 One step of an engine whose model is split into ``P`` pipeline stages: keep up to
 ``self.max_batches_in_flight`` (``P``) batches in flight, so that each stage works on a different
@@ -867,7 +868,7 @@ batch.
         Task(
             name="offload_lookup",
             file="stage5_server/kv_transfer/offload.py",
-            function="OffloadingConnector.get_num_new_matched_tokens",
+            functions=("OffloadingConnector.get_num_new_matched_tokens",),
             spec="""
 The offload tier's answer to a prefix lookup: how many tokens past the local hit it can supply.
 
