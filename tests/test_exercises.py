@@ -29,6 +29,7 @@ from make_exercises import (  # noqa: E402
     blank_functions,
     make_copy,
     markdown,
+    reference_source,
     restore_function,
     snippet_path,
     task_reports,
@@ -64,6 +65,25 @@ def test_every_task_names_tests_that_exist():
         for t in tasks:
             assert t.tests and t.spec.strip() and t.hints, t.name
     assert len({(stage, t.name) for stage, tasks in TASKS.items() for t in tasks}) == sum(map(len, TASKS.values()))
+
+
+@pytest.mark.parametrize("stage_number", sorted(TASKS))
+def test_each_stage_has_a_task_of_several_functions_and_every_task_three_hints_and_a_time(stage_number):
+    tasks = TASKS[stage_number]
+    assert any(len(t.functions) > 1 for t in tasks), f"stage {stage_number}: no task asks for several functions"
+    for t in tasks:
+        assert len(t.hints) == 3 and all(h.strip() for h in t.hints), f"{t.name}: the idea, the API, nearly the answer"
+        assert 0 < t.minutes <= 90, t.name
+
+
+@pytest.mark.parametrize("stage_number", sorted(TASKS))
+def test_the_stage_page_shows_no_answer_only_the_command_that_prints_it(stage_number):
+    page = "\n".join(line.strip() for line in markdown(stage_number).splitlines())
+    for t in TASKS[stage_number]:
+        code = [line.strip() for line in reference_source(t).splitlines() if line.strip()]
+        windows = ["\n".join(code[i:i + 3]) for i in range(len(code) - 2)]  # any three lines in a row
+        assert not [w for w in windows if w in page], f"{t.name}: the reference is on the page"
+        assert f"make peek STAGE={stage_number} TASK={t.name}" in page
 
 
 def test_a_copy_made_inside_the_git_ignored_build_folder_has_every_file(tmp_path):
