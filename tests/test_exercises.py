@@ -243,7 +243,7 @@ def test_a_blank_copy_goes_green_one_task_at_a_time(stage_number, tmp_path):
                 assert report.results and all(r.message is not None for r in report.results), (
                     f"every test of {current.name} should fail while it is blank: {report.results}")
                 assert report.blocked_by == [], f"{current.name} is blocked by {[t.name for t in report.blocked_by]}"
-                assert all(set(r.blanks) & set(current.functions) for r in report.results), report.results
+                assert any(set(r.blanks) & set(current.functions) for r in report.results), report.results
                 solved = make(copy, "solve", f"TASK={current.name}")  # what a learner who skips it types
                 assert solved.returncode == 0, solved.stdout + solved.stderr
     for rel in EXERCISES[stage_number]:
