@@ -83,3 +83,20 @@ def test_every_snippet_include_target_exists():
             if not (ROOT / path).is_file():  # snippets base_path is the repo root
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not missing, f"--8<-- includes whose file is missing: {missing}"
+
+
+def test_every_include_says_in_a_line_what_it_includes_to_a_reader_of_the_file():
+    # On a forge or in an editor the page shows the --8<-- line, not what it includes: the line
+    # above it (a paragraph of class file-note, which the site hides) names the file.
+    INCLUDE_LINE = re.compile(r"""^\s*--8<--\s+["']([^"':]+)""")
+    silent = []
+    for page in sorted(DOCS.glob("*.md")):
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            found = INCLUDE_LINE.match(line)
+            if not found:
+                continue
+            before = [b for b in lines[max(0, i - 4):i] if 'class="file-note"' in b]
+            if not any(f"<code>{found.group(1)}</code>" in b for b in before):
+                silent.append(f"{page.name}:{i + 1} {found.group(1)}")
+    assert not silent, f"add a <p class=\"file-note\"> line naming the included file above: {silent}"
