@@ -1,9 +1,9 @@
-"""The course's layering, measured: one command that prints the table the stage 5 page carries.
+"""The course's layering, measured: one command that prints the table the stage 5 reference page carries.
 
     python scripts/layering_report.py [--json FILE] [--verbose] [--static-only]
 
-The course promises (docs/stage5.md, "Which room may import which") that ``shared/`` and stages 1-4 stay
-what a learner of those stages needs, and that every stage-5 feature lives in its own room behind a
+The course promises (docs/stage5-reference.md, "Which room may import which") that ``shared/`` and
+stages 1-4 stay what a learner of those stages needs, and that every stage-5 feature lives in its own room behind a
 seam. This script measures how far the code keeps that promise, so a redesign can show a before and
 an after made by the same command. Every count of lines is of NON-BLANK lines of ``.py`` files;
 modules and rooms are located by file path, never by a private name.
