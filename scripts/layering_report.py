@@ -391,8 +391,10 @@ def room_of(module: str, top: str = STAGE5) -> str | None:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def room_graph(index: ModuleIndex, top: str = STAGE5) -> dict[str, dict[str, list[str]]]:
-    """``{room: {room it imports: ["file:line", ...]}}``, TYPE_CHECKING imports left out."""
+def room_graph(index: ModuleIndex, top: str = STAGE5,
+               type_checking: bool | None = False) -> dict[str, dict[str, list[str]]]:
+    """``{room: {room it imports: ["file:line", ...]}}``. ``type_checking``: False, the imports that run (those
+    under ``if TYPE_CHECKING:`` left out); True, those alone; None, both."""
     graph: dict[str, dict[str, list[str]]] = {}
     for module, path in sorted(index.path_of.items()):
         source = room_of(module, top)
@@ -400,7 +402,7 @@ def room_graph(index: ModuleIndex, top: str = STAGE5) -> dict[str, dict[str, lis
             continue
         graph.setdefault(source, {})
         for statement in imports_of(index, module):
-            if statement.type_checking:
+            if type_checking is not None and statement.type_checking != type_checking:
                 continue
             for target in statement.named:
                 room = room_of(target, top)

@@ -33,10 +33,10 @@ from stage3_continuous.engine import SchedulerFacade
 from stage5_server.core.messages import EngineCoreOutput, EngineCoreRequest
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.errors import StepFailed
 from stage5_server.executor import Executor, PendingStep
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.weight_sync.core import WeightSync
 
 if TYPE_CHECKING:

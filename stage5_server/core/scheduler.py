@@ -1,7 +1,7 @@
 """Stage 4's scheduler, for an engine whose workers may live in other processes.
 
 1. **The workers' view of the step.** ``schedule()`` takes stage 4's decision and describes it as the
-   plain-data ``SchedulerOutput`` every rank receives (``scheduler_output.py``): a request whole the
+   plain-data ``SchedulerOutput`` every rank receives (``stage5_server/outputs.py``): a request whole the
    first time, afterwards only what it gained; with the structured-output masks of the requests that
    sample, computed here, where the grammars live. ``update_from_output`` takes the runner's answer,
    puts tokens and logprobs on the requests and returns the ``EngineCoreOutput`` of each request that
@@ -45,9 +45,9 @@ from stage4_prefix_cache.scheduler import SchedulerOutput as _LiveSchedulerOutpu
 from stage5_server.core.kv_cache_manager import KVCacheManager
 from stage5_server.core.messages import EngineCoreOutput
 from stage5_server.core.request import Request
-from stage5_server.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.kv_transfer import KVConnectorBase
+from stage5_server.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from stage5_server.spec_decode.grammar import fill_bitmask_with_drafts, num_valid_drafts
 
 

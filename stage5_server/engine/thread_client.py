@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from shared.llm_base import cache_config_info
 from shared.tokenizer import Tokenizer
@@ -25,12 +25,16 @@ from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shut
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 from stage5_server.errors import EngineDeadError
 
-if TYPE_CHECKING:
-    from stage5_server.llm import LLM
-
 logger = logging.getLogger("stagedserve")
 
 THREAD_NAME = "stagedserve-engine"
+
+
+class OfflineEngine(Protocol):
+    """What ``AsyncLLM.from_llm`` takes of an offline ``LLM`` (``stage5_server/llm.py``, which imports this room)."""
+
+    engine: EngineCore
+    tokenizer: Tokenizer
 
 
 class _ThreadCoreLoop(EngineCoreLoop):
@@ -96,7 +100,7 @@ class AsyncLLM(AsyncEngine):
         return cls(build_engine_core(config, tokenizer), tokenizer, owns_core=True, **kwargs)
 
     @classmethod
-    def from_llm(cls, llm: LLM, **kwargs: Any) -> AsyncLLM:
+    def from_llm(cls, llm: OfflineEngine, **kwargs: Any) -> AsyncLLM:
         """Over ``llm``'s engine core (its own front end stays unused; ``llm`` is not to step meanwhile)."""
         return cls(llm.engine, llm.tokenizer, **kwargs)
 

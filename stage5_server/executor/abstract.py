@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from stage5_server.config import EngineConfig
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class PendingStep(Protocol):

@@ -17,24 +17,20 @@ from __future__ import annotations
 import logging
 import pickle
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any
 
 from stage5_server.weight_sync.core import DRAINING
 from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
-
-if TYPE_CHECKING:
-    from stage5_server.core.engine_core import EngineCore
-    from stage5_server.core.messages import AddRequest
 
 logger = logging.getLogger("stagedserve")
 
 
 class UtilityLoop:
-    core: EngineCore
+    core: Any  # the EngineCore (core/engine_core.py), whose busy loop this is a base of
 
     def init_utilities(self) -> None:
         self.utility_calls: deque[UtilityCall] = deque()
-        self.held_requests: list[AddRequest] = []  # arrived while an update drains the core
+        self.held_requests: list = []  # AddRequest messages (core/messages.py) that arrived while an update drains
 
     # ---- what a transport provides -------------------------------------------------------------------
     def publish_utility(self, output: UtilityOutput, client_id: str | None) -> None:
@@ -45,7 +41,7 @@ class UtilityLoop:
     def draining(self) -> bool:
         return any(call.method in DRAINING for call in self.utility_calls)
 
-    def hold_or_add(self, message: AddRequest) -> bool:
+    def hold_or_add(self, message: Any) -> bool:
         """Hold ``message`` while an update drains the core (True); False: the caller adds it now."""
         if self.draining:
             self.held_requests.append(message)

@@ -30,13 +30,13 @@ from shared.llm_base import kv_bytes_per_token
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.lora import LoRAModel, LoRAModelManager, LoRARequest
 from stage5_server.model import compile_decode_step, compile_problem
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_tower
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.parallel.parallel_state import RankPlace
 from stage5_server.parallel.pipeline import PipelineStage
 from stage5_server.spec_decode.draft_model import DraftModelProposer, load_draft_model
