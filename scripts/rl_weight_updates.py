@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     start = time.monotonic()
     path = cached_tiny_model("llama")
-    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4, enable_weight_sync=True)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trainer.generation_config.eos_token_id = None
 

@@ -16,8 +16,9 @@ LoRA adapters (``enable_lora=True``, ``generate(..., lora_request=LoRARequest(na
 ``lora/``), a pooling runner with ``embed`` and ``score`` for embedding models (``pooling/``), and
 images in a prompt for a vision-language model (``multimodal/``): ``generate({"prompt": ...,
 "multi_modal_data": {"image": image}})`` as vLLM takes them, and ``chat`` with image content parts
-(``image_pil``, or an ``image_url`` holding a ``data:`` URL); serving while a trainer updates the weights
-(``collective_rpc``, ``update_weights*``, ``sleep`` / ``wake_up``: ``weight_sync/``).
+(``image_pil``, or an ``image_url`` holding a ``data:`` URL); ``collective_rpc`` on every worker; and, with
+``enable_weight_sync=True``, serving while a trainer updates the weights (``update_weights*``, ``sleep`` /
+``wake_up``: ``weight_sync/``).
 
 vLLM: ``vllm/entrypoints/llm.py`` over ``vllm/v1/engine/llm_engine.py`` (``InprocClient`` in
 ``core_client.py``).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +48,9 @@ from stage5_server.errors import StepFailed
 from stage5_server.lora import LoRARequest, load_adapter
 from stage5_server.multimodal.processor import ImageProcessor
 from stage5_server.pooling.offline import NOT_GENERATING, PoolingAPI
+
+if TYPE_CHECKING:
+    from stage5_server.weight_sync import WeightSync
 
 
 class LLM(PoolingAPI, BaseLLM):
@@ -79,7 +83,7 @@ class LLM(PoolingAPI, BaseLLM):
         """The engine requests of one prompt (``InputProcessor``), as the core takes them in."""
         if self.config.runner == "pooling":
             raise ValueError(NOT_GENERATING.format(api="LLM.generate / LLM.chat"))
-        self.engine.weight_sync.check_serving()  # asleep: a clear error, never a hang
+        self.engine.utilities.check_admission()  # asleep (weight_sync/): a clear error, never a hang
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
@@ -111,7 +115,7 @@ class LLM(PoolingAPI, BaseLLM):
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop adapter ``lora_int_id``'s weights from the workers (a later request with it reads its files
         again); whether any were held. Refused while requests are unfinished."""
-        self.engine.weight_sync.require_idle("remove_lora")
+        self._require_idle("remove_lora")
         self._checked_adapters = {key for key in self._checked_adapters if key[0] != lora_int_id}
         return any(self.collective_rpc("remove_lora", (lora_int_id,)))
 
@@ -150,50 +154,60 @@ class LLM(PoolingAPI, BaseLLM):
         """Forget every cached block; refused (False) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
 
-    # ---- serving while training (weight_sync/) ----------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
         """``method`` (a worker method's name, or ``fn(worker, ...)``) on every worker; results in rank order.
         ``timeout``: seconds to wait for the ranks, else ``TimeoutError`` (the call itself runs on)."""
-        return self._between_steps(lambda: self.engine.weight_sync.collective_rpc(method, args, kwargs), timeout)
+        return self._between_steps(lambda: self.engine.utilities.collective_rpc(method, args, kwargs), timeout)
+
+    def _require_idle(self, what: str) -> None:
+        """A call that changes what requests run on waits for nothing here (the caller drives the steps), so it
+        is refused while requests this ``LLM`` was given are unfinished."""
+        unfinished = self.engine.unfinished_request_ids()
+        if unfinished:
+            raise RuntimeError(f"{what}: {len(unfinished)} request(s) are unfinished; step them to the end or "
+                               f"abort them first (no request may run on two sets of weights)")
+
+    # ---- serving while training (weight_sync/, with enable_weight_sync=True) ---------------------------------
+    def _weight_sync(self, what: str, idle: bool = True) -> WeightSync:
+        if self.engine.weight_sync is None:
+            raise ValueError(f"{what}: weight updates and sleep are off; start the engine with enable_weight_sync=True")
+        if idle:
+            self._require_idle(what)
+        return self.engine.weight_sync
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load ``(checkpoint name, tensor)`` pairs into every rank (each takes its shard), reset the prefix
         cache; returns the new weight version."""
-        self.engine.weight_sync.require_idle("update_weights")
-        return self.engine.weight_sync.update_weights(named_tensors)
+        return self._weight_sync("update_weights").update_weights(named_tensors)
 
     def update_weights_from_path(self, path: str) -> int:
         """Every tensor of a checkpoint directory with the served model's names and shapes."""
-        self.engine.weight_sync.require_idle("update_weights_from_path")
-        return self.engine.weight_sync.update_weights_from_path(path)
+        return self._weight_sync("update_weights_from_path").update_weights_from_path(path)
 
     def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
         """Receive one broadcast per ``(name, dtype, shape)`` from the trainer's group (join it first:
         ``collective_rpc("init_weight_update_group", ...)``; ``weight_sync/group.py``)."""
-        self.engine.weight_sync.require_idle("update_weights_from_distributed")
-        return self.engine.weight_sync.update_weights_from_distributed(metadata)
+        return self._weight_sync("update_weights_from_distributed").update_weights_from_distributed(metadata)
 
     def reload_weights(self) -> int:
         """The served checkpoint's weights again (after ``sleep(level=2)`` and ``wake_up``)."""
-        self.engine.weight_sync.require_idle("reload_weights")
-        return self.engine.weight_sync.reload_weights()
+        return self._weight_sync("reload_weights").reload_weights()
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), and the weights too (level 2); bytes freed. Requests are refused
         until ``wake_up`` (and, after level 2, a weight update)."""
-        self.engine.weight_sync.require_idle("sleep")
-        return self.engine.weight_sync.sleep(level)
+        return self._weight_sync("sleep").sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        return self.engine.weight_sync.wake_up(tags)
+        return self._weight_sync("wake_up", idle=False).wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self.engine.weight_sync.is_sleeping()
+        return self._weight_sync("is_sleeping", idle=False).is_sleeping()
 
     @property
     def weight_version(self) -> int:
-        return self.engine.weight_sync.version
+        return 0 if self.engine.weight_sync is None else self.engine.weight_sync.version
 
     @staticmethod
     def _between_steps(fn: Callable[[], Any], timeout: float | None) -> Any:

@@ -141,6 +141,9 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
               help="serve LoRA adapters beside the base model (the request's model field names one)"),
     EngineArg("max_loras", 1, type=positive_int, help="distinct adapters in one step: the adapter slots (default: 1)"),
     EngineArg("max_lora_rank", 16, type=positive_int, help="the largest adapter rank a slot holds (default: 16)"),
+    EngineArg("enable_weight_sync", False, is_flag=True,  # weight_sync/
+              help="take new weights and sleep while serving, for RL post-training: collective_rpc reaches the "
+                   "workers' weight-update methods (default: off; --enable-dev-routes turns it on)"),
     inherited("seed", type=int),
     EngineArg("tensor_parallel_size", 1, type=positive_int, aliases=("-tp",), help="split each layer over N devices"),
     EngineArg("pipeline_parallel_size", 1, type=positive_int, aliases=("-pp",),  # parallel/pipeline.py
@@ -166,6 +169,9 @@ CPU_BF16_MIN_HIDDEN_SIZE = 512
 RUNNER_KINDS = {"generate": ("stage5_server.core.scheduler:Scheduler", "stage5_server.worker.worker:Worker"),
                 "pooling": ("stage5_server.pooling.scheduler:PoolingScheduler",
                             "stage5_server.pooling.worker:make_pooling_worker")}
+# Weight sync's worker extension, by qualified name: each rank builds it over its worker (vLLM:
+# ``ParallelConfig.worker_extension_cls``).
+WEIGHT_SYNC_EXTENSION = "stage5_server.weight_sync.worker:WeightSyncWorker"
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: no adapters (lora/)
     multimodal: MultiModalConfig | None = None  # a vision-language model's vision side (multimodal/); None: text only
     kv_transfer: KVTransferConfig | None = None  # the KV connector (kv_transfer/); None: none
+    weight_sync: bool = False  # weight updates and sleep (weight_sync/): members of the core, front end and workers
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -288,6 +295,8 @@ class EngineConfig:
         kv_transfer = KVTransferConfig.create(args["kv_transfer_config"], args["kv_offloading_size"])
         check_kv_transfer_support(kv_transfer, runner=runner, enable_prefix_caching=args["enable_prefix_caching"],
                                   hash_algo=args["prefix_caching_hash_algo"], world_size=world_size)
+        if not isinstance(args["enable_weight_sync"], bool):
+            raise ValueError(f"enable_weight_sync: must be a bool, got {args['enable_weight_sync']!r}")
         attention_backend = resolve_attention_backend(args["attention_backend"], device)
         compile_decode = resolve_compile_decode(args["enforce_eager"], device, dtype, attention_backend,
                                                 world_size, runner, lora)
@@ -299,7 +308,7 @@ class EngineConfig:
                    compile_decode=compile_decode, cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
-                   args=args)
+                   weight_sync=args["enable_weight_sync"], args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
@@ -311,6 +320,11 @@ class EngineConfig:
     @property
     def worker_cls(self) -> str:
         return RUNNER_KINDS[self.runner][1]
+
+    @property
+    def worker_extension_cls(self) -> str | None:
+        """The class each rank builds over its worker, whose methods ``collective_rpc`` also reaches; None: none."""
+        return WEIGHT_SYNC_EXTENSION if self.weight_sync else None
 
 
 def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,

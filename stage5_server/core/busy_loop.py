@@ -8,6 +8,8 @@ the core's outputs go out as they come (the scheduler made them, each with only 
 that raises fails its own requests (the core freed their KV) and the rest go on, while an
 ``EngineDeadError`` fails all and ends the loop; with nothing schedulable (KV full of waiting prompts)
 it waits briefly instead of spinning. The loop keeps no table of requests: the scheduler's is the one.
+Utility calls (``collective_rpc``, and what a system registered: ``utilities.py``) wait in its
+``UtilityQueue`` for a gap between steps.
 
 vLLM: ``EngineCoreProc.run_busy_loop`` in ``vllm/v1/engine/core.py``.
 """
@@ -29,10 +31,11 @@ from stage5_server.core.messages import (
     FailedRequests,
     Shutdown,
     UtilityCall,
+    UtilityOutput,
 )
 from stage5_server.core.stats import SchedulerStats
+from stage5_server.core.utilities import UtilityQueue
 from stage5_server.errors import EngineDeadError, StepFailed
-from stage5_server.weight_sync.loop import UtilityLoop
 
 if TYPE_CHECKING:
     from stage5_server.core.engine_core import EngineCore
@@ -43,10 +46,10 @@ IDLE_POLL_S = 0.2  # while idle, wake this often (to notice a vanished parent, t
 NOTHING_SCHEDULABLE_WAIT_S = 0.005
 
 
-class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc between steps (weight_sync/loop.py)
+class EngineCoreLoop:
     def __init__(self, core: EngineCore, idle_poll_s: float = IDLE_POLL_S):
         self.core = core
-        self.init_utilities()
+        self.utility_queue = UtilityQueue(core.utilities)  # calls waiting for a gap between steps
         self.idle_poll_s = idle_poll_s
         self.stopping = False
         self.dead = False  # the core cannot step again
@@ -58,6 +61,9 @@ class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc betw
         raise NotImplementedError
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
+        raise NotImplementedError
+
+    def publish_utility(self, output: UtilityOutput, client_id: str | None) -> None:
         raise NotImplementedError
 
     def keep_running(self) -> bool:
@@ -81,19 +87,23 @@ class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc betw
     def handle(self, messages: list[EngineCoreInput]) -> None:
         for message in messages:
             if isinstance(message, AddRequest):
-                if not self.hold_or_add(message):
+                if not self.utility_queue.hold(message):  # held while a queued call drains the core
                     self.add(message.request)
             elif isinstance(message, AbortRequests):
-                self.forget_held(message.request_ids)
+                self.utility_queue.forget_held(message.request_ids)
                 self.abort(message.request_ids)
             elif isinstance(message, UtilityCall):
-                self.utility_calls.append(message)
+                self.utility_queue.calls.append(message)
             elif isinstance(message, Shutdown):
                 self.stopping = True
 
+    def run_due_utilities(self) -> None:
+        """Run the queued utility calls that may run now; then admit the requests held for them."""
+        self.handle(self.utility_queue.run_due(self.core.has_unfinished_requests, self.publish_utility))
+
     def add(self, wire: EngineCoreRequest) -> None:
-        refusal = self.core.weight_sync.refusal()
-        if refusal is not None:  # asleep: refused at once, never left waiting
+        refusal = self.core.utilities.refusal()
+        if refusal is not None:  # an admission check says no (asleep): refused at once, never left waiting
             self.send([], FailedRequests([wire.request_id], refusal))
             return
         try:

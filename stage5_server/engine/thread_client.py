@@ -90,7 +90,7 @@ class AsyncLLM(AsyncEngine):
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look
         self._loop = _ThreadCoreLoop(core, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s,
-                                     self._on_utility_output)
+                                     self.utilities.on_output)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -144,5 +144,5 @@ class AsyncLLM(AsyncEngine):
         else:
             self._dead = EngineDeadError("the server is shutting down")
             self._fail_all(self._dead, "abort")
-            self._utility_senders_gone("the server is shutting down")
+            self.utilities.senders_gone("the server is shutting down")
             self._loop.abort(self.core.unfinished_request_ids())  # give their KV back
