@@ -17,7 +17,7 @@ class EngineDeadError(EngineError):
 
 class EngineSleepingError(EngineDeadError):
     """The engine refuses new requests for now: it sleeps, or woke from a level-2 sleep and awaits weights
-    (``weight_sync/``), as the core's admission check says (``core/utilities.py``). HTTP 503; not dead: waking it
+    (``weight_sync/``), as the core's admission check says (``EngineCore.refusal``). HTTP 503; not dead: waking it
     (and, after level 2, a weight update) serves again."""
 
 

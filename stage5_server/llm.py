@@ -4,9 +4,11 @@ Where stages 1-4 build their engine by subclassing the stage before, stage 5 bui
 does: ``EngineConfig.create`` checks every argument once (``config/``) and ``build_engine_core``
 starts the workers and sizes the KV cache (``core/builder.py``). The front end is the server's:
 ``InputProcessor`` turns every kind of prompt into engine requests (``engine/input_processor.py``) and
-``OutputProcessor`` turns the core's outputs into ``RequestOutput``s (``engine/output_processor.py``);
-the step loop of ``generate`` is the one every stage shares (``shared/llm_base.py``). The core steps
-when this process calls ``step``: vLLM's ``LLMEngine`` over an in-process core client.
+``OutputProcessor`` turns the core's outputs into ``RequestOutput``s (``engine/output_processor.py``).
+``generate`` reads top to bottom in this file: every prompt checked into engine requests, all added,
+the core stepped (``step``) until each has finished. The core steps when this process calls ``step``:
+vLLM's ``LLMEngine`` over an in-process core client. Stages 1-4 share another front end
+(``shared/llm_base.py``), whose argument checks and progress bar this one reuses.
 
 New in stage 5 underneath: the attention-backend registry (``attention/``), CUDA by default when
 present (bf16), a KV cache sized from free GPU memory, a persistent input batch (``worker/``), the
@@ -33,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.llm_base import BaseLLM, PromptType
-from shared.output_processor import OutputDelta
+from shared.llm_base import PromptType, add_to_engine, progress_bar, prompts_and_params, step_until_finished
 from shared.outputs import RequestOutput
 from shared.parallel_sampling import ParentRequest
+from shared.request import RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from stage5_server.config import ENGINE_ARGS, SERVER_ENGINE_ARGS, STAGE, EngineConfig
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from stage5_server.weight_sync import WeightSync
 
 
-class LLM(PoolingAPI, BaseLLM):
+class LLM(PoolingAPI):
     stage = STAGE
     engine_args = SERVER_ENGINE_ARGS
 
@@ -77,13 +79,28 @@ class LLM(PoolingAPI, BaseLLM):
         self._ids = itertools.count()
         self._checked_adapters: set[tuple[int, str]] = set()
 
+    # ---- generate, top to bottom -------------------------------------------------------------------
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """The final output of each prompt, in order. ``lora_request``: one adapter for every prompt, or a list
+        with one (or None) per prompt."""
+        prompts, params = prompts_and_params(prompts, sampling_params)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        groups = [self._make_requests(p, sp, lora_request=lora)  # all checked before any is added
+                  for p, sp, lora in zip(prompts, params, loras)]
+        return self._run(prompts, groups, use_tqdm)
+
     def _make_requests(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                        ) -> tuple[str, ParentRequest | None, list[Request]]:
-        """The engine requests of one prompt (``InputProcessor``), as the core takes them in."""
+        """The engine requests of one prompt (``InputProcessor``: one, or a parent's ``n`` children), as the core
+        takes them in: ``(the caller's id, the parent if n > 1, requests)``."""
         if self.config.runner == "pooling":
             raise ValueError(NOT_GENERATING.format(api="LLM.generate / LLM.chat"))
-        self.engine.utilities.check_admission()  # asleep (weight_sync/): a clear error, never a hang
+        self.engine.check_admission()  # asleep (weight_sync/): a clear error, never a hang
         if request_id is None:
             request_id = str(next(self._ids))
             while self.output_processor.has_request(request_id):  # a caller took this one by hand
@@ -97,11 +114,53 @@ class LLM(PoolingAPI, BaseLLM):
             raise ValueError(f"request_id: the child ids of {request_id!r} ({', '.join(taken)}) are already in use")
         return request_id, parent, [self.engine.preprocess_add_request(r) for r in requests]
 
-    def _engine_step(self) -> list[OutputDelta]:
+    def _run(self, prompts: list[PromptType], groups: list[tuple[str, ParentRequest | None, list[Request]]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Add every prompt's requests, step until all have finished, and return their final outputs in order;
+        on an error (or Ctrl-C) the unfinished ones are aborted, their KV given back."""
+        results: dict[str, RequestOutput] = {}
+        bar = progress_bar(len(groups), use_tqdm)
         try:
-            return self.engine.step()  # the scheduler made them: each request's new tokens
-        except StepFailed as exc:  # the core aborted the step's requests; the caller sees what failed
+            for prompt, (_, parent, requests) in zip(prompts, groups):
+                add_to_engine(self.engine, self.output_processor, prompt, parent, requests, final_only=True)
+            step_until_finished(self.step, [request_id for request_id, _, _ in groups], results, bar)
+        except BaseException:
+            self.abort([request_id for request_id, _, _ in groups if request_id not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[request_id] for request_id, _, _ in groups]
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; an output for every request that changed (one ``generate`` added: once it finished).
+        A step that failed raises its cause (the core aborted that step's requests)."""
+        try:
+            deltas = self.engine.step()  # the scheduler made them: each request's new tokens
+        except StepFailed as exc:
             raise exc.cause from None
+        processed = self.output_processor.process_outputs(deltas)
+        if processed.reqs_to_abort:  # stop strings ended them
+            self.engine.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return processed.outputs
+
+    # ---- the rest of the offline API ---------------------------------------------------------------
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Add one prompt's requests without waiting (``step`` runs them); its request id."""
+        if request_id is not None and self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
+                                                           priority, cache_salt, lora_request)
+        add_to_engine(self.engine, self.output_processor, prompt, parent, requests)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests by the ids ``add_request`` returned (a parallel-sampling parent aborts its children)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine.finish_requests(self.output_processor.abort_requests(ids), RequestStatus.FINISHED_ABORTED)
 
     def check_adapter(self, lora_request: LoRARequest) -> None:
         """An adapter is served only once its directory passed the checks (``lora/adapter.py``), once: a bad one
@@ -118,26 +177,6 @@ class LLM(PoolingAPI, BaseLLM):
         self._require_idle("remove_lora")
         self._checked_adapters = {key for key in self._checked_adapters if key[0] != lora_int_id}
         return any(self.collective_rpc("remove_lora", (lora_int_id,)))
-
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
-        if request_id is not None and self.output_processor.has_request(request_id):
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        request_id, parent, requests = self._make_requests(prompt, params or SamplingParams(), request_id,
-                                                           priority, cache_salt, lora_request)
-        self._add(prompt, parent, requests)
-        return request_id
-
-    def generate(self, prompts: PromptType | list[PromptType],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """``lora_request``: one adapter for every prompt, or a list with one (or None) per prompt."""
-        prompts, params = self._prompts_and_params(prompts, sampling_params)
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
-        return self._run(prompts, [self._make_requests(p, sp, lora_request=lora)  # all checked before any is added
-                                   for p, sp, lora in zip(prompts, params, loras)], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
              chat_template: str | None = None, add_generation_prompt: bool = True, tools: list[dict] | None = None,

@@ -71,7 +71,8 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
             config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
             max_loras=None if config.lora is None else config.lora.max_loras,
-            **({} if connector is None else {"kv_connector": connector}))
+            **({} if connector is None else {"kv_connector": connector}),
+            **({} if config.multimodal is None else {"takes_images": True}))
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()

@@ -30,6 +30,7 @@ vLLM: ``EngineCore.step``, ``step_with_batch_queue`` and ``preprocess_add_reques
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shared.structured_output import StructuredOutputManager
@@ -39,7 +40,7 @@ from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.core.utilities import Utilities
-from stage5_server.errors import StepFailed
+from stage5_server.errors import EngineSleepingError, StepFailed
 from stage5_server.executor import Executor, PendingStep
 from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -66,6 +67,7 @@ class EngineCore(SchedulerFacade):
         self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.most_batches_in_flight = 0  # the deepest the queue has been: 2 shows two stages busy at once
         self.utilities = Utilities(self)  # calls between steps: collective_rpc, and what a system registers
+        self.admission_checks: list[Callable[[], str | None]] = []  # each: why no new request may run now, or None
         self.weight_sync: WeightSync | None = None  # weight updates and sleep (weight_sync/), set by the builder
 
     @property
@@ -78,6 +80,19 @@ class EngineCore(SchedulerFacade):
         if self.structured_output_manager is not None:
             self.structured_output_manager.grammar_init(core_request)
         return core_request
+
+    def refusal(self) -> str | None:
+        """Why no new request may run now (the first admission check that says so: asleep), or None."""
+        for check in self.admission_checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
+
+    def check_admission(self) -> None:
+        reason = self.refusal()
+        if reason is not None:
+            raise EngineSleepingError(reason)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)

@@ -23,8 +23,8 @@
    (``lora/``): a waiting request whose adapter would be one too many among the running requests
    waits, and the requests behind it go first, as vLLM's scheduler skips it.
 
-The KV cache manager is stage 4's with stage 5's extra keys in each block's hash (an adapter's, an
-image's: ``kv_cache_manager.py``).
+The KV cache manager is stage 4's; with adapters, images or a KV connector on, stage 5's, which adds
+their keys to each block's hash (an adapter's, an image's) and asks the connector (``kv_cache_manager.py``).
 
 vLLM: ``vllm/v1/core/sched/scheduler.py`` (``schedule``'s ``NewRequestData`` / ``CachedRequestData``,
 ``num_tokens_with_spec``, the rejected-token rollback and the outputs in ``update_from_output``,
@@ -54,12 +54,13 @@ from stage5_server.spec_decode.grammar import fill_bitmask_with_drafts, num_vali
 class Scheduler(_PrefixCachingScheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int = 1 << 30,
                  vocab_size: int | None = None, max_loras: int | None = None,
-                 kv_connector: KVConnectorBase | None = None):
-        super().__init__(scheduler_config, cache_config, max_model_len)
+                 kv_connector: KVConnectorBase | None = None, takes_images: bool = False):
         self.kv_connector = kv_connector  # None: no KV connector (kv_transfer/)
+        self.max_loras = max_loras  # None: no adapters served
+        self.takes_images = takes_images  # a vision-language model: images key their blocks (multimodal/)
+        super().__init__(scheduler_config, cache_config, max_model_len)
         if kv_connector is not None:
             self.kv_cache_manager.kv_connector = kv_connector
-        self.max_loras = max_loras  # None: no adapters served
         self.vocab_size = vocab_size  # the width of a structured-output mask (the builder passes the model's)
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
@@ -70,7 +71,9 @@ class Scheduler(_PrefixCachingScheduler):
         self.counters = SchedulerStats()  # stage 4's, with speculative decoding's counters
 
     def _make_kv_cache_manager(self, cache_config: CacheConfig):
-        if not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
+        """Stage 4's manager, unless adapters, images or a KV connector need stage 5's (chosen at start-up)."""
+        plain = self.max_loras is None and not self.takes_images and self.kv_connector is None
+        if plain or not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
             return super()._make_kv_cache_manager(cache_config)
         return KVCacheManager(cache_config.block_size, cache_config.num_blocks,
                               enable_caching=cache_config.enable_prefix_caching,

@@ -2,12 +2,11 @@
 
 ``collective_rpc`` (a method on every worker, their results in rank order) and ``reset_prefix_cache`` are the
 core's own. A system that is on registers more (``Utilities.register``): weight updates and sleep
-(``weight_sync/core.py``), each saying whether it *drains*, and may add an admission check that refuses new
-requests for now (asleep). With no system registered, a request passes one empty loop here and nothing else.
+(``weight_sync/core.py``), each saying whether it *drains*. Nothing here runs for a request: only calls.
 
 A utility is reached two ways: directly (the offline ``LLM``, whose caller drives the steps), or as a
 ``UtilityCall`` message through the core's busy loop (``busy_loop.py``: the server's engine thread or
-engine-core process), whose ``UtilityQueue`` runs each call between steps:
+engine-core process), which queues each call and runs it between steps:
 
 - a call is queued when it arrives; the loop runs the queue's head after handling its inputs and after each step;
 - a call that drains waits until the core has no unfinished request; meanwhile each new request is *held*, in
@@ -23,19 +22,13 @@ of ``vllm/v1/engine/async_llm.py``.
 
 from __future__ import annotations
 
-import logging
 import pickle
 import traceback
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stage5_server.core.messages import AddRequest, UtilityCall, UtilityOutput
-from stage5_server.errors import EngineSleepingError
 from stage5_server.executor.abstract import resolve_obj_by_qualname, worker_method
-
-logger = logging.getLogger("stagedserve")
 
 
 @dataclass
@@ -84,7 +77,6 @@ class Utilities:
                       "reset_prefix_cache": Utility(core.reset_prefix_cache)}
         # Worker methods whose state the core keeps: refused through the public collective_rpc, with what to call.
         self.core_only = {"execute_model": "LLM.generate", "initialize_kv_cache": "the engine core's start-up"}
-        self.admission_checks: list[Callable[[], str | None]] = []  # each: why no new request may run now, or None
         self._worker_classes: list[type] | None = None  # resolved on the first call by name
 
     def register(self, name: str, fn: Callable[..., Any], drains: bool = False) -> None:
@@ -98,20 +90,6 @@ class Utilities:
         if method not in self.table:
             raise ValueError(f"unknown engine utility {method!r}; expected one of {sorted(self.table)}")
         return self.table[method].fn(*args, **kwargs)
-
-    # ---- admission ------------------------------------------------------------------------------------
-    def refusal(self) -> str | None:
-        """Why no new request may run now (the first check that says so), or None."""
-        for check in self.admission_checks:
-            reason = check()
-            if reason is not None:
-                return reason
-        return None
-
-    def check_admission(self) -> None:
-        reason = self.refusal()
-        if reason is not None:
-            raise EngineSleepingError(reason)
 
     # ---- collective_rpc --------------------------------------------------------------------------------
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
@@ -156,49 +134,3 @@ class Utilities:
             public = sorted({n for c in classes for n in dir(c) if not n.startswith("_") and callable(getattr(c, n))})
             raise ValueError(f"collective_rpc: the worker ({classes[0].__name__}) has no method {method!r}; "
                              f"it has {public}")
-
-
-class UtilityQueue:
-    """The busy loop's utility calls waiting for a gap between steps, and the requests held while one drains."""
-
-    def __init__(self, utilities: Utilities):
-        self.utilities = utilities
-        self.calls: deque[UtilityCall] = deque()
-        self.held_requests: list[AddRequest] = []
-
-    @property
-    def draining(self) -> bool:
-        return any(self.utilities.drains(call.method) for call in self.calls)
-
-    def hold(self, message: AddRequest) -> bool:
-        """Hold ``message`` while a queued call drains the core (True); False: the caller adds it now."""
-        if self.draining:
-            self.held_requests.append(message)
-            return True
-        return False
-
-    def forget_held(self, request_ids: list[str]) -> None:
-        ids = set(request_ids)
-        self.held_requests = [m for m in self.held_requests if m.request.request_id not in ids]
-
-    def run_due(self, has_unfinished_requests: Callable[[], bool],
-                publish: Callable[[UtilityOutput, str | None], None]) -> list[AddRequest]:
-        """Run the queued calls that may run now, in order, each answer to ``publish``; the requests held for them,
-        to admit now."""
-        while self.calls:
-            call = self.calls[0]
-            if self.utilities.drains(call.method) and has_unfinished_requests():
-                return []  # the requests in the core finish first
-            self.calls.popleft()
-            publish(self.run(call), call.client_id)
-        held, self.held_requests = self.held_requests, []
-        return held
-
-    def run(self, call: UtilityCall) -> UtilityOutput:
-        try:
-            args, kwargs = pickle.loads(call.payload)
-            result = self.utilities.run(call.method, tuple(args), dict(kwargs))
-            return UtilityOutput(call.call_id, pickle.dumps(result))
-        except Exception as exc:  # the caller gets it; the engine goes on
-            logger.warning("engine utility %s failed: %s", call.method, exc)
-            return UtilityOutput(call.call_id, error=str(exc), error_type=type(exc).__name__)

@@ -77,7 +77,9 @@ class _Rank:
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
     """Counts summed over the ranks (the step histogram bucket by bucket, the drafts' counts with their own
-    sum); KV usage as the mean."""
+    sum); KV usage as the mean. One rank's are its own (a copy)."""
+    if len(all_stats) == 1:
+        return dataclasses.replace(all_stats[0])
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):

@@ -212,6 +212,8 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """404 unless ``model`` names the base model or a loaded adapter; returns the adapter, if one."""
+        if model is None or model == self.served_model_name:
+            return None  # the base model: no adapter table to consult
         return self.models.resolve(model)
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str:
@@ -242,7 +244,8 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
-        with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+
+        async def add_requests() -> None:
             try:
                 for i, prompt in enumerate(prompts):
                     request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
@@ -253,8 +256,15 @@ class OpenAIServing:
             except BaseException:
                 self.engine.abort([s.request_id for s in streams])
                 raise
-            finally:
-                self.models.track(lora_request, [s.request_id for s in streams])
+
+        if lora_request is None:
+            await add_requests()
+        else:
+            with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+                try:
+                    await add_requests()
+                finally:
+                    self.models.track(lora_request, [s.request_id for s in streams])
         return await self.respond(request, streams, params, responder, stream)
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,

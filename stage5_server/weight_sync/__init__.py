@@ -14,7 +14,7 @@ of this room is imported or called:
 - ``group.py``: the gloo group a trainer process and the workers share to broadcast tensors;
 - ``core.py``: the engine core's side: an update between steps with the prefix cache reset and the
   weight version counted, sleep levels 1 and 2, registered among the core's utilities
-  (``core/utilities.py``, which runs them between steps, draining the requests in flight first);
+  (``core/utilities.py``; the busy loop runs them between steps, draining the requests in flight first);
 - ``client.py``: the async front end's member (``AsyncEngine.weight_sync``, thread or engine-core
   process): the calls as utility calls, and 503s while asleep;
 - the server's ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/update_weights`` behind ``--enable-dev-routes``

@@ -8,7 +8,7 @@ data-parallel cores resolves with N answers.
 It also keeps what admission needs: whether the engine sleeps (a new request is refused here with
 ``EngineSleepingError``, HTTP 503, before it reaches a core) and the weight version a new request will
 run on: the cores' version plus the updates sent and not yet answered (a request sent after an update is
-held by the core until the update is done, ``core/utilities.py``).
+held by the core until the update is done, ``core/busy_loop.py``).
 
 vLLM: ``AsyncLLM.sleep``, ``wake_up``, ``is_sleeping`` in ``vllm/v1/engine/async_llm.py``.
 """

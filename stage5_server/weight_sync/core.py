@@ -3,7 +3,7 @@ reset, and the weight version counts the updates.
 
 ``WeightSync`` is a member of the ``EngineCore`` (``core.weight_sync``), attached by the builder when the
 engine runs with ``enable_weight_sync=True``. It registers its calls among the core's *utilities*
-(``core/utilities.py``), which reach them two ways: directly (the offline ``LLM``, whose caller drives the
+(``core/utilities.py``), which reaches them two ways: directly (the offline ``LLM``, whose caller drives the
 steps), or as a ``UtilityCall`` message through the core's busy loop (the server's engine thread or
 engine-core process), which runs them between steps; and it adds the admission check that refuses a new
 request while the engine sleeps.
@@ -54,7 +54,7 @@ class WeightSync:
         for name in sorted(UTILITIES):
             utilities.register(name, getattr(self, name), drains=name in DRAINING)
         utilities.core_only.update(CORE_ONLY)
-        utilities.admission_checks.append(self.refusal)
+        core.admission_checks.append(self.refusal)
 
     def _rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
         return self.core.utilities.rpc(method, args, kwargs)
