@@ -23,7 +23,7 @@ Rows:
 3. Modules one streaming chat request passes. A real server, built by the public entry points
    (``make_async_llm`` + ``create_app``, uvicorn on 127.0.0.1, the engine arguments of
    ``tests/stage5/server_fixtures.py``, the tiny random checkpoint of
-   ``shared.tiny_model.cached_tiny_model``, or ``tiny-chat`` if that had no chat template), serves
+   ``course.tiny_model.cached_tiny_model``, or ``tiny-chat`` if that had no chat template), serves
    one warm-up streaming chat completion, then the measured one (another prompt, ``max_tokens`` 8,
    temperature 0), both sent with httpx. Every thread is traced with ``threading.setprofile`` /
    ``sys.setprofile``. The window opens ``SETTLE_S`` after the warm-up's ``data: [DONE]``, just
@@ -559,7 +559,7 @@ def trace_engine_core(core) -> None:
 
 def _pick_model() -> tuple[str, str]:
     """The tiny random checkpoint if it has a chat template, else tiny-chat (which ships with the package)."""
-    from shared.tiny_model import cached_tiny_model
+    from course.tiny_model import cached_tiny_model
 
     path = Path(cached_tiny_model())
     has_template = (path / "chat_template.jinja").is_file() or '"chat_template"' in (

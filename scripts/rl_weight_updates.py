@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from shared import SamplingParams, cached_tiny_model
+from course import cached_tiny_model
+from shared import SamplingParams
 from stage5_server import LLM
 
 PROMPT = list(range(3, 40))  # 37 tokens: two full blocks of 16 for the prefix cache

@@ -143,9 +143,6 @@ class BaseLLM:
                                                kv_bytes_per_token(self.model_config, self.dtype))
 
     # ---- the public API ---------------------------------------------------------------
-    def cache_config_info(self) -> dict[str, str]:
-        return cache_config_info(self.args, self.dtype, getattr(self, "kv_cache_capacity", None))
-
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         if request_id is not None and self.output_processor.has_request(request_id):
@@ -277,24 +274,6 @@ def step_until_finished(step: Callable[[], list[RequestOutput]], request_ids: li
             if out.request_id in mine and out.finished:
                 results[out.request_id] = out
                 bar.update(1)
-
-
-def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | None) -> dict[str, str]:
-    """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
-    stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``.
-    ``capacity``: the tokens the cache holds, once known."""
-    info = {"cache_dtype": str(dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
-    block_size = args.get("block_size")
-    if block_size and capacity is not None:
-        info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
-                    num_gpu_blocks_override=str(args.get("num_kv_blocks")))
-    for field, arg in (("enable_prefix_caching", "enable_prefix_caching"),
-                       ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
-                       ("gpu_memory_utilization", "gpu_memory_utilization"),
-                       ("kv_cache_memory_bytes", "kv_cache_memory")):
-        if arg in args:
-            info[field] = str(args[arg])
-    return info
 
 
 def check_inputs(prompt: PromptType, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,

@@ -79,6 +79,29 @@ def test_shared_imports_no_stage_and_no_stage_imports_a_later_one(index):
     assert {name: names for name, names in offending.items() if names} == {}
 
 
+# The course's material (tiny checkpoints, workloads, the chat tasks: ``course/``) is for tests, benchmarks, scripts
+# and notebooks: no engine imports it. Stage 5's two commands that hand it to a user (``make-tiny-model``, ``bench
+# serve``'s datasets) import it inside the command; ``shared.named_models`` names the builder of the ``tiny`` and
+# ``small`` models by its qualified name.
+COURSE_COMMANDS = {"stage5_server.cli.tiny_model", "stage5_server.bench.datasets"}
+
+
+@pytest.mark.parametrize("package", ["shared", *STAGES])
+def test_no_stage_imports_the_course_package(package):
+    found = {name: sorted(n for n in imported(path) if n.split(".")[0] == "course")
+             for name, path in modules(package).items() if name not in COURSE_COMMANDS}
+    assert {name: names for name, names in found.items() if names} == {}
+
+
+def test_the_commands_that_hand_out_the_course_import_it_inside_the_command():
+    mods = modules("stage5_server")
+    for name in COURSE_COMMANDS:
+        top_level = [node for node in ast.parse(mods[name].read_text()).body
+                     if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not [n for n in top_level for alias in getattr(n, "names", [])
+                    if (getattr(n, "module", None) or alias.name).split(".")[0] == "course"], name
+
+
 # ---- the rooms of stage5_server ----------------------------------------------------------------------------------
 # Which rooms each room may import, at run time or only for type hints (``if TYPE_CHECKING:``): the chain runs front
 # end -> core -> executor -> worker -> model, attention and kernels; a system (speculative decoding, LoRA, pooling,

@@ -1163,7 +1163,7 @@ first time on two cores.
         code("""
 import time
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 from stage5_server.cpu_kernels import load_cpu_kernels
 
@@ -1331,7 +1331,7 @@ import tempfile
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM, LoRARequest
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # PEFT's deprecation notices, not the lesson
@@ -1451,7 +1451,7 @@ nothing, but which tokens and which cache blocks it uses are the real thing.
 from PIL import Image
 
 from stage5_server import LLM
-from stage5_server.multimodal.tiny_model import cached_tiny_llava
+from course.tiny_llava import cached_tiny_llava
 
 LLAVA = str(cached_tiny_llava())
 llm = LLM(LLAVA, device="cpu", block_size=4, max_model_len=256, num_kv_blocks=128)
@@ -1525,7 +1525,7 @@ checks correctness, not speed.
         code("""
 import time
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 
 TINY = str(cached_tiny_model("llama"))

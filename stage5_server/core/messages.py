@@ -168,7 +168,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     tokenizer: str
     engine_args: dict[str, Any]
-    cache_config: dict[str, str]  # the resolved KV-cache configuration (``LLM.cache_config_info``)
+    cache_config: dict[str, str]  # the resolved KV-cache configuration (``stats.cache_config_info``)
     engine_index: int = 0
 
 

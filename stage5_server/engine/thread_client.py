@@ -15,13 +15,13 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from shared.llm_base import cache_config_info
 from shared.tokenizer import Tokenizer
 from stage5_server.config import STAGE, EngineConfig
 from stage5_server.core.builder import build_engine_core
 from stage5_server.core.busy_loop import EngineCoreLoop
 from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, UtilityCall, UtilityOutput, plain
+from stage5_server.core.stats import cache_config_info
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 from stage5_server.errors import EngineDeadError
 
