@@ -10,8 +10,9 @@ is ``max_model_len``: the builder lowers it when the user set no length and the 
 sized KV cache holds less.
 
 Each system's own settings are a module of this package, as vLLM's are: ``model.py`` (which
-checkpoint, and what it is), ``multimodal.py``, ``pooler.py``, ``speculative.py``, ``lora.py``. The
-rooms that implement the systems read them; this package imports none of those rooms.
+checkpoint, and what it is), ``multimodal.py``, ``pooler.py``, ``speculative.py``, ``lora.py``,
+``weight_sync.py``. The rooms that implement the systems read them; this package imports none of those
+rooms.
 
 The names and defaults come from one table, ``ENGINE_ARG_TABLE``: an ``EngineArg`` per argument, with
 what ``stagedserve serve`` needs to make its flag of it (how a value parses, choices, short aliases,
@@ -45,6 +46,7 @@ from stage5_server.config.model import read_model_config, resolve_model
 from stage5_server.config.multimodal import MultiModalConfig
 from stage5_server.config.pooler import CONVERTS, RUNNERS, PoolerConfig, pooling_args, resolve_runner
 from stage5_server.config.speculative import SpeculativeConfig, check_draft_model, speculative_config_arg
+from stage5_server.config.weight_sync import check_weight_sync, weight_sync_extension
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
@@ -169,9 +171,6 @@ CPU_BF16_MIN_HIDDEN_SIZE = 512
 RUNNER_KINDS = {"generate": ("stage5_server.core.scheduler:Scheduler", "stage5_server.worker.worker:Worker"),
                 "pooling": ("stage5_server.pooling.scheduler:PoolingScheduler",
                             "stage5_server.pooling.worker:make_pooling_worker")}
-# Weight sync's worker extension, by qualified name: each rank builds it over its worker (vLLM:
-# ``ParallelConfig.worker_extension_cls``).
-WEIGHT_SYNC_EXTENSION = "stage5_server.weight_sync.worker:WeightSyncWorker"
 
 
 @dataclass(frozen=True)
@@ -295,8 +294,6 @@ class EngineConfig:
         kv_transfer = KVTransferConfig.create(args["kv_transfer_config"], args["kv_offloading_size"])
         check_kv_transfer_support(kv_transfer, runner=runner, enable_prefix_caching=args["enable_prefix_caching"],
                                   hash_algo=args["prefix_caching_hash_algo"], world_size=world_size)
-        if not isinstance(args["enable_weight_sync"], bool):
-            raise ValueError(f"enable_weight_sync: must be a bool, got {args['enable_weight_sync']!r}")
         attention_backend = resolve_attention_backend(args["attention_backend"], device)
         compile_decode = resolve_compile_decode(args["enforce_eager"], device, dtype, attention_backend,
                                                 world_size, runner, lora)
@@ -308,7 +305,7 @@ class EngineConfig:
                    compile_decode=compile_decode, cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
-                   weight_sync=args["enable_weight_sync"], args=args)
+                   weight_sync=check_weight_sync(args["enable_weight_sync"]), args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
@@ -324,7 +321,7 @@ class EngineConfig:
     @property
     def worker_extension_cls(self) -> str | None:
         """The class each rank builds over its worker, whose methods ``collective_rpc`` also reaches; None: none."""
-        return WEIGHT_SYNC_EXTENSION if self.weight_sync else None
+        return weight_sync_extension(self.weight_sync)
 
 
 def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,
