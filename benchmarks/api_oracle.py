@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = json.loads(Path(args.render).read_text())
         Path(args.markdown).write_text(to_markdown(result))
         return result
-    from shared import Tokenizer, cached_tiny_model
+    from course import cached_tiny_model
+    from shared import Tokenizer
 
     model = args.model or str(cached_tiny_model("llama"))
     token_ids = Tokenizer(model).encode("Hello, world! How are you")

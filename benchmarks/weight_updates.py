@@ -126,7 +126,7 @@ def run(model_path: Path, engine_args: dict, repeats: int, rounds: int, batch_si
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     size_mib = sum(t.numel() * t.element_size() for t in base.values()) / 2**20
 
-    llm = LLM(str(model_path), **engine_args)
+    llm = LLM(str(model_path), **engine_args, enable_weight_sync=True)
     try:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm
         in_process, gloo = [], []

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from shared import SamplingParams, cached_tiny_model
+from course import cached_tiny_model
+from shared import SamplingParams
 from stage5_server import LLM
 
 PROMPT = list(range(3, 40))  # 37 tokens: two full blocks of 16 for the prefix cache
@@ -55,7 +56,7 @@ def load_on_the_worker(worker, named_tensors) -> int:
     """The worker's weight method, run as a function: what the engine's own update adds (the drain, the cache
     reset, the version) is left out on purpose, to measure what the reset prevents. By name, through
     ``collective_rpc``, the method is refused."""
-    return worker.update_weights(named_tensors)
+    return worker.extension.update_weights(named_tensors)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     start = time.monotonic()
     path = cached_tiny_model("llama")
-    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4, enable_weight_sync=True)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trainer.generation_config.eos_token_id = None
 

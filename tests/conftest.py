@@ -140,28 +140,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_llava() -> Path:
-    from stage5_server.multimodal.tiny_model import cached_tiny_llava
+    from course.tiny_llava import cached_tiny_llava
 
     return cached_tiny_llava()
 

@@ -1192,7 +1192,7 @@ first time on two cores.
         machine("""
 import time
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 from stage5_server.cpu_kernels import load_cpu_kernels
 
@@ -1376,7 +1376,7 @@ import tempfile
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM, LoRARequest
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # PEFT's deprecation notices, not the lesson
@@ -1496,7 +1496,7 @@ nothing, but which tokens and which cache blocks it uses are the real thing.
 from PIL import Image
 
 from stage5_server import LLM
-from stage5_server.multimodal.tiny_model import cached_tiny_llava
+from course.tiny_llava import cached_tiny_llava
 
 LLAVA = str(cached_tiny_llava())
 llm = LLM(LLAVA, device="cpu", block_size=4, max_model_len=256, num_kv_blocks=128)
@@ -1568,7 +1568,7 @@ checks correctness, not speed.
 """),
         code(setup(pair=True, sampling=True)),
         code("""
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 
 TINY = str(cached_tiny_model("llama"))

@@ -68,7 +68,8 @@ def add_serve_subcommand(subparsers) -> None:
                           "(vLLM's way)")
     net.add_argument("--enable-dev-routes", action="store_true",
                      help="serve /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc and "
-                          "/update_weights (behind the API key; for RL post-training: docs/rl-weight-updates.md)")
+                          "/update_weights (behind the API key; turns on --enable-weight-sync; for RL "
+                          "post-training: docs/rl-weight-updates.md)")
     net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
@@ -123,9 +124,13 @@ def add_engine_flags(group) -> None:
 
 
 def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
-    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
-            if arg.cli and getattr(args, arg.name, None) is not None}
+    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them (the dev routes' weight
+    updates and sleep need the engine's: ``--enable-dev-routes`` turns them on unless the user said otherwise)."""
+    kwargs = {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
+              if arg.cli and getattr(args, arg.name, None) is not None}
+    if getattr(args, "enable_dev_routes", False):
+        kwargs.setdefault("enable_weight_sync", True)
+    return kwargs
 
 
 # A server is sized for many clients at once, the offline ``LLM`` for a course's small runs (16

@@ -36,13 +36,7 @@ from shared.tokenizer import Tokenizer
 from stage5_server.core.messages import EngineCoreRequest
 from stage5_server.errors import ContextLengthExceeded
 from stage5_server.lora.request import LoRARequest
-from stage5_server.multimodal.processor import (
-    ImageProcessor,
-    count_image_parts,
-    images_of,
-    load_offline_part,
-    split_image_parts,
-)
+from stage5_server.multimodal.processor import ImageProcessor, images_of, load_offline_part, split_image_parts
 
 NO_IMAGES = "this model takes no images (it is not a vision-language model)"
 
@@ -139,12 +133,15 @@ class InputProcessor:
         return ids if self.image_processor is None else self.image_processor.expand(ids)
 
     def _split_images(self, messages: list[dict], load: Callable[[dict], Any]) -> tuple[list[dict], list]:
-        """The messages with each image part as the template's image token, and ``load(part)`` of each part."""
-        if not count_image_parts(messages):
-            return messages, []
-        if self.image_processor is None:
-            raise ValueError(f"messages: {NO_IMAGES}")
-        return split_image_parts(messages, load)
+        """The messages with each image part as the template's image token, and ``load(part)`` of each part. A
+        text model's messages pass as they are, unless a message's content parts hold anything but text."""
+        if self.image_processor is not None:
+            return split_image_parts(messages, load)
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise ValueError(f"messages[{i}].content: {NO_IMAGES}; send text parts only")
+        return messages, []
 
     def pooling_request(self, request_id: str, token_ids: list[int], cache_salt: str | None = None,
                         ) -> EngineCoreRequest:

@@ -197,23 +197,30 @@ async def conversation_prompt(serving: OpenAIServing, body: ChatCompletionReques
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
                        "--trust-request-chat-template to accept one per request)", param="chat_template")
-    check_request_mm_kwargs(serving.media.options, body.mm_processor_kwargs, body.media_io_kwargs)
+    if body.mm_processor_kwargs or body.media_io_kwargs:
+        check_request_mm_kwargs(serving.media.options, body.mm_processor_kwargs, body.media_io_kwargs)
     messages = body.conversation()
     prompt = {"messages": messages, "chat_template": body.chat_template,
               "chat_template_kwargs": body.chat_template_kwargs,
               "control_tokens_in_messages": options.control_tokens_in_messages,
               "tools": None if body.effective_tool_choice == "none" else body.tool_dicts()}
-    if has_image_parts(messages):
-        if serving.engine.image_processor is None:
-            first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
-            raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
-                           "vision-language model); send text content only", param=f"messages[{first}].content")
-        check_image_count(serving.media.options, count_image_parts(messages))
-        loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
-        prompt["messages"] = await asyncio.to_thread(load_image_parts, messages, loader)  # the engine renders them
+    if any(isinstance(m["content"], list) for m in messages):  # parts stay a list only beside an image (protocol.py)
+        prompt["messages"] = await load_images(serving, messages)
         if body.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
     return prompt
+
+
+async def load_images(serving: OpenAIServing, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part loaded under the server's media rules; a model that takes no images,
+    or too many images, is a 400 before anything is fetched."""
+    if serving.engine.image_processor is None:
+        first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
+        raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
+                       "vision-language model); send text content only", param=f"messages[{first}].content")
+    check_image_count(serving.media.options, count_image_parts(messages))
+    loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
+    return await asyncio.to_thread(load_image_parts, messages, loader)  # the engine renders them
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:

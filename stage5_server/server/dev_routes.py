@@ -1,5 +1,6 @@
 """The development routes an RL trainer drives the server with: sleep, wake, weight updates, RPC
-(the engine's side: ``weight_sync/``).
+(the engine's side: ``weight_sync/``, a member of the front end when the engine runs with weight sync,
+which ``--enable-dev-routes`` turns on; and the core's own utilities, ``core/utilities.py``).
 
 They exist only with ``--enable-dev-routes`` (``ServerConfig.enable_dev_routes``); off (the default)
 each is a 404 and none is in the schema. On, each sits behind the API key like every other route.
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from stage5_server.errors import EngineSleepingError
 from stage5_server.server.errors import APIError, validation_error
-from stage5_server.weight_sync import EngineSleepingError
 
 if TYPE_CHECKING:
     from stage5_server.engine.frontend import AsyncEngine
@@ -103,21 +104,27 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
         except Exception as exc:
             raise to_api_error(exc, param) from None
 
+    def weight_sync() -> Any:
+        if engine.weight_sync is None:
+            raise APIError(400, "this engine runs without weight updates and sleep; start it with "
+                           "enable_weight_sync=True (--enable-weight-sync)")
+        return engine.weight_sync
+
     @app.post("/sleep", summary="Free the KV cache (level 1) and the weights (level 2); requests are refused")
     async def sleep(level: int = 1) -> dict:
         if level not in (1, 2):
             raise APIError(400, f"level: must be 1 or 2, got {level}", param="level")
-        freed = await run(engine.sleep(level))
+        freed = await run(weight_sync().sleep(level))
         return {"sleeping": True, "level": level, "freed_bytes": freed}
 
     @app.post("/wake_up", summary="Allocate the KV cache again (after level 2, update the weights next)")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict:
-        await run(engine.wake_up(tags))
+        await run(weight_sync().wake_up(tags))
         return {"sleeping": False}
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict:
-        return {"is_sleeping": await run(engine.is_sleeping())}
+        return {"is_sleeping": await run(weight_sync().is_sleeping())}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
@@ -139,10 +146,10 @@ def add_dev_routes(app: FastAPI, engine: AsyncEngine) -> None:
         if sum(sources) != 1:
             raise APIError(400, "update_weights: give exactly one of path, reload, tensors")
         if body.path is not None:
-            version = await run(engine.update_weights_from_path(body.path), param="path")
+            version = await run(weight_sync().update_weights_from_path(body.path), param="path")
         elif body.reload:
-            version = await run(engine.reload_weights())
+            version = await run(weight_sync().reload_weights())
         else:
             metadata = [(t.name, t.dtype, t.shape) for t in body.tensors]
-            version = await run(engine.update_weights_from_distributed(metadata))
+            version = await run(weight_sync().update_weights_from_distributed(metadata))
         return {"weight_version": version}

@@ -225,6 +225,8 @@ class OpenAIServing:
     def check_model(self, model: str | None, request: Request) -> LoRARequest | None:
         """404 unless ``model`` names the base model or an adapter the request's trust group may use; returns
         the adapter, if one."""
+        if model is None or model == self.served_model_name:
+            return None  # the base model: no adapter table to consult
         return self.models.resolve(model, trust_group(request))
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str:
@@ -255,7 +257,8 @@ class OpenAIServing:
         transfer_id = request.headers.get(KV_TRANSFER_HEADER)
         if transfer_id is not None:
             prompts = [in_transfer(prompt, transfer_id) for prompt in prompts]
-        with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+
+        async def add_requests() -> None:
             try:
                 for i, prompt in enumerate(prompts):
                     request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
@@ -266,8 +269,15 @@ class OpenAIServing:
             except BaseException:
                 self.engine.abort([s.request_id for s in streams])
                 raise
-            finally:
-                self.models.track(lora_request, [s.request_id for s in streams])
+
+        if lora_request is None:
+            await add_requests()
+        else:
+            with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+                try:
+                    await add_requests()
+                finally:
+                    self.models.track(lora_request, [s.request_id for s in streams])
         return await self.respond(request, streams, params, responder, stream)
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,

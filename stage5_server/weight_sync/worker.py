@@ -1,7 +1,9 @@
 """What a worker does for weight updates and sleep: the methods ``collective_rpc`` reaches on every rank.
 
-``WeightSyncWorker`` is a base of stage 5's ``Worker`` (``worker/worker.py``), so each method runs on
-every rank where that rank's worker lives (this process, a worker process, a Ray actor):
+``WeightSyncWorker`` is a worker extension: with weight sync on, ``EngineConfig.worker_extension_cls`` names it
+and every rank builds one over its worker (``executor/abstract.make_worker``), so each method runs on every
+rank where that rank's worker lives (this process, a worker process, a Ray actor), and ``collective_rpc``
+finds it by name beside the worker's own methods:
 
 - ``update_weights(named_tensors)``: tensors by checkpoint name (``loader.py`` takes this rank's part);
 - ``update_weights_from_path(path)``: every tensor of a checkpoint directory, read as the load does;
@@ -13,7 +15,8 @@ every rank where that rank's worker lives (this process, a worker process, a Ray
 
 vLLM: ``Worker.sleep`` / ``wake_up`` in ``vllm/v1/worker/gpu_worker.py`` (over the ``CuMemAllocator``
 of ``vllm/device_allocator/cumem.py``, which unmaps the pool's memory and maps it again),
-``WorkerExtension`` in ``examples/offline_inference/rlhf_utils.py``.
+``WorkerExtension`` in ``examples/offline_inference/rlhf_utils.py`` (which vLLM's ``worker_extension_cls`` loads by
+name).
 """
 
 from __future__ import annotations
@@ -32,20 +35,24 @@ from stage5_server.weight_sync.loader import RankWeightLoader, tensor_dtype, wei
 
 
 class WeightSyncWorker:
-    """Mixed into ``Worker``; uses its ``config``, ``place``, ``model``, ``kv_cache`` and ``model_runner``."""
+    """Beside a ``Worker`` (``worker.extension``); uses its ``config``, ``place``, ``rank``, ``device``, ``model``,
+    ``kv_cache`` and ``model_runner``."""
 
-    _weight_loader: RankWeightLoader | None = None
-    _weight_group: Any = None
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._weight_loader: RankWeightLoader | None = None
+        self._weight_group: Any = None
 
     @property
     def decoder(self) -> torch.nn.Module:
         """The rank's decoder (a pipeline stage wraps it)."""
-        return getattr(self.model, "model", self.model)
+        model = self.worker.model
+        return getattr(model, "model", model)
 
     @property
     def weight_loader(self) -> RankWeightLoader:
         if self._weight_loader is None:
-            self._weight_loader = RankWeightLoader(self.config, self.place, self.decoder)
+            self._weight_loader = RankWeightLoader(self.worker.config, self.worker.place, self.decoder)
         return self._weight_loader
 
     # ---- weights -------------------------------------------------------------------------------------
@@ -69,7 +76,7 @@ class WeightSyncWorker:
                                  world_size: int, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> int:
         """Start joining a trainer's group as rank ``rank_offset + this worker's rank`` and return that rank at
         once: the join runs on a thread (``group.py``), so the engine steps on meanwhile."""
-        rank = rank_offset + self.rank
+        rank = rank_offset + self.worker.rank
         self._weight_group = join_in_background(master_address, master_port, rank, world_size, timeout_s)
         return rank
 
@@ -104,19 +111,20 @@ class WeightSyncWorker:
         return weight_bytes(self.decoder)
 
     def kv_cache_bytes(self) -> int:
-        cache = self.kv_cache
+        cache = self.worker.kv_cache
         return 0 if cache is None else sum(t.numel() * t.element_size() for t in [*cache.key, *cache.value])
 
     # ---- sleep ---------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), and the weights (level 2); the bytes freed on this rank."""
+        worker = self.worker
         freed = self.kv_cache_bytes()
-        self.model.set_attention_backend(None)  # nothing holds the blocks any more
-        self.kv_cache = self.model_runner = None
+        worker.model.set_attention_backend(None)  # nothing holds the blocks any more
+        worker.kv_cache = worker.model_runner = None
         if level >= 2:
             freed += self.weight_loader.drop()
         gc.collect()
-        if self.device.type == "cuda":
+        if worker.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
 

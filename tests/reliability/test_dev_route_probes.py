@@ -27,7 +27,8 @@ PROMPT = "A weight update drains the engine, resets the prefix cache and counts 
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    app = create_app(make_llm(tiny_llama, device="cpu", dtype="float32", enable_prefix_caching=True),
+    app = create_app(make_llm(tiny_llama, device="cpu", dtype="float32", enable_prefix_caching=True,
+                              enable_weight_sync=True),
                      api_keys=[KEY], enable_dev_routes=True)
     with pytest.MonkeyPatch.context() as env, running_server(app) as server:
         env.setenv("STAGEDSERVE_WEIGHT_SYNC_SECRET", secrets.token_hex(32))  # the engine's workers read it
