@@ -17,7 +17,9 @@ The channel may cross hosts, so both ends prove who they are, with a secret they
 - gloo's tensor traffic carries no proof of its own, so after each broadcast the trainer writes an HMAC of
   the tensor (its name, dtype, shape and bytes, and the round) to the authenticated store, and a worker
   loads nothing until every tensor it received matches: a tensor injected on the way fails the update,
-  and the engine keeps its weights.
+  and the engine keeps its weights;
+- each worker then writes a receipt to the store, and the trainer's ``send`` returns only once every
+  worker's is in: a trainer that ends right after sending cuts off no worker still reading the HMACs.
 
 A worker joins on a thread of its own (``join_in_background``): the engine core that asked it to join goes
 on stepping other requests while the trainer's store is reached, and the update that needs the group
@@ -64,6 +66,9 @@ class WeightUpdateGroup:
 
     def mac_key(self, index: int) -> str:
         return f"tensor-mac/{self.rounds}/{index}"
+
+    def receipt_key(self, rank: int) -> str:
+        return f"receipt/{self.rounds}/{rank}"
 
 
 def _gloo_group(store: AuthenticatedStore, rank: int, world_size: int, timeout: timedelta,
@@ -113,12 +118,16 @@ def receive_tensors(member: WeightUpdateGroup, metadata: list[tuple[str, str, li
         tensor = torch.empty(shape, dtype=dtype_of(dtype))
         member.group.broadcast(tensor, 0).wait()
         received.append((name, tensor))
-    for index, (name, tensor) in enumerate(received):
-        if not hmac.compare_digest(member.store.get(member.mac_key(index)), member.tensor_mac(index, name, tensor)):
-            member.rounds += 1
-            raise ValueError(f"update_weights_from_distributed: tensor {name!r} does not match the trainer's HMAC "
-                             "(changed on the way, or another sender); nothing was loaded")
+    forged = next((name for index, (name, tensor) in enumerate(received)
+                   if not hmac.compare_digest(member.store.get(member.mac_key(index)),
+                                              member.tensor_mac(index, name, tensor))), None)
+    # The receipt tells the trainer this rank has read the round's HMACs: until every rank's is in, it keeps
+    # its store open (``WeightBroadcaster.send``).
+    member.store.set(member.receipt_key(member.group.rank()), b"refused" if forged else b"loaded")
     member.rounds += 1
+    if forged is not None:
+        raise ValueError(f"update_weights_from_distributed: tensor {forged!r} does not match the trainer's HMAC "
+                         "(changed on the way, or another sender); nothing was loaded")
     return received
 
 
@@ -152,7 +161,14 @@ class WeightBroadcaster:
             tensor = tensor.detach().to("cpu").contiguous()
             member.group.broadcast(tensor, 0).wait()
             member.store.set(member.mac_key(index), member.tensor_mac(index, name, tensor))
+        # Wait for every worker's receipt: a trainer that closed its store now would cut off a worker still
+        # reading the HMACs.
+        receipts = [member.receipt_key(rank) for rank in range(1, member.group.size())]
+        member.store.wait(receipts)
+        refused = [rank for rank, key in enumerate(receipts, start=1) if member.store.get(key) != b"loaded"]
         member.rounds += 1
+        if refused:
+            raise RuntimeError(f"weight-update group: rank(s) {refused} refused the tensors (an HMAC did not match)")
 
     def close(self) -> None:
         self.server.close()

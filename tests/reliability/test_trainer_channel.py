@@ -145,3 +145,22 @@ def test_without_a_secret_neither_side_starts(monkeypatch):
         WeightBroadcaster("127.0.0.1", free_port(), 2, timeout_s=1)
     with pytest.raises(ValueError, match="STAGEDSERVE_WEIGHT_SYNC_SECRET"):
         init_weight_update_group("127.0.0.1", free_port(), 1, 2, timeout_s=1)
+
+
+
+def test_a_trainer_that_exits_right_after_sending_cuts_off_no_slow_worker(trainer):
+    """``send`` returns once every worker has read the round's HMACs: a worker slow to read them (held up here
+    by a second) still gets its tensor, though the trainer process ends as soon as ``send`` returns."""
+    process, port, _ = trainer
+    member = init_weight_update_group("127.0.0.1", port, 1, 2, timeout_s=60, secret=SECRET)
+    read_hmac = member.store.get
+
+    def slow_get(key):
+        threading.Event().wait(1.0)
+        return read_hmac(key)
+
+    member.store.get = slow_get
+    received = receive_tensors(member, [("model.norm.weight", "float32", [2, 3])], lambda name: getattr(torch, name))
+    assert torch.equal(received[0][1], torch.arange(6.0).reshape(2, 3))
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "sent" in output, output
