@@ -50,8 +50,16 @@ def run_info(module: str, argv: list[str] | None) -> dict:
         "machine": {"system": platform.system(), "machine": platform.machine(),
                     "processor": cpu_model(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version()},
-        "command": " ".join(["python", "-m", module, *map(shlex.quote, args)]),
+        "command": " ".join(["python", "-m", module, *(shlex.quote(without_machine_paths(a)) for a in args)]),
     }
+
+
+def without_machine_paths(arg: str) -> str:
+    """An absolute path as ``<dir>/last/two`` (this machine's layout stays out of the results)."""
+    path = Path(arg)
+    if not path.is_absolute() or len(path.parts) < 4:
+        return arg
+    return f"<{path.parts[-3]}>/{path.parts[-2]}/{path.parts[-1]}"
 
 
 def provenance(result: dict, details: str = "") -> str:

@@ -512,9 +512,17 @@ class IntervalRecorder:
 
     def snapshot(self) -> dict[str, dict[str, dict[str, list[list[float]]]]]:
         """``{"called" | "calling": {file: {function: intervals}}}``, plain data (JSON)."""
+        def items(table):  # other threads' hooks may add a key while this one copies: take it again
+            for _ in range(100):
+                try:
+                    return list(table.items())
+                except RuntimeError:
+                    time.sleep(0.001)
+            raise RuntimeError("the profiler's tables kept changing while being copied")
+
         def copy(table):
             out: dict[str, dict[str, list[list[float]]]] = {}
-            for code, intervals in list(table.items()):
+            for code, intervals in items(table):
                 if intervals:
                     name = f"{getattr(code, 'co_qualname', code.co_name)}:{code.co_firstlineno}"
                     out.setdefault(code.co_filename, {})[name] = [list(i) for i in list(intervals)]

@@ -7,7 +7,8 @@ the first dimension in the highest bit; ``binary`` as signed bytes). ``truncate`
 keeps a text's first ``max_tokens`` tokens (or the first ``max_model_len``), ``START`` its last ones,
 ``NONE`` refuses a longer text. ``input_type`` picks the model's own prompt prefix where its files define
 one, and is refused where they define none, as in vLLM (``config/pooler.py``). The answer:
-``{"id", "embeddings": {type: [...]}, "texts", "meta": {"api_version", "tokens": {"input_tokens"}}}``.
+``{"id", "embeddings": {type: [...]}, "texts", "meta": {"api_version", "billed_units": {"input_tokens"}},
+"response_type": "embeddings_by_type"}``, the shape of Cohere's ``EmbedByTypeResponse``.
 
 vLLM: ``vllm/entrypoints/pooling/embed/cohere/serving.py``, ``protocol.py`` (``build_typed_embeddings``) and
 ``api_router.py``.
@@ -76,4 +77,6 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return {"id": request_id,
                 "embeddings": {kind: typed_embeddings(vectors, kind) for kind in body.embedding_types or ["float"]},
                 "texts": body.texts,
-                "meta": {"api_version": {"version": "2"}, "tokens": {"input_tokens": usage(results)["prompt_tokens"]}}}
+                "meta": {"api_version": {"version": "2"},
+                         "billed_units": {"input_tokens": usage(results)["prompt_tokens"]}},
+                "response_type": "embeddings_by_type"}

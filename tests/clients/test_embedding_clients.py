@@ -3,7 +3,8 @@ client's ``embeddings.create`` (it asks for base64 by default), langchain's ``Op
 litellm's ``embedding``, each matching the offline vectors; and a small retrieval check through
 ``/v1/rerank``: the passage that answers each question is ranked first. vLLM's other pooling routes in
 the shapes its clients read (raw httpx): ``/pooling``, Cohere's ``/v2/embed`` with every embedding type,
-``/v1/score`` under each of its field names, one query scored and ranked against many and counted once."""
+``/v1/score`` under each of its field names, one query scored and ranked against many and counted once; and
+Cohere's own SDK (``cohere.ClientV2.embed``) on a copy of the model that defines input-type prompts."""
 
 from __future__ import annotations
 
@@ -116,9 +117,10 @@ def test_pooling_returns_the_raw_pooled_vectors_in_vllms_shape(server, expected,
 
 def test_cohere_embed_v2_returns_each_embedding_type(server, expected, llm):
     body = post(server, "/v2/embed", {"texts": TEXTS, "embedding_types": ["float", "base64", "binary", "ubinary"]})
-    assert set(body) == {"id", "embeddings", "texts", "meta"} and body["texts"] == TEXTS
+    assert set(body) == {"id", "embeddings", "texts", "meta", "response_type"} and body["texts"] == TEXTS
+    assert body["response_type"] == "embeddings_by_type"
     assert body["meta"] == {"api_version": {"version": "2"},
-                            "tokens": {"input_tokens": sum(tokens(llm, t) for t in TEXTS)}}
+                            "billed_units": {"input_tokens": sum(tokens(llm, t) for t in TEXTS)}}
     embeddings = body["embeddings"]
     assert np.allclose(embeddings["float"], expected, atol=1e-6)
     decoded = [np.frombuffer(base64.b64decode(b), dtype="<f4") for b in embeddings["base64"]]
@@ -134,7 +136,7 @@ def test_cohere_embed_truncates_from_either_end(server, references):
     start = post(server, "/v2/embed", {"texts": [TRUNCATED], "truncate": "START", "max_tokens": 5})
     assert np.allclose(end["embeddings"]["float"][0], references["head"], atol=1e-6)
     assert np.allclose(start["embeddings"]["float"][0], references["tail"], atol=1e-6)
-    assert start["meta"]["tokens"]["input_tokens"] == 5
+    assert start["meta"]["billed_units"]["input_tokens"] == 5
 
 
 @pytest.mark.parametrize("sides", [("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
@@ -156,3 +158,40 @@ def test_rerank_usage_has_prompt_tokens_beside_total_tokens(server, llm):
 
 
 QUESTIONS_LIST = list(QUESTIONS)
+
+
+@pytest.fixture(scope="module")
+def prompted_model(tmp_path_factory):
+    """The embedding model with sentence-transformers prompts for two input types, as e5-style models ship."""
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("prompted") / MODEL
+    shutil.copytree(resolve_model(MODEL), model)
+    settings = model / "config_sentence_transformers.json"
+    config = json.loads(settings.read_text())
+    settings.write_text(json.dumps({**config, "prompts": {"search_query": "query: ", "search_document": "passage: "}}))
+    return model
+
+
+def test_cohere_sdk_embeds_with_the_models_input_type_prompts(prompted_model):
+    import cohere
+
+    llm = LLM(str(prompted_model), dtype="float32", max_num_seqs=8)
+    queries = np.array([o.outputs.embedding for o in llm.embed([f"query: {t}" for t in TEXTS])])
+    passages = np.array([o.outputs.embedding for o in llm.embed([f"passage: {t}" for t in TEXTS])])
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in llm.embed([f"query: {t}" for t in TEXTS]))
+    app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
+    with running_server(app) as running:
+        client = cohere.ClientV2(api_key=KEY, base_url=running.url, timeout=60)
+        answer = client.embed(model=MODEL, texts=TEXTS, input_type="search_query", embedding_types=["float"])
+        assert np.allclose(answer.embeddings.float_, queries, atol=1e-6)
+        assert answer.meta.billed_units.input_tokens == prompt_tokens and answer.texts == TEXTS
+        documents = client.embed(model=MODEL, texts=TEXTS, input_type="search_document",
+                                 embedding_types=["float", "ubinary"])
+        assert np.allclose(documents.embeddings.float_, passages, atol=1e-6)
+        assert not np.allclose(documents.embeddings.float_, queries, atol=1e-3)  # the prefix reached the model
+        bits = np.unpackbits(np.array(documents.embeddings.ubinary, dtype=np.uint8), axis=1)
+        assert np.array_equal(bits.astype(bool), passages >= 0)
+        with pytest.raises(cohere.BadRequestError, match="input_type"):  # a type the model defines no prompt for
+            client.embed(model=MODEL, texts=TEXTS, input_type="clustering", embedding_types=["float"])

@@ -99,7 +99,7 @@ def test_long_inputs_that_fit_are_still_embedded(server):
     full = post(url, "/v1/embeddings", {"model": MODEL, "input": ["hi"] * 256})  # exactly the cap
     assert full.status_code == 200 and len(full.json()["data"]) == 256
     cut = post(url, "/v2/embed", {"model": MODEL, "texts": ["z " * 100_000]})  # Cohere's default: cut at the end
-    assert cut.status_code == 200 and cut.json()["meta"]["tokens"]["input_tokens"] == 256, cut.text
+    assert cut.status_code == 200 and cut.json()["meta"]["billed_units"]["input_tokens"] == 256, cut.text
     pairs = post(url, "/v1/score", {"model": MODEL, "text_1": ["a"] * 256, "text_2": ["b"] * 256})
     assert pairs.status_code == 200 and len(pairs.json()["data"]) == 256  # 256 pairs: the cap counts pairs
     ranked = post(url, "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["d"] * 256})
