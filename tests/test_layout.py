@@ -97,12 +97,13 @@ ROOM_IMPORTS = {
     "bench": {"server", "llm"} | BASE,
     "demo": {"__init__", "server"} | BASE,
     "__init__": {"llm", "core"} | BASE,  # the rest on first use
-    "server": {"engine", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
+    "server": {"engine", "lora", "multimodal", "pooling", "weight_sync", "inspector"} | BASE,
     "llm": {"engine", "core", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
     "engine": {"core", "data_parallel", "lora", "multimodal", "weight_sync"} | BASE,
     "data_parallel": {"core"} | BASE,
     "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
-    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
+    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer",
+             "inspector"} | BASE,
     "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
     "worker": MODEL | {"core", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "spec_decode": {"model"} | BASE,
@@ -110,6 +111,7 @@ ROOM_IMPORTS = {
     "multimodal": BASE,
     "weight_sync": {"model", "parallel", "multimodal"} | BASE,  # weight updates and sleep: plugs into core and worker
     "kv_transfer": BASE,  # the KV connector: plugs into the KV cache manager, the scheduler and the worker
+    "inspector": BASE,  # the step observer the core holds, and the page's routes the server adds
     "quantization": {"model", "cpu_kernels"},
     "parallel": {"model"},
     "attention": {"kernels", "cpu_kernels"},

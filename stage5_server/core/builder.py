@@ -11,7 +11,8 @@
 3. the scheduler of the config's runner kind (``EngineConfig.scheduler_cls``) is built over that
    pool, with the scheduler side of a KV connector if one is configured (``kv_transfer/``), and every
    worker allocates its blocks;
-4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter.
+4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter;
+   with ``enable_inspector``, a step observer (``inspector/``).
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
 ``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
@@ -34,6 +35,7 @@ from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.stats import LoggingStatLogger
 from stage5_server.executor import Executor, make_executor
 from stage5_server.executor.abstract import resolve_obj_by_qualname
+from stage5_server.inspector import StepObserver
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.spec_decode import make_drafter
 
@@ -82,8 +84,11 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
     mc, interval = config.model_config, config.log_stats_interval
     tokenizer = tokenizer or Tokenizer(config.tokenizer_path)
     grammars = StructuredOutputManager(tokenizer.hf, mc.vocab_size, mc.eos_token_ids)
-    return EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
+    core = EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
                       make_drafter(config))
+    if config.args.get("enable_inspector"):
+        core.inspector = StepObserver.for_scheduler(scheduler)
+    return core
 
 
 def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:

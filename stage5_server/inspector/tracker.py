@@ -1,0 +1,111 @@
+"""From a KV cache manager's block tables, step after step, to what happened to each block.
+
+The KV cache manager keeps one table per request and changes it in two ways only: it appends blocks (a
+prefix-cache hit as the request is admitted, then fresh blocks as it grows) and it drops the whole table
+(the request finished, was aborted or preempted). So comparing every live table with its length at the
+last step says everything: a table that is gone gave its blocks back; a table that grew took blocks,
+the first of a newly admitted request's being its prefix-cache hits. ``BlockTracker`` keeps a reference
+count per block and whether a free block still holds cached K/V, and turns each step's tables into the
+``new`` / ``hit`` / ``loaded`` / ``evicted`` blocks of ``RequestStep`` and the ``FreedBlocks`` of the
+requests that left. The cost per step grows with the live requests and the blocks that changed, never
+with the pool.
+
+``token_kinds`` splits a request's scheduled positions into prefill, decode and verify, the way the
+step timeline stacks them.
+
+vLLM: the tables are ``req_to_blocks`` of ``vllm/v1/core/single_type_kv_cache_manager.py``; the states are
+``ref_cnt`` and ``block_hash`` of ``KVCacheBlock`` in ``vllm/v1/core/kv_cache_utils.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from stage5_server.inspector.records import FreedBlocks
+
+
+def token_kinds(num_scheduled: int, num_drafts: int, computed_before: int,
+                num_prompt_tokens: int) -> tuple[int, int, int]:
+    """``(prefill, decode, verify)`` positions of a request's step. The draft positions are verified; of the
+    rest, one position past everything computed is a decode, anything more (or anything inside the prompt)
+    is a prefill chunk. A request resumed after preemption recomputes its prompt and output as a prefill."""
+    base = num_scheduled - num_drafts
+    if base == 1 and computed_before >= num_prompt_tokens:
+        return 0, 1, num_drafts
+    return base, 0, num_drafts
+
+
+class BlockTracker:
+    """What the inspector knows of a pool: who holds each block, and which free blocks are cached."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.held: dict[str, list[int]] = {}  # request id -> its block ids, as last seen
+        self.refs = [0] * num_blocks  # tables holding each block
+        self.cached = bytearray(num_blocks)  # 1: free, and its K/V can still be found by a prefix lookup
+        self.num_used = 0
+        self.num_cached = 0
+
+    def forget_cache(self) -> None:
+        """Every cached block is plain free now (the pool's prefix cache was reset)."""
+        self.cached = bytearray(self.num_blocks)
+        self.num_cached = 0
+
+    def update(self, tables: Mapping[str, Sequence[Any]], block_id: Callable[[Any], int],
+               num_hit_blocks: Callable[[str], int], is_cached: Callable[[int], bool],
+               why: Callable[[str], str]) -> tuple[dict[str, tuple[list[int], list[int], list[int], list[int]]],
+                                                   list[FreedBlocks]]:
+        """Compare ``tables`` (every live request's blocks now) with the last call. Returns, per request whose
+        table grew, ``(new, hit, loaded, evicted)`` block ids, and the blocks of every request that left.
+
+        ``num_hit_blocks(id)``: how many of a newly seen table's first blocks are prefix-cache hits;
+        ``is_cached(block id)``: whether a block the manager just freed keeps its hash; ``why(id)``: why a
+        request's table is gone."""
+        freed = []
+        for request_id in [rid for rid in self.held if rid not in tables]:
+            blocks = self.held.pop(request_id)
+            cached = [b for b in blocks if self._release(b, is_cached)]
+            freed.append(FreedBlocks(request_id, blocks, cached, why(request_id)))
+        grown: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
+        for request_id, table in tables.items():
+            have = self.held.get(request_id)
+            start = 0 if have is None else len(have)
+            if len(table) == start:
+                continue
+            ids = [block_id(b) for b in table[start:]]
+            num_hits = num_hit_blocks(request_id) if have is None else 0
+            hit, new = ids[:num_hits], ids[num_hits:]
+            loaded = [b for b in hit if self._take(b) is False]
+            evicted = [b for b in new if self._take(b)]
+            if have is None:
+                self.held[request_id] = ids
+            else:
+                have.extend(ids)
+            grown[request_id] = (new, hit, loaded, evicted)
+        return grown, freed
+
+    def _take(self, block: int) -> bool | None:
+        """One more table holds ``block``. Returns whether it was free and cached, None if it was in use."""
+        refs = self.refs[block]
+        self.refs[block] = refs + 1
+        if refs:
+            return None
+        self.num_used += 1
+        was_cached = bool(self.cached[block])
+        if was_cached:
+            self.cached[block] = 0
+            self.num_cached -= 1
+        return was_cached
+
+    def _release(self, block: int, is_cached: Callable[[int], bool]) -> bool:
+        """One table fewer holds ``block``. Returns whether it is now free and cached."""
+        self.refs[block] -= 1
+        if self.refs[block]:
+            return False
+        self.num_used -= 1
+        if is_cached(block):
+            self.cached[block] = 1
+            self.num_cached += 1
+            return True
+        return False
