@@ -31,6 +31,8 @@ from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.output_processor import RequestOutputKind
 from stage5_server.engine.stream import RequestStream
 from stage5_server.errors import EngineError, RequestAborted
+from stage5_server.inspector.hub import InspectorHub
+from stage5_server.inspector.routes import prompt_text
 from stage5_server.lora.request import LoRARequest
 from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
 from stage5_server.server.chat_options import ChatOptions
@@ -193,6 +195,7 @@ class OpenAIServing:
         self.media = MediaConnector(media or MediaOptions.from_env())  # images named by URL (media.py)
         self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
         self.models = ServedModels(served_model_name, engine)  # the base model and its LoRA adapters
+        self.inspector: InspectorHub | None = None  # told who sent each request, with --enable-inspector
 
     def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
@@ -246,6 +249,9 @@ class OpenAIServing:
             try:
                 for i, prompt in enumerate(prompts):
                     request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
+                    if self.inspector is not None:  # before it can run: its steps are its group's from the first
+                        group = request.scope.get(TRUST_GROUP_SCOPE_KEY, "")
+                        self.inspector.track(request_id, group, prompt_text(prompt))
                     with engine_errors(prompt_param):
                         streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
                                                                      received_time=received, output_kind=kind,

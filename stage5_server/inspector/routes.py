@@ -1,0 +1,123 @@
+"""The inspector's routes, added to the app only with ``--enable-inspector``: off, they answer 404 and are
+absent from the OpenAPI schema.
+
+- ``GET /inspect``: the page (``static/inspect.html``): the step timeline, the KV pool, the queues,
+  TTFT and TPOT, and a chat pane that streams from ``/v1/chat/completions``;
+- ``GET /inspect/static/{name}``: its script and stylesheet, shipped in the package (nothing from a CDN);
+- ``GET /inspect/events``: server-sent events: ``hello`` (the pools as they are, the group's requests),
+  then ``steps`` (records, redacted for the key's trust group, and how many this page missed) and
+  ``request`` (one of the group's own requests with its text).
+
+Every response of the page carries a content-security policy that allows scripts, styles and
+connections from this server only: the page renders model output as text (``textContent``), and the
+policy is the second wall if that were ever got wrong.
+
+The routes are behind the API key like every route. A browser cannot attach a bearer header to the page
+it navigates to, so with the inspector on the key middleware also takes the key as the password of HTTP
+Basic authentication (the browser asks for it once), on the routes the page uses (``is_browser_route``)
+and only from a same-origin page or the address bar (``Sec-Fetch-Site``): another site cannot make a
+visitor's browser use it (``server/auth.py``).
+
+vLLM: none; llama.cpp's ``llama-server`` serves its chat page at ``/`` (``tools/server/webui``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from stage5_server.inspector.hub import InspectorHub
+
+STATIC = {"inspector.js": "text/javascript", "inspector.css": "text/css"}
+CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                           "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+BROWSER_ROUTES = frozenset({("GET", "/inspect"), ("GET", "/inspect/events"), ("GET", "/v1/models"),
+                            ("POST", "/v1/chat/completions")})
+KEEP_ALIVE_S = 15.0
+FRAME_INTERVAL_S = 0.05  # at most about 20 events a second: a page that draws slowly gets records in batches
+
+
+def is_browser_route(method: str, path: str) -> bool:
+    """The routes the page calls: where a browser's Basic credentials are taken (``server/auth.py``)."""
+    return (method, path) in BROWSER_ROUTES or (method == "GET" and path.startswith("/inspect/static/"))
+
+
+def static_file(name: str) -> bytes:
+    return resources.files("stage5_server.inspector").joinpath("static", name).read_bytes()
+
+
+def prompt_text(prompt: Any) -> str:
+    """What the page shows as a request's prompt: the text, a chat's messages, or how many token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "messages" in prompt:
+        lines = []
+        for message in prompt["messages"]:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = " ".join(part.get("text", f"[{part.get('type', 'part')}]") if isinstance(part, dict)
+                                   else str(part) for part in content)
+            lines.append(f"{message.get('role', '?') if isinstance(message, dict) else '?'}: {content or ''}")
+        return "\n".join(lines)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        prompt = prompt["prompt_token_ids"]
+    return f"[{len(prompt)} token ids]" if isinstance(prompt, list) else "[prompt]"
+
+
+def add_inspector_routes(app: FastAPI, engine: Any, trust_group: Callable[[Request], str | None]) -> InspectorHub:
+    """Add the routes, and connect a hub to ``engine`` (its step records and finished outputs); return the hub
+    (the server tells it who sent each request: ``InspectorHub.track``). ``trust_group``: a request's group."""
+    hub = InspectorHub()
+    engine.step_record_sink = hub.take
+    engine.stat_loggers.append(hub)
+    page = static_file("inspect.html")
+    files = {name: static_file(name) for name in STATIC}
+
+    @app.get("/inspect", summary="The inspector page: every engine step, the KV pool, and a chat pane")
+    async def inspect_page() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    @app.get("/inspect/static/{name}", include_in_schema=False)
+    async def inspect_static(name: str) -> Response:
+        if name not in files:
+            return Response(status_code=404, headers=PAGE_HEADERS)
+        return Response(files[name], media_type=STATIC[name] + "; charset=utf-8", headers=PAGE_HEADERS)
+
+    @app.get("/inspect/events", summary="Server-sent events of step records, for the key's trust group")
+    async def inspect_events(request: Request) -> StreamingResponse:
+        group = trust_group(request)
+        subscriber = hub.subscribe(group or "", asyncio.get_running_loop())
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield frame("hello", hub.hello(subscriber))
+                while True:
+                    try:
+                        await asyncio.wait_for(subscriber.event.wait(), KEEP_ALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                    for name, data in hub.poll(subscriber):
+                        yield frame(name, data)
+                    await asyncio.sleep(FRAME_INTERVAL_S)
+            finally:
+                hub.unsubscribe(subscriber)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**PAGE_HEADERS, "X-Accel-Buffering": "no"})
+
+    return hub
+
+
+def frame(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
