@@ -11,9 +11,10 @@ it is rather than from an empty one.
 Who sees what: the server tells the hub which trust group sent each request and its prompt text
 (``track``); the front end tells it each request's output when it finishes (``record_finished``, a stat
 logger's call). A page of group G gets every record with the ids of G's requests kept and every other
-request's id replaced by an alias of its own stream (``~1``, ``~2``, ...): the same bars and blocks,
-nobody's id. Text reaches a page only in ``request`` events, only for its own group's requests; the
-records themselves never hold text. A request the hub was not told of (another API server's, say) is
+request's id replaced by an alias (``~`` and eight hex digits of an HMAC of G and the id under a secret of
+this hub): the same bars and blocks, the same alias for a request whenever G looks, nobody's id. Text
+reaches a page only in ``request`` events, only for its own group's requests; the records themselves
+never hold text. A request the hub was not told of (another API server's, say) is
 anonymous to everyone.
 
 vLLM: none (its API server exports counters to Prometheus, ``vllm/v1/metrics/loggers.py``).
@@ -22,8 +23,11 @@ vLLM: none (its API server exports counters to Prometheus, ``vllm/v1/metrics/log
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import re
+import secrets
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -32,12 +36,11 @@ from typing import Any
 import msgspec
 
 from stage5_server.inspector.buffer import RecordBuffer
-from stage5_server.inspector.records import CACHED, FREE, RESERVED, USED, StepRecord, StepRecords
+from stage5_server.inspector.records import CACHED, FREE, RESERVED, USED, FreedBlocks, StepRecord, StepRecords
 
 logger = logging.getLogger("stagedserve")
 
 MAX_RECORDS_PER_EVENT = 256  # a page that fell behind catches up over several events
-MAX_ALIASES = 16384
 _CHILD_ID = re.compile(r"^\d+_(.+)$")  # an n > 1 request's child ``{i}_{parent}`` (shared/parallel_sampling.py)
 
 
@@ -55,25 +58,31 @@ class PoolView:
         self.num_waiting = 0
 
     def apply(self, record: StepRecord) -> None:
-        for freed in record.freed:
-            for block in freed.blocks:
-                self.refs[block] = max(0, self.refs[block] - 1)
-                if not self.refs[block]:
-                    self.state[block], self.owner[block] = FREE, None
-            for block in freed.cached:
-                self.state[block], self.owner[block] = CACHED, freed.id
+        """In the order the engine did it: blocks given back as the step was scheduled, the blocks it handed
+        out, the blocks of the requests it finished."""
+        self.release([f for f in record.freed if f.scheduling])
         for step in record.requests:
             for block in step.reserved:
                 self.refs[block] += 1
                 self.state[block], self.owner[block] = RESERVED, step.id
-            for block in step.hit + step.new:
+            for block in (*step.hit, *step.new):
                 if self.state[block] == RESERVED and self.owner[block] == step.id:
                     self.state[block] = USED  # stage 1: a reserved cell written
                     continue
                 self.refs[block] += 1
                 if self.refs[block] == 1:
                     self.state[block], self.owner[block] = USED, step.id
+        self.release([f for f in record.freed if not f.scheduling])
         self.running, self.waiting, self.num_waiting = record.running, record.waiting, record.num_waiting
+
+    def release(self, freed: list[FreedBlocks]) -> None:
+        for gone in freed:
+            for block in gone.blocks:
+                self.refs[block] = max(0, self.refs[block] - 1)
+                if not self.refs[block]:
+                    self.state[block], self.owner[block] = FREE, None
+            for block in gone.cached:
+                self.state[block], self.owner[block] = CACHED, gone.id
 
     def snapshot(self) -> list[tuple[int, str | None, int, int]]:
         """``(block, owner, state, holders)`` of every block that is not plain free."""
@@ -98,18 +107,17 @@ class Subscriber:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: bool = False
     texts: deque = field(default_factory=lambda: deque(maxlen=256))  # its own requests' text, to send
-    aliases: dict[str, str] = field(default_factory=dict)
-    num_aliases: int = 0
 
 
 class InspectorHub:
-    def __init__(self, capacity: int = 4096, max_tracked: int = 4096):
+    def __init__(self, capacity: int = 2048, max_tracked: int = 4096):
         self.buffer: RecordBuffer[StepRecord] = RecordBuffer(capacity)
         self.views: dict[int, PoolView] = {}
         self.tracked: OrderedDict[str, TrackedRequest] = OrderedDict()  # request id -> its group and text
         self.max_tracked = max_tracked
         self.subscribers: set[Subscriber] = set()
         self.engine_dropped = 0  # records the engine cores' own buffers dropped
+        self._secret = secrets.token_bytes(32)  # the aliases' key: nobody can tell an alias's request
         self._lock = threading.Lock()
 
     # ---- in: the engine's records (the output thread) ------------------------------------------
@@ -184,9 +192,13 @@ class InspectorHub:
         with self._lock:
             self.subscribers.discard(subscriber)
 
-    def hello(self, subscriber: Subscriber) -> dict[str, Any]:
-        """The first event of a stream: each rank's pool as it is now, and the group's requests with their text."""
+    def hello(self, subscriber: Subscriber, since: int | None = None) -> dict[str, Any]:
+        """The first event of a stream: each rank's pool as it is now, and the group's requests with their text;
+        for a page that comes back (``since``: the position its last stream reached), the records it has not
+        seen, for its timeline only (the pools already include them). The stream goes on from here."""
         with self._lock:
+            missed = self.buffer.read(since)[0][-MAX_RECORDS_PER_EVENT:] if since is not None else []
+            subscriber.seq = self.buffer.next_seq
             ranks = {rank: {"num_blocks": v.num_blocks, "block_size": v.block_size, "budget": v.budget,
                             "blocks": [[b, self._name(subscriber, o), s, r] for b, o, s, r in v.snapshot()],
                             "running": [self._name(subscriber, rid) for rid in v.running],
@@ -195,7 +207,8 @@ class InspectorHub:
                      for rank, v in sorted(self.views.items())}
             texts = [{"id": rid, "prompt": t.prompt, "output": t.output, "finish": t.finish}
                      for rid, t in self.tracked.items() if t.group == subscriber.group]
-        return {"group": subscriber.group, "ranks": ranks, "requests": texts[-64:]}
+            records = [self.redact(subscriber, record) for record in missed]
+        return {"group": subscriber.group, "ranks": ranks, "requests": texts[-64:], "records": records}
 
     def poll(self, subscriber: Subscriber) -> list[tuple[str, Any]]:
         """The events a page has not had yet: its records (redacted for its group) and its requests' text."""
@@ -235,13 +248,8 @@ class InspectorHub:
         tracked = self.tracked.get(self.own_id(request_id))
         if tracked is not None and tracked.group == subscriber.group:
             return request_id
-        alias = subscriber.aliases.get(request_id)
-        if alias is None:
-            if len(subscriber.aliases) >= MAX_ALIASES:  # a long stream forgets the oldest requests' aliases
-                del subscriber.aliases[next(iter(subscriber.aliases))]
-            subscriber.num_aliases += 1
-            alias = subscriber.aliases[request_id] = f"~{subscriber.num_aliases}"
-        return alias
+        message = subscriber.group.encode() + b"\0" + request_id.encode()
+        return "~" + hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:8]
 
     def _wake(self, subscriber: Subscriber) -> None:
         if subscriber.pending:

@@ -52,15 +52,15 @@ class Begun:
     freed: list[FreedBlocks]
 
 
-def block_tables(manager: Any) -> tuple[Mapping[str, Any], Callable[[Any], int], Callable[[int], bool], bool]:
-    """A KV cache manager's tables for ``BlockTracker``: ``(tables, block id of an entry, whether a block
-    is cached, whether the pool's prefix cache is empty)``. Stage 4's and 5's tables hold ``KVCacheBlock``s
-    of a block pool; stage 3's are ``BlockTable``s of bare ids, never cached."""
+def block_tables(manager: Any) -> tuple[Mapping[str, Any], Callable[[Any], int], Callable[[int], Any], bool]:
+    """A KV cache manager's tables for ``BlockTracker``: ``(tables, block id of an entry, a block's hash
+    (None: not cached), whether the pool's prefix cache is empty)``. Stage 4's and 5's tables hold
+    ``KVCacheBlock``s of a block pool; stage 3's are ``BlockTable``s of bare ids, never cached."""
     if hasattr(manager, "req_to_blocks"):
         pool = manager.block_pool
-        return (manager.req_to_blocks, attrgetter("block_id"), lambda b: pool.blocks[b].block_hash is not None,
+        return (manager.req_to_blocks, attrgetter("block_id"), lambda b: pool.blocks[b].block_hash,
                 not pool.cached_block_hash_to_block)
-    return {rid: table.block_ids for rid, table in manager.tables.items()}, int, lambda b: False, True
+    return {rid: table.block_ids for rid, table in manager.tables.items()}, int, lambda b: None, True
 
 
 class StepObserver:
@@ -95,6 +95,8 @@ class StepObserver:
             request = self.requests.setdefault(rid, requests[rid])
             before[rid] = (request.num_computed_tokens, request.num_output_tokens)
         grown, freed = self.track(scheduler)
+        for gone in freed:
+            gone.scheduling = True
         if len(self.in_flight) > 64:  # steps that failed never reach ``stepped``
             self.in_flight.clear()
         self.in_flight[id(output)] = Begun(time.perf_counter(), before, grown, freed)
@@ -117,10 +119,10 @@ class StepObserver:
     # ---- the record ------------------------------------------------------------------------------
     def track(self, scheduler: Any) -> tuple[Grown, list[FreedBlocks]]:
         manager, tracker = scheduler.kv_cache_manager, self.tracker
-        tables, block_id, is_cached, cache_empty = block_tables(manager)
+        tables, block_id, hash_of, cache_empty = block_tables(manager)
         if tracker.num_cached and cache_empty:
             tracker.forget_cache()  # the prefix cache was reset
-        return tracker.update(tables, block_id, self.num_hit_blocks, is_cached, self.why)
+        return tracker.update(tables, block_id, self.num_hit_blocks, hash_of, self.why)
 
     def end(self, scheduler: Any, begun: Begun, num_scheduled_tokens: Mapping[str, int],
             drafts: Mapping[str, list[int]], preempted: Collection[str]) -> StepRecord:
@@ -142,8 +144,8 @@ class StepObserver:
             for rid, (new, hit, loaded, evicted) in changes.items():
                 step = by_id.get(rid)
                 if step is not None:
-                    step.new, step.hit = step.new + new, step.hit + hit
-                    step.loaded, step.evicted = step.loaded + loaded, step.evicted + evicted
+                    step.new, step.hit = (*step.new, *new), (*step.hit, *hit)
+                    step.loaded, step.evicted = (*step.loaded, *loaded), (*step.evicted, *evicted)
         record = self.record(scheduler, steps, begun.freed + freed, sorted(preempted), begun.started)
         if self.clock == "steps":
             for rid in record.waiting:

@@ -225,11 +225,11 @@ class StaticBatchRecorder:
 
     def block_cells(self, by_id: dict[str, RequestStep]) -> list[FreedBlocks]:
         """Stage 2: the engine's block tables, through the tracker (no prefix cache)."""
-        grown, freed = self.tracker.update(self.engine.live_block_ids(), int, lambda rid: 0, lambda b: False,
+        grown, freed = self.tracker.update(self.engine.live_block_ids(), int, lambda rid: 0, lambda b: None,
                                            lambda rid: "finished")
         for rid, (new, _, _, _) in grown.items():
             if rid in by_id:
-                by_id[rid].new = new
+                by_id[rid].new = tuple(new)
         return freed
 
     def slab_cells(self, by_id: dict[str, RequestStep]) -> list[FreedBlocks]:
@@ -246,10 +246,10 @@ class StaticBatchRecorder:
                 self.written_cells[rid] = 0
                 self.cells[rid] = cells
                 if step is not None:
-                    step.reserved = cells
+                    step.reserved = tuple(cells)
             written = -(-cache.written.get(rid, 0) // size)
             if written > self.written_cells[rid] and step is not None:
-                step.new = cells[self.written_cells[rid]:written]
-                step.reserved = [c for c in step.reserved if c not in step.new]
+                step.new = tuple(cells[self.written_cells[rid]:written])
+                step.reserved = tuple(c for c in step.reserved if c not in step.new)
             self.written_cells[rid] = written
         return freed

@@ -39,11 +39,12 @@ class RequestStep(msgspec.Struct, omit_defaults=True):
     sampled: int = 0  # tokens the request gained
     computed: int = 0  # its positions with K/V after the step
     prompt: int = 0  # its prompt length
-    new: list[int] = []  # blocks it was given this step
-    hit: list[int] = []  # blocks it reused from the prefix cache as it was admitted
-    loaded: list[int] = []  # of those hits, blocks filled from the offload tier rather than found in the pool
-    evicted: list[int] = []  # of its new blocks, cached ones whose K/V were dropped to make room
-    reserved: list[int] = []  # stage 1: blocks of its reservation, not written yet
+    # Tuples: most steps give a request no block, and an empty tuple costs nothing per record.
+    new: tuple[int, ...] = ()  # blocks it was given this step
+    hit: tuple[int, ...] = ()  # blocks it reused from the prefix cache as it was admitted
+    loaded: tuple[int, ...] = ()  # of those hits, blocks filled from the offload tier rather than found in the pool
+    evicted: tuple[int, ...] = ()  # of its new blocks, cached ones whose K/V were dropped to make room
+    reserved: tuple[int, ...] = ()  # stage 1: blocks of its reservation, not written yet
     ttft: float | None = None  # in the step it gained its first token: time since it arrived
     finish: str | None = None  # "stop" | "length" | "abort", in the step it finished
     tpot: float | None = None  # when it finished: time per output token after the first
@@ -56,6 +57,9 @@ class FreedBlocks(msgspec.Struct, omit_defaults=True):
     blocks: list[int]
     cached: list[int] = []  # of them, those now free but cached
     why: str = "finished"  # "finished" | "aborted" | "preempted"
+    # True: given back as the step was scheduled (preempted, or aborted between steps), so before the blocks
+    # the step handed out, which may be these; False: when the step's tokens were taken (it finished)
+    scheduling: bool = False
 
 
 class StepRecord(msgspec.Struct, omit_defaults=True):

@@ -6,7 +6,9 @@ absent from the OpenAPI schema.
 - ``GET /inspect/static/{name}``: its script and stylesheet, shipped in the package (nothing from a CDN);
 - ``GET /inspect/events``: server-sent events: ``hello`` (the pools as they are, the group's requests),
   then ``steps`` (records, redacted for the key's trust group, and how many this page missed) and
-  ``request`` (one of the group's own requests with its text).
+  ``request`` (one of the group's own requests with its text). A stream ends after a few seconds and the
+  page's ``EventSource`` opens the next at once, sending the position it reached (``Last-Event-ID``), so it
+  goes on where it was; and a server that shuts down never waits for a page left open.
 
 Every response of the page carries a content-security policy that allows scripts, styles and
 connections from this server only: the page renders model output as text (``textContent``), and the
@@ -41,7 +43,8 @@ PAGE_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-T
                 "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
 BROWSER_ROUTES = frozenset({("GET", "/inspect"), ("GET", "/inspect/events"), ("GET", "/v1/models"),
                             ("POST", "/v1/chat/completions")})
-KEEP_ALIVE_S = 15.0
+STREAM_LIFETIME_S = 4.0  # then the page reconnects (Last-Event-ID): a graceful shutdown waits at most this long
+RECONNECT_MS = 200
 FRAME_INTERVAL_S = 0.05  # at most about 20 events a second: a page that draws slowly gets records in batches
 
 
@@ -96,19 +99,22 @@ def add_inspector_routes(app: FastAPI, engine: Any, trust_group: Callable[[Reque
     @app.get("/inspect/events", summary="Server-sent events of step records, for the key's trust group")
     async def inspect_events(request: Request) -> StreamingResponse:
         group = trust_group(request)
+        since = request.headers.get("last-event-id", "")
         subscriber = hub.subscribe(group or "", asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
 
         async def events() -> AsyncIterator[str]:
             try:
-                yield frame("hello", hub.hello(subscriber))
-                while True:
+                yield f"retry: {RECONNECT_MS}\n" + frame("hello", hub.hello(subscriber, int(since) if since.isdigit()
+                                                                           else None), subscriber.seq)
+                end = loop.time() + STREAM_LIFETIME_S
+                while loop.time() < end:
                     try:
-                        await asyncio.wait_for(subscriber.event.wait(), KEEP_ALIVE_S)
+                        await asyncio.wait_for(subscriber.event.wait(), end - loop.time())
                     except asyncio.TimeoutError:
-                        yield ": keep-alive\n\n"
-                        continue
+                        break
                     for name, data in hub.poll(subscriber):
-                        yield frame(name, data)
+                        yield frame(name, data, subscriber.seq)
                     await asyncio.sleep(FRAME_INTERVAL_S)
             finally:
                 hub.unsubscribe(subscriber)
@@ -119,5 +125,6 @@ def add_inspector_routes(app: FastAPI, engine: Any, trust_group: Callable[[Reque
     return hub
 
 
-def frame(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def frame(event: str, data: Any, position: int) -> str:
+    """One event; its ``id`` is the stream's position, which the page sends back when it reconnects."""
+    return f"event: {event}\nid: {position}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

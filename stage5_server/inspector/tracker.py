@@ -5,10 +5,11 @@ prefix-cache hit as the request is admitted, then fresh blocks as it grows) and 
 (the request finished, was aborted or preempted). So comparing every live table with its length at the
 last step says everything: a table that is gone gave its blocks back; a table that grew took blocks,
 the first of a newly admitted request's being its prefix-cache hits. ``BlockTracker`` keeps a reference
-count per block and whether a free block still holds cached K/V, and turns each step's tables into the
-``new`` / ``hit`` / ``loaded`` / ``evicted`` blocks of ``RequestStep`` and the ``FreedBlocks`` of the
-requests that left. The cost per step grows with the live requests and the blocks that changed, never
-with the pool.
+count per block and the hash a free block still holds (its cached K/V), and turns each step's tables into
+the ``new`` / ``hit`` / ``loaded`` / ``evicted`` blocks of ``RequestStep`` and the ``FreedBlocks`` of the
+requests that left. A hit on a block that was free with no hash, or with another hash, was filled from
+outside the pool (a KV connector's offload tier): it is ``loaded``. The cost per step grows with the live
+requests and the blocks that changed, never with the pool.
 
 ``token_kinds`` splits a request's scheduled positions into prefill, decode and verify, the way the
 step timeline stacks them.
@@ -43,29 +44,29 @@ class BlockTracker:
         self.num_blocks = num_blocks
         self.held: dict[str, list[int]] = {}  # request id -> its block ids, as last seen
         self.refs = [0] * num_blocks  # tables holding each block
-        self.cached = bytearray(num_blocks)  # 1: free, and its K/V can still be found by a prefix lookup
+        self.hashes: list[Any] = [None] * num_blocks  # a free block's hash: its K/V can still be found by it
         self.num_used = 0
         self.num_cached = 0
 
     def forget_cache(self) -> None:
         """Every cached block is plain free now (the pool's prefix cache was reset)."""
-        self.cached = bytearray(self.num_blocks)
+        self.hashes = [None] * self.num_blocks
         self.num_cached = 0
 
     def update(self, tables: Mapping[str, Sequence[Any]], block_id: Callable[[Any], int],
-               num_hit_blocks: Callable[[str], int], is_cached: Callable[[int], bool],
+               num_hit_blocks: Callable[[str], int], hash_of: Callable[[int], Any],
                why: Callable[[str], str]) -> tuple[dict[str, tuple[list[int], list[int], list[int], list[int]]],
                                                    list[FreedBlocks]]:
         """Compare ``tables`` (every live request's blocks now) with the last call. Returns, per request whose
         table grew, ``(new, hit, loaded, evicted)`` block ids, and the blocks of every request that left.
 
         ``num_hit_blocks(id)``: how many of a newly seen table's first blocks are prefix-cache hits;
-        ``is_cached(block id)``: whether a block the manager just freed keeps its hash; ``why(id)``: why a
+        ``hash_of(block id)``: a block's hash in the pool now (None: not cached); ``why(id)``: why a
         request's table is gone."""
         freed = []
         for request_id in [rid for rid in self.held if rid not in tables]:
             blocks = self.held.pop(request_id)
-            cached = [b for b in blocks if self._release(b, is_cached)]
+            cached = [b for b in blocks if self._release(b, hash_of)]
             freed.append(FreedBlocks(request_id, blocks, cached, why(request_id)))
         grown: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
         for request_id, table in tables.items():
@@ -76,8 +77,11 @@ class BlockTracker:
             ids = [block_id(b) for b in table[start:]]
             num_hits = num_hit_blocks(request_id) if have is None else 0
             hit, new = ids[:num_hits], ids[num_hits:]
-            loaded = [b for b in hit if self._take(b) is False]
-            evicted = [b for b in new if self._take(b)]
+            # A hit on a free block whose K/V the pool did not hold (no hash, or another one) was loaded into it;
+            # a fresh block that was free with a hash had its cached K/V dropped: evicted.
+            loaded = [b for b, (was_free, had) in zip(hit, map(self._take, hit))
+                      if was_free and (had is None or had != hash_of(b))]
+            evicted = [b for b, (was_free, had) in zip(new, map(self._take, new)) if was_free and had is not None]
             if have is None:
                 self.held[request_id] = ids
             else:
@@ -85,27 +89,27 @@ class BlockTracker:
             grown[request_id] = (new, hit, loaded, evicted)
         return grown, freed
 
-    def _take(self, block: int) -> bool | None:
-        """One more table holds ``block``. Returns whether it was free and cached, None if it was in use."""
+    def _take(self, block: int) -> tuple[bool, Any]:
+        """One more table holds ``block``. Returns whether it was free, and the hash it had then."""
         refs = self.refs[block]
         self.refs[block] = refs + 1
         if refs:
-            return None
+            return False, None
         self.num_used += 1
-        was_cached = bool(self.cached[block])
-        if was_cached:
-            self.cached[block] = 0
+        had = self.hashes[block]
+        if had is not None:
+            self.hashes[block] = None
             self.num_cached -= 1
-        return was_cached
+        return True, had
 
-    def _release(self, block: int, is_cached: Callable[[int], bool]) -> bool:
+    def _release(self, block: int, hash_of: Callable[[int], Any]) -> bool:
         """One table fewer holds ``block``. Returns whether it is now free and cached."""
         self.refs[block] -= 1
         if self.refs[block]:
             return False
         self.num_used -= 1
-        if is_cached(block):
-            self.cached[block] = 1
-            self.num_cached += 1
-            return True
-        return False
+        self.hashes[block] = hash_of(block)
+        if self.hashes[block] is None:
+            return False
+        self.num_cached += 1
+        return True

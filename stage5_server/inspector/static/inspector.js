@@ -51,12 +51,13 @@
     constructor() { this.order = new Map(); }
     of(id) {
       if (id === null || id === undefined) return '#ccc';
-      if (id.startsWith('~')) return OTHERS[(parseInt(id.slice(1), 10) || 0) % OTHERS.length];
+      if (id.startsWith('~')) return OTHERS[(parseInt(id.slice(1, 7), 16) || 0) % OTHERS.length];
       if (!this.order.has(id)) this.order.set(id, this.order.size);
       return PALETTE[this.order.get(id) % PALETTE.length];
     }
   }
-  function label(id) { return id && id.startsWith('~') ? `other ${id.slice(1)}` : id; }
+  // Another trust group's request: an alias the server made (~ and hex digits), shown as "other 3fa2".
+  function label(id) { return id && id.startsWith('~') ? `other ${id.slice(1, 5)}` : id; }
 
   // ---- the pool, as the records describe it (the same rules as PoolView in hub.py) ------------------
   class PoolModel {
@@ -74,14 +75,10 @@
       this.running = snapshot.running || []; this.waiting = snapshot.waiting || [];
       this.numWaiting = snapshot.num_waiting || 0;
     }
+    // In the order the engine did it: blocks given back as the step was scheduled (preemptions), the blocks
+    // the step handed out, then the blocks of the requests it finished.
     apply(record) {
-      for (const freed of record.freed || []) {
-        for (const b of freed.blocks) {
-          this.refs[b] = Math.max(0, this.refs[b] - 1);
-          if (!this.refs[b]) { this.state[b] = FREE; this.owner[b] = null; }
-        }
-        for (const b of freed.cached || []) { this.state[b] = CACHED; this.owner[b] = freed.id; }
-      }
+      this.release((record.freed || []).filter((f) => f.scheduling));
       for (const r of record.requests || []) {
         for (const b of r.reserved || []) { this.refs[b] += 1; this.state[b] = RESERVED; this.owner[b] = r.id; }
         for (const b of (r.hit || []).concat(r.new || [])) {
@@ -90,8 +87,18 @@
           if (this.refs[b] === 1) { this.state[b] = USED; this.owner[b] = r.id; }
         }
       }
+      this.release((record.freed || []).filter((f) => !f.scheduling));
       this.running = record.running || []; this.waiting = record.waiting || [];
       this.numWaiting = record.num_waiting || 0;
+    }
+    release(freed) {
+      for (const f of freed) {
+        for (const b of f.blocks) {
+          this.refs[b] = Math.max(0, this.refs[b] - 1);
+          if (!this.refs[b]) { this.state[b] = FREE; this.owner[b] = null; }
+        }
+        for (const b of f.cached || []) { this.state[b] = CACHED; this.owner[b] = f.id; }
+      }
     }
     counts() {
       const c = [0, 0, 0, 0];
@@ -195,6 +202,8 @@
         this.models.set(parseInt(rank, 10), model);
       }
       for (const r of data.requests || []) this.texts.set(r.id, r);
+      this.records.push(...(data.records || [])); // after a reconnect: the steps missed (the pools hold them)
+      if (this.following) this.cursor = this.records.length - 1;
       this.title.textContent = 'Live: ' + (data.group ? `trust group ${data.group}` : 'this server');
       this.updateRanks();
       this.render();
@@ -522,8 +531,10 @@
     source.addEventListener('hello', (e) => viewer.hello(JSON.parse(e.data)));
     source.addEventListener('steps', (e) => viewer.addRecords(JSON.parse(e.data)));
     source.addEventListener('request', (e) => viewer.addText(JSON.parse(e.data)));
-    source.addEventListener('error', () => { viewer.notice.textContent = 'The event stream dropped; reconnecting.'; });
-    source.addEventListener('open', () => { viewer.notice.textContent = ''; });
+    // Each stream ends after a few seconds and the browser opens the next, where the last one stopped.
+    source.addEventListener('error', () => {
+      if (source.readyState === EventSource.CLOSED) viewer.notice.textContent = 'The event stream closed.';
+    });
     return source;
   }
 
@@ -533,7 +544,9 @@
       el('input', Object.assign({ type: 'number', value: String(value), name }, attrs || {})));
     const temperature = field('temperature', 0.7, { step: '0.1', min: '0', max: '2' });
     const topP = field('top_p', 1, { step: '0.05', min: '0', max: '1' });
+    const topK = field('top_k', '', { step: '1', min: '-1' });
     const maxTokens = field('max_tokens', 64, { step: '1', min: '1' });
+    const minTokens = field('min_tokens', '', { step: '1', min: '0' });
     const seed = field('seed', '', { step: '1' });
     const log = el('div', { class: 'ssi-chatlog', 'aria-live': 'polite' });
     const input = el('textarea', { rows: '3', 'aria-label': 'message', placeholder: 'Say something to the model' });
@@ -554,7 +567,9 @@
       const body = { model: model.value, messages: messages.slice(), stream: true,
         temperature: parseFloat(temperature.lastChild.value), top_p: parseFloat(topP.lastChild.value),
         max_tokens: parseInt(maxTokens.lastChild.value, 10) };
-      if (seed.lastChild.value !== '') body.seed = parseInt(seed.lastChild.value, 10);
+      for (const [name, input] of [['seed', seed], ['top_k', topK], ['min_tokens', minTokens]]) {
+        if (input.lastChild.value !== '') body[name] = parseInt(input.lastChild.value, 10); // sent only when set
+      }
       send.disabled = true;
       status.textContent = 'streaming';
       try {
@@ -568,8 +583,8 @@
         send.disabled = false;
       }
     });
-    root.append(el('h3', null, 'Chat'), el('div', { class: 'ssi-chatparams' }, el('label', null, 'model', model),
-      temperature, topP, maxTokens, seed), log, form, status);
+    root.append(el('h3', null, 'Chat'), el('div', { class: 'ssi-chatparams' }, el('label', null, 'model or adapter', model),
+      temperature, topP, topK, maxTokens, minTokens, seed), log, form, status);
     fetch('v1/models').then((r) => r.json()).then((data) => {
       for (const m of data.data || []) model.append(el('option', { value: m.id }, m.id));
     }).catch((error) => { status.textContent = `models: ${error}`; });
