@@ -11,8 +11,9 @@
 3. the scheduler of the config's runner kind (``EngineConfig.scheduler_cls``) is built over that
    pool, with the scheduler side of a KV connector if one is configured (``kv_transfer/``), and every
    worker allocates its blocks;
-4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter;
-   with ``enable_inspector``, a step observer (``inspector/``).
+4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter; with
+   weight sync on, the member that registers weight updates and sleep among its utilities (``weight_sync/``);
+   with ``enable_inspector``, the step observer that records every step (``inspector/``).
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
 ``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
@@ -35,7 +36,6 @@ from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.stats import LoggingStatLogger
 from stage5_server.executor import Executor, make_executor
 from stage5_server.executor.abstract import resolve_obj_by_qualname
-from stage5_server.inspector import StepObserver
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.spec_decode import make_drafter
 
@@ -72,7 +72,8 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
             config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
             max_loras=None if config.lora is None else config.lora.max_loras,
-            **({} if connector is None else {"kv_connector": connector}))
+            **({} if connector is None else {"kv_connector": connector}),
+            **({} if config.multimodal is None else {"takes_images": True}))
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()
@@ -86,7 +87,13 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
     grammars = StructuredOutputManager(tokenizer.hf, mc.vocab_size, mc.eos_token_ids)
     core = EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
                       make_drafter(config))
-    if config.args.get("enable_inspector"):
+    if config.weight_sync:  # weight updates and sleep: a member of the core (its workers have the extension)
+        from stage5_server.weight_sync import WeightSync
+
+        core.weight_sync = WeightSync(core)
+    if config.args.get("enable_inspector"):  # a record of every step: a member of the core
+        from stage5_server.inspector.observer import StepObserver
+
         core.inspector = StepObserver.for_scheduler(scheduler)
     return core
 

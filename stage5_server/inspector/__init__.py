@@ -19,10 +19,18 @@ copies and the drafts. The pieces:
 vLLM: none; its users watch Prometheus metrics (``vllm/v1/metrics/``). llama.cpp's server has a chat page.
 """
 
-from stage5_server.inspector.buffer import RecordBuffer
-from stage5_server.inspector.observer import StepObserver
-from stage5_server.inspector.recorders import StaticBatchRecorder, dry_run, record
-from stage5_server.inspector.records import FreedBlocks, RequestStep, StepRecord, StepRecords, Trace, TraceRequest
+# Loaded on first use (``__getattr__`` below): the engine core's messages name ``records.StepRecords``, and importing
+# that must not load the observer, the recorders or the server's side of a room that is off.
+_EXPORTS = {"RecordBuffer": "buffer", "StepObserver": "observer", "StaticBatchRecorder": "recorders",
+            "dry_run": "recorders", "record": "recorders", "FreedBlocks": "records", "RequestStep": "records",
+            "StepRecord": "records", "StepRecords": "records", "Trace": "records", "TraceRequest": "records"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["FreedBlocks", "RecordBuffer", "RequestStep", "StaticBatchRecorder", "StepObserver", "StepRecord",
-           "StepRecords", "Trace", "TraceRequest", "dry_run", "record"]
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -44,6 +44,26 @@ MAX_RECORDS_PER_EVENT = 256  # a page that fell behind catches up over several e
 _CHILD_ID = re.compile(r"^\d+_(.+)$")  # an n > 1 request's child ``{i}_{parent}`` (shared/parallel_sampling.py)
 
 
+def prompt_text(prompt: Any) -> str:
+    """What the page shows as a request's prompt: the text, a chat's messages, or how many token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "messages" in prompt:
+        lines = []
+        for message in prompt["messages"]:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = " ".join(part.get("text", f"[{part.get('type', 'part')}]") if isinstance(part, dict)
+                                   else str(part) for part in content)
+            lines.append(f"{message.get('role', '?') if isinstance(message, dict) else '?'}: {content or ''}")
+        return "\n".join(lines)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        prompt = prompt["prompt_token_ids"]
+    return f"[{len(prompt)} token ids]" if isinstance(prompt, list) else "[prompt]"
+
+
 class PoolView:
     """A pool as the records describe it: each block's state, its holders and the request it is drawn as.
     The page keeps the same view in JavaScript (``static/inspector.js``, ``PoolModel``)."""
@@ -139,9 +159,10 @@ class InspectorHub:
             logger.exception("the inspector could not take the engine's step records")
 
     # ---- in: who sent what (the server), and how it ended (the front end's stat-logger calls) -------
-    def track(self, request_id: str, group: str, prompt: str) -> None:
+    def track(self, request_id: str, group: str, prompt: Any) -> None:
+        """Request ``request_id`` was sent by ``group``; ``prompt``: what the engine is given (``prompt_text``)."""
         with self._lock:
-            self.tracked[request_id] = TrackedRequest(group, prompt)
+            self.tracked[request_id] = TrackedRequest(group, prompt_text(prompt))
             while len(self.tracked) > self.max_tracked:
                 self.tracked.popitem(last=False)
         self._tell(request_id)

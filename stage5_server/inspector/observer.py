@@ -35,7 +35,7 @@ from stage5_server.inspector.records import MAX_WAITING_IDS, FreedBlocks, Reques
 from stage5_server.inspector.tracker import BlockTracker, token_kinds
 
 if TYPE_CHECKING:  # the step contract, imported in this one place
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 DEFAULT_CAPACITY = 1024  # records the core holds for a busy loop that has not published them yet
 Grown = dict[str, tuple[list[int], list[int], list[int], list[int]]]  # BlockTracker.update's first answer

@@ -57,26 +57,6 @@ def static_file(name: str) -> bytes:
     return resources.files("stage5_server.inspector").joinpath("static", name).read_bytes()
 
 
-def prompt_text(prompt: Any) -> str:
-    """What the page shows as a request's prompt: the text, a chat's messages, or how many token ids."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict) and "messages" in prompt:
-        lines = []
-        for message in prompt["messages"]:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                content = " ".join(part.get("text", f"[{part.get('type', 'part')}]") if isinstance(part, dict)
-                                   else str(part) for part in content)
-            lines.append(f"{message.get('role', '?') if isinstance(message, dict) else '?'}: {content or ''}")
-        return "\n".join(lines)
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        prompt = prompt["prompt_token_ids"]
-    return f"[{len(prompt)} token ids]" if isinstance(prompt, list) else "[prompt]"
-
-
 def add_inspector_routes(app: FastAPI, engine: Any, trust_group: Callable[[Request], str | None]) -> InspectorHub:
     """Add the routes, and connect a hub to ``engine`` (its step records and finished outputs); return the hub
     (the server tells it who sent each request: ``InspectorHub.track``). ``trust_group``: a request's group."""

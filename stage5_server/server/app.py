@@ -3,7 +3,8 @@
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
          -> BodySizeLimitMiddleware (413; limits.py) -> route: decoded, parsed and checked (body.py, 400),
             parse strictly (protocol.py, 400)
-         -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
+         -> completions.py | chat.py | responses.py | models.py (lora_models.py) | pooling.py, cohere_embed.py
+            -> serving.py -> the AsyncEngine
             (with --enable-dev-routes: dev_routes.py, weight updates and sleep; with an engine that records its
             steps, --enable-inspector: the inspector's page and event stream, inspector/routes.py)
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
@@ -29,8 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.inspector.routes import add_inspector_routes, is_browser_route
-from stage5_server.server import chat, completions, lora_models, models, pooling, responses
+from stage5_server.server import chat, cohere_embed, completions, lora_models, models, pooling, responses
 from stage5_server.server.auth import TRUST_GROUP_SCOPE_KEY, APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.body import CheckedRoute
 from stage5_server.server.config import ServerConfig
@@ -71,6 +71,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(config.cache_salt_secret), config.trust_client_cache_salt,
                             version(), metrics, config.chat_options, config.limits, config.media)
+    serving.models.num_groups = len(keys.groups) if keys is not None else 1
     for name, path in config.lora_modules:  # a bad adapter stops the start, with the 400's reason
         try:
             serving.models.load(name, path)
@@ -102,8 +103,12 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     app.state.public_paths = public_paths
     # Added last = outermost: authentication runs before anything else looks at the request.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths,
-                       browser_route=is_browser_route if inspector else None)
+    browser_route = None
+    if inspector:  # off: nothing of the inspector is imported
+        from stage5_server.inspector.routes import add_inspector_routes, is_browser_route
+
+        browser_route = is_browser_route
+    app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths, browser_route=browser_route)
     install_error_handlers(app)
 
     @app.get("/health", summary="Liveness: 200 while the engine core runs (no API key needed)")
@@ -122,7 +127,8 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)
-    pooling.add_routes(app, serving)  # embeddings, score, rerank
+    pooling.add_routes(app, serving)  # embeddings, pooling, score, rerank
+    cohere_embed.add_routes(app, serving)  # Cohere's /v2/embed
     if config.enable_dev_routes:  # off: 404, and not in the schema
         from stage5_server.server.dev_routes import add_dev_routes
 
