@@ -52,15 +52,17 @@ class Begun:
     freed: list[FreedBlocks]
 
 
-def block_tables(manager: Any) -> tuple[Mapping[str, Any], Callable[[Any], int], Callable[[int], Any], bool]:
+def block_tables(manager: Any) -> tuple[Mapping[str, Any], Callable[[Any], int], Callable[[int], Any] | None, bool]:
     """A KV cache manager's tables for ``BlockTracker``: ``(tables, block id of an entry, a block's hash
-    (None: not cached), whether the pool's prefix cache is empty)``. Stage 4's and 5's tables hold
-    ``KVCacheBlock``s of a block pool; stage 3's are ``BlockTable``s of bare ids, never cached."""
+    (None: not cached; the function None: the pool caches nothing), whether the pool's prefix cache is empty)``.
+    Stage 4's and 5's tables hold ``KVCacheBlock``s of a block pool; stage 3's are ``BlockTable``s of bare ids."""
     if hasattr(manager, "req_to_blocks"):
         pool = manager.block_pool
-        return (manager.req_to_blocks, attrgetter("block_id"), lambda b: pool.blocks[b].block_hash,
+        blocks = pool.blocks
+        return (manager.req_to_blocks, attrgetter("block_id"),
+                (lambda b: blocks[b].block_hash) if pool.enable_caching else None,
                 not pool.cached_block_hash_to_block)
-    return {rid: table.block_ids for rid, table in manager.tables.items()}, int, lambda b: None, True
+    return {rid: table.block_ids for rid, table in manager.tables.items()}, int, None, True
 
 
 class StepObserver:

@@ -225,7 +225,7 @@ class StaticBatchRecorder:
 
     def block_cells(self, by_id: dict[str, RequestStep]) -> list[FreedBlocks]:
         """Stage 2: the engine's block tables, through the tracker (no prefix cache)."""
-        grown, freed = self.tracker.update(self.engine.live_block_ids(), int, lambda rid: 0, lambda b: None,
+        grown, freed = self.tracker.update(self.engine.live_block_ids(), int, lambda rid: 0, None,
                                            lambda rid: "finished")
         for rid, (new, _, _, _) in grown.items():
             if rid in by_id:

@@ -4,6 +4,7 @@ own requests' ids and text (stage5_server/inspector/)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -125,6 +126,68 @@ def test_prefix_hits_evictions_and_cached_blocks_are_recorded_as_the_pool_sees_t
     assert c.requests[0].new == (3, 1, 2, 0) and c.requests[0].evicted == (1, 2, 0)  # C needs the whole pool
     hashed = [blk.block_id for blk in scheduler.kv_cache_manager.block_pool.blocks if blk.block_hash is not None]
     assert c.cached == len(hashed) == 3 and sorted(c.freed[0].cached) == sorted(hashed)
+
+
+class PoolLog:
+    """What a stage 4 block pool did, as it did it: the blocks that went free still holding a hash, and the cached
+    blocks an allocation evicted. Two methods of this one pool object are wrapped."""
+
+    def __init__(self, pool):
+        self.freed_cached: list[int] = []
+        self.evicted: list[int] = []
+        free_blocks, get_new_blocks = pool.free_blocks, pool.get_new_blocks
+
+        def logged_free_blocks(blocks):
+            blocks = list(blocks)
+            free_blocks(blocks)
+            self.freed_cached += [b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+
+        def logged_get_new_blocks(num_blocks):
+            head = list(itertools.islice(pool.free_block_queue, num_blocks))  # head to tail: the ones it takes
+            self.evicted += [b.block_id for b in head if b.block_hash is not None]
+            return get_new_blocks(num_blocks)
+
+        pool.free_blocks, pool.get_new_blocks = logged_free_blocks, logged_get_new_blocks
+
+    def take(self) -> tuple[list[int], list[int]]:
+        done = sorted(self.freed_cached), sorted(self.evicted)
+        self.freed_cached, self.evicted = [], []
+        return done
+
+
+def test_blocks_given_back_and_handed_out_in_one_schedule_keep_the_hash_they_had_when_given_back():
+    """Step 2: R1 is preempted so that R0 can grow, and the same schedule hands R1's cached block 3 to R0, evicting
+    its K/V. Step 7: R2 was aborted between steps, and the next schedule hands its blocks to R3, which fills and
+    hashes them at once. Each record says what the pool did: which blocks went back cached, which were evicted.
+    (Read after the schedule, the pool shows the blocks' new state, block 3 unhashed and R2's partial block 0 with
+    R3's hash: a tracker that read it then missed step 2's eviction and called block 0 cached and evicted.)"""
+    from stage3_continuous import RequestStatus, SchedulerConfig
+    from stage4_prefix_cache import CacheConfig, Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
+                          CacheConfig(block_size=4, num_blocks=4))
+    log = PoolLog(scheduler.kv_cache_manager.block_pool)
+    observer = StepObserver.for_scheduler(scheduler, clock="steps")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    arrivals = {0: [Request("R0", list(range(1, 9)), params), Request("R1", list(range(20, 28)), params)],
+                5: [Request("R2", list(range(40, 46)), params)],  # a full block and a partial one
+                6: [Request("R3", list(range(60, 72)), params)]}  # three blocks, each full
+    seen, records = [], []
+    for step in range(9):
+        if step == 6:
+            scheduler.finish_requests("R2", RequestStatus.FINISHED_ABORTED)  # between steps: its blocks go back
+        for request in arrivals.get(step, ()):
+            scheduler.add_request(request)
+        observed_step(scheduler, observer)
+        [record] = observer.drain().records
+        records.append(record)
+        freed_cached = sorted(b for gone in record.freed for b in gone.cached)
+        evicted = sorted(b for q in record.requests for b in q.evicted)
+        assert (freed_cached, evicted) == log.take(), f"step {record.step}"
+        seen.append((freed_cached, evicted, [(gone.id, gone.why) for gone in record.freed]))
+    assert seen[1] == ([2, 3], [3], [("R1", "preempted")])  # R1's cached block 3, evicted by R0 at once
+    assert seen[6] == ([1], [2, 3], [("R2", "aborted")])  # R2's partial block 0 went back uncached: no eviction
+    assert_view_is_the_pool(view_after(records, 4), scheduler.kv_cache_manager)
 
 
 def view_after(records, num_blocks: int) -> PoolView:
