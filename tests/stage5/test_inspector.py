@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
 import subprocess
 import sys
@@ -188,6 +189,42 @@ def test_blocks_given_back_and_handed_out_in_one_schedule_keep_the_hash_they_had
     assert seen[1] == ([2, 3], [3], [("R1", "preempted")])  # R1's cached block 3, evicted by R0 at once
     assert seen[6] == ([1], [2, 3], [("R2", "aborted")])  # R2's partial block 0 went back uncached: no eviction
     assert_view_is_the_pool(view_after(records, 4), scheduler.kv_cache_manager)
+
+
+def test_every_record_says_what_the_pool_did_over_random_runs_with_preemptions_aborts_and_shared_prefixes():
+    """Forty random runs of stage 4's scheduler on pools of 6 to 16 blocks: prompts that share prefixes, arriving
+    and aborted at random. Each record's cached frees and evictions are what the pool did that step, and the pool
+    the records describe is the pool at the end."""
+    from stage3_continuous import RequestStatus, SchedulerConfig
+    from stage4_prefix_cache import CacheConfig, Scheduler
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        num_blocks = rng.randint(6, 16)
+        scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=rng.choice([6, 8, 16]), max_num_seqs=4),
+                              CacheConfig(block_size=4, num_blocks=num_blocks))
+        log = PoolLog(scheduler.kv_cache_manager.block_pool)
+        observer = StepObserver.for_scheduler(scheduler, clock="steps")
+        prefixes = [[rng.randint(1, 50) for _ in range(8)] for _ in range(3)]
+        records, count = [], 0
+        for _ in range(60):
+            if rng.random() < 0.4 and count < 12:
+                shared = rng.choice(prefixes)[:rng.randint(0, 8)]
+                prompt = shared + [rng.randint(1, 50) for _ in range(rng.randint(1, 10))]
+                params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 10), ignore_eos=True)
+                scheduler.add_request(Request(f"R{count}", prompt, params))
+                count += 1
+            if rng.random() < 0.1 and scheduler.requests:
+                scheduler.finish_requests(rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED)
+            if scheduler.has_unfinished_requests():
+                observed_step(scheduler, observer)
+                for record in observer.drain().records:
+                    records.append(record)
+                    freed_cached = sorted(b for gone in record.freed for b in gone.cached)
+                    evicted = sorted(b for q in record.requests for b in q.evicted)
+                    assert (freed_cached, evicted) == log.take(), f"seed {seed}, step {record.step}"
+        if set(observer.tracker.held) <= set(scheduler.kv_cache_manager.req_to_blocks):  # no abort since the last step
+            assert_view_is_the_pool(view_after(records, num_blocks), scheduler.kv_cache_manager)
 
 
 def view_after(records, num_blocks: int) -> PoolView:
