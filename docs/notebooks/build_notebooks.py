@@ -918,7 +918,8 @@ print("R1 with key-a2 (tenant-a): cached tokens", complete("key-a2", R1_PROMPT),
 ## Server-sent events, as they arrive
 
 A streamed chat completion: each `data:` line is one chunk of new text, timestamped by the
-client as it arrives; a usage chunk and `data: [DONE]` end the stream. The times depend on the
+client as it arrives. The first chunk carries only the role (`"assistant"`, with empty text), as
+OpenAI's and vLLM's streams open; a usage chunk and `data: [DONE]` end the stream. The times depend on the
 machine, and so may the chunks: a client that reads slowly gets several tokens' text in one.
 """),
         machine("""
