@@ -117,18 +117,21 @@ def test_a_chat_sent_from_the_page_streams_and_its_blocks_go_from_free_to_used_t
 
 def test_markup_in_a_prompt_and_in_model_output_shows_as_text_and_runs_nothing(browser, server):
     context, page, _, problems = open_page(browser, server, KEYS["teamA"])
+
+    def answer_with_markup(route):
+        """The page's own chat request, held by a grammar to one answer: the model's output is ``MARKUP``."""
+        body = json.loads(route.request.post_data)
+        route.continue_(post_data=json.dumps({**body, "structured_outputs": {"choice": [MARKUP]}}))
+
     try:
+        page.route("**/v1/chat/completions", answer_with_markup)
         wait_for(page, models_listed)
-        chat(page, f"Repeat after me: {MARKUP}", 24)
+        chat(page, f"Repeat after me: {MARKUP}", 96)
         wait_for(page, chat_done, 60)
-        wait_for(page, lambda p: MARKUP in p.inner_text(".ssi-requests"))
-        assert MARKUP in page.inner_text(".ssi-user")  # the chat pane, as text
-        assert MARKUP in page.inner_text(".ssi-requests")  # the inspector's own-request text, as text
-        # What the model said, shown as the server sent it, and the page still running no markup of anyone's:
-        page.evaluate("""markup => {
-            const reply = document.querySelector('.ssi-assistant');
-            reply.append(document.createTextNode(markup));
-        }""", MARKUP)
+        assert page.inner_text(".ssi-assistant") == MARKUP  # the streamed answer, as text
+        assert MARKUP in page.inner_text(".ssi-user")  # the prompt in the chat pane, as text
+        # The inspector's own-request pane: the prompt and the output the hub sent on the step stream, as text.
+        wait_for(page, lambda p: p.inner_text(".ssi-requests").count(MARKUP) >= 2)
         assert page.evaluate("window.__pwned === undefined")
         assert page.eval_on_selector_all("img, iframe, object, embed", "els => els.length") == 0
         assert page.eval_on_selector_all("script", "els => els.map(s => s.src)") == [
