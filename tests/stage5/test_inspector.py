@@ -515,20 +515,24 @@ def test_a_second_trust_groups_prompt_text_never_enters_the_first_groups_stream(
         thread.start()
     assert wait_until(lambda: all("event: hello" in "".join(s) for s in streams.values()))
     ids = {}
-    for group, text in (("teamA", "apricot lantern question"), ("teamB", "zebra-secret-of-team-b")):
+    # Team B's answer is held by a grammar to a known text, so that its absence from team A's stream means something.
+    secret_answer = "mango-answer-of-team-b"
+    held = {"structured_outputs": {"choice": [secret_answer]}}
+    for group, text, extra in (("teamA", "apricot lantern question", {}), ("teamB", "zebra-secret-of-team-b", held)):
         response = httpx.post(url + "/v1/chat/completions", headers=auth(KEYS[group]), timeout=60,
-                              json={"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": text}]})
+                              json={"model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": text}],
+                                    **extra})
         assert response.status_code == 200
         ids[group] = response.json()["id"]
-        output = response.json()["choices"][0]["message"]["content"]
+    assert response.json()["choices"][0]["message"]["content"] == secret_answer
     assert wait_until(lambda: all(ids[g] in "".join(streams[g]) and '"finish"' in "".join(streams[g])
                                   for g in GROUPS) and "event: steps" in "".join(streams["teamA"]))
     time.sleep(0.3)  # the last frames
     stop.set()
     raw_a, raw_b = "".join(streams["teamA"]), "".join(streams["teamB"])
     assert "zebra-secret-of-team-b" not in raw_a and ids["teamB"] not in raw_a
-    assert not output or output not in raw_a  # team B's output text neither
-    assert "apricot lantern question" in raw_a and "zebra-secret-of-team-b" in raw_b
+    assert secret_answer not in raw_a  # team B's output text neither
+    assert "apricot lantern question" in raw_a and "zebra-secret-of-team-b" in raw_b and secret_answer in raw_b
     events = [json.loads(line[6:]) for line in raw_a.splitlines() if line.startswith("data: ")]
     steps = [record for e in events for record in e.get("records", ())]
     other = {q["id"] for r in steps for q in r.get("requests", ()) if q["id"] != ids["teamA"]}
