@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"site: no built site at {args.site}; run make docs first")
     if not Path(CHROMIUM).is_file():
         raise SystemExit(f"chromium: {CHROMIUM} not found; install it with apt-get install -y chromium")
+    missing = [page for page in args.pages if not (args.site / page.strip("/") / "index.html").is_file()]
+    if missing:
+        raise SystemExit(f"pages: not in the built site: {', '.join(missing)} (a page is a URL path, as /serving/)")
     problems = check_site(args.site, args.screenshots, args.pages or None)
     bad = {path: found for path, found in problems.items() if found}
     for path, found in problems.items():
