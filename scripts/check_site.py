@@ -15,7 +15,9 @@ Each page is screenshotted (full page) and checked for:
   which makes its text unreadable;
 - clipped blocks: a code block or table wider than the column it sits in (a horizontal
   scroll bar hides part of it), or a table cell wider than the page;
-- a figure shrunk to less than ``1 / MAX_IMAGE_SHRINK`` of its pixel width.
+- a figure shrunk to less than ``1 / MAX_IMAGE_SHRINK`` of its pixel width;
+- a script error or an error on the browser's console (a file that did not load is one);
+- a replay of the inspector (``data-inspector="replay"``) that shows no step.
 
 Chromium comes from the system (Debian's ``chromium`` package: ``apt-get install -y chromium``),
 driven through the ``playwright`` Python package, so no browser is downloaded.
@@ -105,6 +107,15 @@ PAGE_PROBLEMS_JS = """
       problems.push(`figure did not load: ${(img.getAttribute('src') || '').slice(0, 60)}`);
     }
   }
+  // The inspector's replays (Watch the engine): each loaded its trace and shows a step.
+  for (const viewer of document.querySelectorAll('[data-inspector="replay"]')) {
+    const step = viewer.querySelector('.ssi-step');
+    if (!step || !/^step \\d/.test(step.textContent)) {
+      const notice = viewer.querySelector('.ssi-notice');
+      problems.push(`replay ${viewer.getAttribute('data-trace')} shows no step`
+                    + (notice && notice.textContent ? `: ${notice.textContent}` : ''));
+    }
+  }
   return problems;
 }
 """
@@ -182,7 +193,13 @@ def check_site(site: Path, screenshots: Path | None, pages: list[str] | None = N
             context.add_init_script(INIT_JS)
             page = context.new_page()
             errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+            def console(message) -> None:
+                if message.type == "error":
+                    errors.append(f"console error: {message.text}")
+
+            page.on("pageerror", lambda exc: errors.append(f"script error: {exc}"))
+            page.on("console", console)
             for path in pages or site_pages(site):
                 outside.clear()
                 errors.clear()
@@ -192,7 +209,7 @@ def check_site(site: Path, screenshots: Path | None, pages: list[str] | None = N
                 found += [f"needs the network: {url}" for url in sorted(set(outside))]
                 html = (site / path.strip("/") / "index.html").read_text(encoding="utf-8", errors="replace")
                 found += [f"could fetch from elsewhere: {url}" for url in outside_references(html)]
-                found += [f"script error: {e}" for e in errors]
+                found += errors
                 problems[path] = found
                 if screenshots is not None:
                     name = path.strip("/").replace("/", "_") or "index"
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"site: no built site at {args.site}; run make docs first")
     if not Path(CHROMIUM).is_file():
         raise SystemExit(f"chromium: {CHROMIUM} not found; install it with apt-get install -y chromium")
+    missing = [page for page in args.pages if not (args.site / page.strip("/") / "index.html").is_file()]
+    if missing:
+        raise SystemExit(f"pages: not in the built site: {', '.join(missing)} (a page is a URL path, as /serving/)")
     problems = check_site(args.site, args.screenshots, args.pages or None)
     bad = {path: found for path, found in problems.items() if found}
     for path, found in problems.items():

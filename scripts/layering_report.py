@@ -155,6 +155,8 @@ FEATURES: tuple[Feature, ...] = (
             words=("weight_?sync", r"weight[ _]version", "update_weights", "reload_weights", r"weight[ _-]updates?",
                    "sleep", "wake_up"),
             false_friends=(r"\b(?:time|asyncio)\.sleep\b",)),  # waiting, not the engine's sleep
+    Feature("inspector", rooms=("stage5_server/inspector",),
+            words=("inspector", "step_record", "browser_route")),
 )
 
 # Blanked out of every line for every feature and for row 6: names that contain a feature's word but

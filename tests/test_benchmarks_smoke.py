@@ -220,3 +220,17 @@ def test_weight_updates_smoke(tmp_path, tiny_llama):
                                                    "write a checkpoint, start a new engine"]
     assert all(row["output_tokens_per_s"] > 0 for row in rows["loop"])
     assert "python -m benchmarks.weight_updates" in (tmp_path / f"{name}.md").read_text()
+
+
+def test_inspector_overhead_smoke(tmp_path, tiny_llama):
+    from benchmarks import inspector_overhead
+
+    name = "inspector_overhead"
+    inspector_overhead.main(["--model", str(tiny_llama), "--num-requests", "4", "--repeats", "2",
+                             "--out-dir", str(tmp_path), "--markdown", str(tmp_path / f"{name}.md")])
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert {"date", "machine", "command", "runtime_s", "config"} <= data.keys()
+    assert len(data["off_s"]) == len(data["on_s"]) == len(data["observer_s"]) == 2
+    assert data["steps_per_run"] > 0 and data["dropped"] == 0
+    assert all(0 < o < t for o, t in zip(data["observer_s"], data["on_s"]))
+    assert "python -m benchmarks.inspector_overhead" in (tmp_path / f"{name}.md").read_text()

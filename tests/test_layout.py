@@ -105,8 +105,9 @@ def test_the_commands_that_hand_out_the_course_import_it_inside_the_command():
 # ---- the rooms of stage5_server ----------------------------------------------------------------------------------
 # Which rooms each room may import, at run time or only for type hints (``if TYPE_CHECKING:``): the chain runs front
 # end -> core -> executor -> worker -> model, attention and kernels; a system (speculative decoding, LoRA, pooling,
-# images, the KV connector, weight sync) reaches the chain only where it plugs in (a request's fields, the drafter, a
-# runner kind or a worker extension named by its qualified name, the linear-layer seam); ``config``, ``errors``,
+# images, the KV connector, weight sync, the inspector) reaches the chain only where it plugs in (a request's fields,
+# the drafter, a runner kind or a worker extension named by its qualified name, the linear-layer seam, a member the
+# core holds); ``config``, ``errors``,
 # ``processes`` and the step contract (``outputs``: what the core hands the workers and what comes back) sit under
 # everything.
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -121,12 +122,13 @@ ROOM_IMPORTS = {
     "bench": {"server", "llm"} | BASE,
     "demo": {"__init__", "server"} | BASE,
     "__init__": {"llm", "core"} | BASE,  # the rest on first use
-    "server": {"engine", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
+    "server": {"engine", "lora", "multimodal", "pooling", "weight_sync", "inspector"} | BASE,
     "llm": {"engine", "core", "lora", "multimodal", "pooling", "weight_sync"} | BASE,
     "engine": {"core", "data_parallel", "lora", "multimodal", "weight_sync"} | BASE,
     "data_parallel": {"core"} | BASE,
     "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
-    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
+    "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer",
+             "inspector"} | BASE,
     "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
     "worker": MODEL | {"spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "spec_decode": {"model"} | BASE,
@@ -134,6 +136,7 @@ ROOM_IMPORTS = {
     "multimodal": BASE,
     "weight_sync": {"model", "parallel", "multimodal"} | BASE,  # weight updates and sleep: plugs into core and worker
     "kv_transfer": BASE,  # the KV connector: plugs into the KV cache manager, the scheduler and the worker
+    "inspector": BASE,  # the step observer the core holds, and the page's routes the server adds
     "quantization": {"model", "cpu_kernels"},
     "parallel": {"model"},
     "attention": {"kernels", "cpu_kernels"},

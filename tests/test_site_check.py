@@ -7,6 +7,7 @@ same check over the real site.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,3 +57,21 @@ def test_a_page_that_could_fetch_from_another_host_fails_even_when_this_visit_do
     assert any("could fetch from elsewhere: https://cdnjs.cloudflare.com" in p for p in problems["/guarded/"])
     assert any("https://fonts.example.org/a.css" in p for p in problems["/style/"])
     assert problems["/link/"] == []
+
+
+def test_a_console_error_and_a_replay_that_shows_no_step_fail_and_a_replay_that_loads_passes(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    assets = tmp_path / "assets"
+    (assets / "inspector").mkdir(parents=True)
+    (assets / "replays").mkdir()
+    shutil.copy(root / "stage5_server" / "inspector" / "static" / "inspector.js", assets / "inspector")
+    shutil.copy(root / "docs" / "assets" / "replays" / "worked_example.json", assets / "replays")
+    script = '<script src="/assets/inspector/inspector.js"></script>'
+    write(tmp_path, "replay", script + '<div data-inspector="replay" data-trace="worked_example"></div>')
+    write(tmp_path, "missing", script + '<div data-inspector="replay" data-trace="no_such_trace"></div>')
+    write(tmp_path, "console", '<script>console.error("something broke")</script><p>hi</p>')
+    problems = check_site(tmp_path, screenshots=None)
+    assert problems["/replay/"] == []
+    assert any("replay no_such_trace shows no step" in p for p in problems["/missing/"])
+    assert any(p.startswith("console error:") for p in problems["/missing/"])  # the trace's 404
+    assert problems["/console/"] == ["console error: something broke"]

@@ -158,6 +158,9 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
               help="network interface of the ranks' unauthenticated traffic (default: loopback); never one "
                    "reachable from an untrusted network"),
     inherited("log_stats_interval", cli=False),  # serve's own --log-stats-interval (default 10, 0: off) sets it
+    EngineArg("enable_inspector", False, is_flag=True,  # inspector/
+              help="record every engine step for the inspector page, GET /inspect, and its event stream "
+                   "(default: off)"),
 )
 ENGINE_ARGS = {arg.name: arg.default for arg in ENGINE_ARG_TABLE}
 SERVER_ENGINE_ARGS = {name: default for name, default in ENGINE_ARGS.items() if name not in COMMON_ARGS}
@@ -256,8 +259,9 @@ class EngineConfig:
         utilization = args["gpu_memory_utilization"]
         if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-        if not isinstance(args["enable_prefix_caching"], bool):
-            raise ValueError(f"enable_prefix_caching: must be a bool, got {args['enable_prefix_caching']!r}")
+        for name in ("enable_prefix_caching", "enable_inspector"):
+            if not isinstance(args[name], bool):
+                raise ValueError(f"{name}: must be a bool, got {args[name]!r}")
         get_hash_fn(args["prefix_caching_hash_algo"])  # a clear error for an unknown name
         num_kv_blocks = args["num_kv_blocks"]
         if num_kv_blocks is not None:

@@ -12,7 +12,8 @@
    pool, with the scheduler side of a KV connector if one is configured (``kv_transfer/``), and every
    worker allocates its blocks;
 4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter; with
-   weight sync on, the member that registers weight updates and sleep among its utilities (``weight_sync/``).
+   weight sync on, the member that registers weight updates and sleep among its utilities (``weight_sync/``);
+   with ``enable_inspector``, the step observer that records every step (``inspector/``).
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
 ``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
@@ -90,6 +91,10 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         from stage5_server.weight_sync import WeightSync
 
         core.weight_sync = WeightSync(core)
+    if config.args.get("enable_inspector"):  # a record of every step: a member of the core
+        from stage5_server.inspector.observer import StepObserver
+
+        core.inspector = StepObserver.for_scheduler(scheduler)
     return core
 
 

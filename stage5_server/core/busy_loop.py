@@ -4,7 +4,8 @@
 
 Subclasses say only where inputs come from and outputs go: a queue on a thread
 (``engine/thread_client.py``), two ZeroMQ sockets in a process (``core_proc.py``). Decided here, once:
-the core's outputs go out as they come (the scheduler made them, each with only what is new); a step
+the core's outputs go out as they come (the scheduler made them, each with only what is new; with them
+the stats and, with the inspector on, the records of the steps since the last message); a step
 that raises fails its own requests (the core freed their KV) and the rest go on, while an
 ``EngineDeadError`` fails all and ends the loop; with nothing schedulable (KV full of waiting prompts)
 it waits briefly instead of spinning. The loop keeps no table of requests: the scheduler's is the one.
@@ -176,5 +177,6 @@ class EngineCoreLoop:
 
     def send(self, outputs: list[EngineCoreOutput], failed: FailedRequests | None = None) -> None:
         self._published_stats = self.core.stats()
-        self.publish(EngineCoreOutputs(outputs, self._published_stats, failed))
+        records = None if self.core.inspector is None else self.core.inspector.drain()
+        self.publish(EngineCoreOutputs(outputs, self._published_stats, failed, step_records=records))
 

@@ -132,7 +132,8 @@ class ZmqCoreLoop(EngineCoreLoop):
 
     # ---- outputs -------------------------------------------------------------------------------
     def publish(self, outputs: EngineCoreOutputs) -> None:
-        """Each API server gets the outputs of its own requests, with this rank's stats."""
+        """Each API server gets the outputs of its own requests, with this rank's stats; every API server gets
+        the inspector's step records (each decides what its viewers may see: ``inspector/hub.py``)."""
         self.stats_seq += 1
         stats = outputs.scheduler_stats
         by_client: dict[str, list[EngineCoreOutput]] = defaultdict(list)
@@ -147,12 +148,13 @@ class ZmqCoreLoop(EngineCoreLoop):
                 owner = self.client_of.pop(rid, None)
                 if owner is not None:
                     failed_by_client[owner].append(rid)
-        for client_id in set(by_client) | set(failed_by_client):
+        records = outputs.step_records
+        for client_id in set(by_client) | set(failed_by_client) | (set(self.clients) if records else set()):
             failed = outputs.failed
             mine = None if client_id not in failed_by_client else \
                 FailedRequests(failed_by_client[client_id], failed.error, failed.engine_dead)
             self.send_to(client_id, EngineCoreOutputs(by_client.get(client_id, []), stats, mine, self.engine_index,
-                                                      self.stats_seq))
+                                                      self.stats_seq, records))
         if self.stats_socket is not None:
             try:
                 self.stats_socket.send(encoder.encode(EngineStats(self.engine_index, self.stats_seq, stats)),

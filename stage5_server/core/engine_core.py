@@ -6,7 +6,8 @@ of tokens per request), and the scheduler appends the tokens, finishes what must
 ``EngineCoreOutput`` of every request that changed. With speculative decoding on, the core's drafter
 then proposes the next drafts of each request that goes on (``spec_decode/drafter.py``). Where the
 workers live (this process, one process per rank, Ray actors) is the executor's business; the core is
-the same.
+the same. With ``enable_inspector`` the core holds a step observer (``inspector/``) that records every
+step for ``GET /inspect``; off, it is None and nothing is recorded.
 
 A request arrives as the front end's ``EngineCoreRequest`` (token ids, never text);
 ``preprocess_add_request`` makes the core's ``Request`` of it and starts building its structured-output
@@ -46,6 +47,7 @@ from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
+    from stage5_server.inspector.observer import StepObserver
     from stage5_server.spec_decode.drafter import Drafter
     from stage5_server.weight_sync import WeightSync
 
@@ -69,6 +71,7 @@ class EngineCore(SchedulerFacade):
         self.utilities = Utilities(self)  # calls between steps: collective_rpc, and what a system registers
         self.admission_checks: list[Callable[[], str | None]] = []  # each: why no new request may run now, or None
         self.weight_sync: WeightSync | None = None  # weight updates and sleep (weight_sync/), set by the builder
+        self.inspector: StepObserver | None = None  # records each step (inspector/), set by the builder; None: off
 
     @property
     def num_kv_blocks(self) -> int:
@@ -157,6 +160,8 @@ class EngineCore(SchedulerFacade):
             self.step_trace.append(dict(output.num_scheduled_tokens))
         if self.drafter is not None:
             self.drafter.before_step(output, len(self.scheduler.running))
+        if self.inspector is not None:
+            self.inspector.scheduled(output, self.scheduler)
         return output
 
     def finished_outside_step(self) -> list[EngineCoreOutput]:
@@ -174,6 +179,8 @@ class EngineCore(SchedulerFacade):
             for request, drafts in self.drafter.propose(output, result, running, finished, requests,
                                                         len(self.scheduler.running)):
                 self.scheduler.add_draft_tokens(request, drafts)
+        if self.inspector is not None:
+            self.inspector.stepped(output, result, self.scheduler)
         if self.stats_logger:
             self.stats_logger.maybe_log(self.stats())
         return outputs

@@ -7,7 +7,8 @@ a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one 
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
                         | UtilityCall (a call between steps: ``collective_rpc``, ``utilities.py``)
-    core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError;
+    core -> front end:  EngineCoreOutputs (per step, with the inspector's step records when it is on),
+                        after EngineCoreReady | EngineCoreStartupError;
                         UtilityOutput
     data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
@@ -26,6 +27,7 @@ from shared.output_processor import OutputDelta
 from shared.sampling_params import SamplingParams
 from stage5_server.core.request import Request
 from stage5_server.core.stats import SchedulerStats
+from stage5_server.inspector.records import StepRecords
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
 
@@ -134,6 +136,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     failed: FailedRequests | None = None
     engine_index: int = 0  # the data-parallel rank that sent it
     stats_seq: int = 0  # counts the rank's published stats: the larger, the newer
+    step_records: StepRecords | None = None  # with the inspector on: the steps since the last message (inspector/)
 
 
 class ClientWelcome(msgspec.Struct, tag="welcome"):

@@ -3,7 +3,8 @@
 
     add_request: InputProcessor (render, tokenize, check, fan out n) --AddRequest--> core
     core --EngineCoreOutputs--> _on_outputs: OutputProcessor (detokenize, stop strings: those requests
-        are aborted in the core) -> each RequestOutput to its request's stream
+        are aborted in the core) -> each RequestOutput to its request's stream; the inspector's step records,
+        when the core sends them, to ``step_record_sink`` (the server's ``inspector/hub.py``)
 
 The input and output processors are the offline ``LLM``'s too (``engine/input_processor.py``,
 ``engine/output_processor.py``): one front end, whichever client carries its messages to the core.
@@ -99,6 +100,8 @@ class AsyncEngine:
     member only when the engine runs with them."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
+    # Takes (rank, StepRecords) on the output thread when the core records its steps (inspector/); None: dropped.
+    step_record_sink: Callable[[int, Any], None] | None = None
     # Which of the API servers that share the engine cores this front end is (``--api-server-count``).
     client_index: int = 0
     client_count: int = 1
@@ -296,6 +299,8 @@ class AsyncEngine:
             self._fail(failed.request_ids, (EngineDeadError if failed.engine_dead else EngineError)(failed.error),
                        "error")
         self._update_stats(message)
+        if message.step_records is not None and self.step_record_sink is not None:
+            self.step_record_sink(message.engine_index, message.step_records)
         with self._lock:
             processed = self.output_processor.process_outputs(message.outputs)
         if processed.reqs_to_abort:

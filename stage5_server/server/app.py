@@ -5,7 +5,8 @@
             parse strictly (protocol.py, 400)
          -> completions.py | chat.py | responses.py | models.py (lora_models.py) | pooling.py, cohere_embed.py
             -> serving.py -> the AsyncEngine
-            (with --enable-dev-routes: dev_routes.py, weight updates and sleep)
+            (with --enable-dev-routes: dev_routes.py, weight updates and sleep; with an engine that records its
+            steps, --enable-inspector: the inspector's page and event stream, inspector/routes.py)
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
 The server's options are one ``ServerConfig`` (config.py); errors are OpenAI error objects (errors.py);
@@ -30,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
 from stage5_server.server import chat, cohere_embed, completions, lora_models, models, pooling, responses
-from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
+from stage5_server.server.auth import TRUST_GROUP_SCOPE_KEY, APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.body import CheckedRoute
 from stage5_server.server.config import ServerConfig
 from stage5_server.server.errors import APIError, install_error_handlers
@@ -77,13 +78,17 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
         except APIError as exc:
             raise ValueError(f"lora_modules: {name}={path}: {exc.message}") from None
     public_paths = frozenset({"/health"} | ({"/metrics"} if config.metrics_public else set()))
+    inspector = bool(engine.engine_args.get("enable_inspector"))  # the core records its steps: serve /inspect
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await serving.models.send_unsent()  # the start-up adapters' weights, to the workers
         yield
-        if metrics in engine.stat_loggers:
-            engine.stat_loggers.remove(metrics)
+        for logger_ in (metrics, serving.inspector):
+            if logger_ in engine.stat_loggers:
+                engine.stat_loggers.remove(logger_)
+        if serving.inspector is not None and engine.step_record_sink == serving.inspector.take:
+            engine.step_record_sink = None
         if owns_engine:
             await asyncio.to_thread(engine.shutdown)
 
@@ -98,7 +103,12 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     app.state.public_paths = public_paths
     # Added last = outermost: authentication runs before anything else looks at the request.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths)
+    browser_route = None
+    if inspector:  # off: nothing of the inspector is imported
+        from stage5_server.inspector.routes import add_inspector_routes, is_browser_route
+
+        browser_route = is_browser_route
+    app.add_middleware(APIKeyMiddleware, keys=keys, public_paths=public_paths, browser_route=browser_route)
     install_error_handlers(app)
 
     @app.get("/health", summary="Liveness: 200 while the engine core runs (no API key needed)")
@@ -123,6 +133,8 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
         from stage5_server.server.dev_routes import add_dev_routes
 
         add_dev_routes(app, engine)
+    if inspector:  # off: 404, and not in the schema
+        serving.inspector = add_inspector_routes(app, engine, lambda request: request.scope.get(TRUST_GROUP_SCOPE_KEY))
 
     @app.get("/metrics", summary="Prometheus metrics (needs an API key unless metrics_public)")
     async def prometheus_metrics() -> Response:

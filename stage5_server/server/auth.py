@@ -7,18 +7,26 @@ nothing). Each key belongs to a trust group; a request's prefix-cache salt is an
 under a per-server secret, so groups never share cached blocks and no client can compute another
 group's salt. A client ``cache_salt`` is refused unless ``trust_client_cache_salt``.
 
+A browser cannot add a bearer header to a page it navigates to. With the inspector on, the routes its page
+uses (``browser_route``) also take the key as the password of HTTP Basic authentication, which the browser
+asks for and then sends by itself, but only from the address bar or a page of this server
+(``Sec-Fetch-Site: none`` or ``same-origin``, a header no page can set): another site cannot make a
+visitor's browser spend the credentials it holds for this one.
+
 vLLM: ``AuthenticationMiddleware`` in ``vllm/entrypoints/openai/api_server.py``; the salt is
 the ``cache_salt`` that ``vllm/v1/core/kv_cache_utils.py`` mixes into the first block's hash.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -98,33 +106,51 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-def _bearer_token(scope: Scope) -> str | None:
+def _bearer_token(scope: Scope, basic: bool = False) -> str | None:
+    """The key in ``Authorization: Bearer KEY`` or, when ``basic``, the password of ``Authorization: Basic``."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
+            if basic and scheme.lower() == "basic":
+                try:
+                    return base64.b64decode(token.strip(), validate=True).decode().partition(":")[2] or None
+                except (binascii.Error, UnicodeDecodeError):
+                    return None
             return token.strip() if scheme.lower() == "bearer" and token.strip() else None
     return None
+
+
+def _from_this_origin(scope: Scope) -> bool:
+    """The browser says the request comes from a page of this server, or from its address bar."""
+    return any(name == b"sec-fetch-site" and value in (b"same-origin", b"none") for name, value in scope["headers"])
 
 
 class APIKeyMiddleware:
     """Every HTTP and WebSocket request needs a valid key, except ``public_paths``. It runs before
     routing, so no route escapes it, and an unknown path answers 401 (not 404) without a key."""
 
-    def __init__(self, app: ASGIApp, keys: APIKeys | None, public_paths: frozenset[str]):
+    def __init__(self, app: ASGIApp, keys: APIKeys | None, public_paths: frozenset[str],
+                 browser_route: Callable[[str, str], bool] | None = None):
         self.app = app
         self.keys = keys
         self.public_paths = public_paths
+        self.browser_route = browser_route  # (method, path) -> whether a browser's Basic credentials count there
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope[RECEIVED_SCOPE_KEY] = time.monotonic()  # the outermost layer: the start of the request's timeline
-        group = PUBLIC_GROUP if self.keys is None else self.keys.authenticate(_bearer_token(scope))
-        if group is None and _route_path(scope) not in self.public_paths:
+        path = _route_path(scope)
+        browser = self.browser_route is not None and scope["type"] == "http" and \
+            self.browser_route(scope["method"], path)
+        group = PUBLIC_GROUP if self.keys is None else \
+            self.keys.authenticate(_bearer_token(scope, basic=browser and _from_this_origin(scope)))
+        if group is None and path not in self.public_paths:
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
+            challenges = [b"Bearer"] + ([b'Basic realm="stagedserve", charset="UTF-8"'] if browser else [])
             return await send_json(send, 401, error_body(
                 "Missing or invalid API key: send it as 'Authorization: Bearer <key>'.",
-                "invalid_request_error", None, "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+                "invalid_request_error", None, "invalid_api_key"), [(b"www-authenticate", c) for c in challenges])
         scope[TRUST_GROUP_SCOPE_KEY] = group
         await self.app(scope, receive, send)

@@ -21,7 +21,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -49,6 +49,9 @@ from stage5_server.server.sse import (
     sse,
     unless_disconnected,
 )
+
+if TYPE_CHECKING:
+    from stage5_server.inspector.hub import InspectorHub
 
 GENERATION_APIS = {"chat.completion": "Chat Completions", "text_completion": "Completions",
                    "response": "Responses"}  # a responder's ``object`` -> the API's name in vLLM's errors
@@ -205,6 +208,7 @@ class OpenAIServing:
         self.media = MediaConnector(media or MediaOptions.from_env())  # images named by URL (media.py)
         self.context = (engine.max_model_len, longest_token_chars(engine.tokenizer.hf))  # RequestLimits.check
         self.models = ServedModels(served_model_name, engine)  # the base model and its LoRA adapters
+        self.inspector: InspectorHub | None = None  # told who sent each request, with --enable-inspector
 
     def check_limits(self, prompts: list[PromptType], params: SamplingParams, prompt_param: str = "prompt") -> None:
         """Refuse a request over one of the server's caps, before anything is rendered or tokenized."""
@@ -262,6 +266,8 @@ class OpenAIServing:
             try:
                 for i, prompt in enumerate(prompts):
                     request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
+                    if self.inspector is not None:  # before it can run: its steps are its group's from the first
+                        self.inspector.track(request_id, trust_group(request), prompt)
                     with engine_errors(prompt_param):
                         streams.append(await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
                                                                      received_time=received, output_kind=kind,

@@ -1,7 +1,7 @@
 """A plain request enters no feature room: on a server started without LoRA, images, speculative decoding,
-pooling, a KV connector or weight sync, a streaming text chat request (sent by the openai client, through the
-real app, engine thread and workers) calls no function of those rooms, nor of the server's own modules for
-adapters and fetched images. Every thread is traced with a profile function (``threading.setprofile``, set
+pooling, a KV connector, weight sync or the inspector, a streaming text chat request (sent by the openai client,
+through the real app, engine thread and workers) calls no function of those rooms, nor of the server's own modules
+for adapters and fetched images. Every thread is traced with a profile function (``threading.setprofile``, set
 before the engine and the server start); the window is one request after a warm-up."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from stage5_server.server import create_app
 from tests.stage5.server_fixtures import REPO, make_llm, running_server
 
 KEY = "plain-key"
-FEATURE_ROOMS = ("lora", "multimodal", "spec_decode", "pooling", "kv_transfer", "weight_sync")
+FEATURE_ROOMS = ("lora", "multimodal", "spec_decode", "pooling", "kv_transfer", "weight_sync", "inspector")
 FEATURE_FILES = ("server/lora_models.py", "server/media.py", "server/pooling.py")  # the features' HTTP sides
 
 

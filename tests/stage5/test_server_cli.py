@@ -41,7 +41,7 @@ ENGINE_ARGS_BEFORE_THE_TABLE = {
     "distributed_interface": None, "enforce_eager": None, "cpu_threads": None, "speculative_config": None,
     "runner": "auto", "convert": "auto", "quantization": None, "prepack_linear": None, "enable_lora": False,
     "max_loras": 1, "max_lora_rank": 16, "kv_offloading_size": None, "kv_transfer_config": None,
-    "enable_weight_sync": False}
+    "enable_weight_sync": False, "enable_inspector": False}
 # Engine arguments without a serve flag: a server flag sets log_stats_interval; the others are no use to a server.
 NO_SERVE_FLAG = {"block_shuffle_seed", "log_stats_interval", "prefix_caching_hash_algo", "scheduling_policy"}
 
@@ -88,7 +88,8 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "max_lora_rank": 32}
     assert set(build_engine_kwargs(args)) == {arg.name for arg in ENGINE_ARG_TABLE if arg.cli} - {
         "tokenizer", "max_num_active_seqs", "enable_chunked_prefill", "kv_offloading_size",
-        "kv_transfer_config", "enable_weight_sync"}  # the flags added since: below
+        "kv_transfer_config", "enable_weight_sync", "enable_inspector"}  # the flags added since: below
+    assert build_engine_kwargs(parse("serve", "--enable-inspector")) == {"enable_inspector": True}
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
     transfer = '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": ' \
                '{"kv_port": 14579}}'
