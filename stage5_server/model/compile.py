@@ -47,6 +47,7 @@ import logging
 import re
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +92,9 @@ class CompiledForward:
     mixed steps; eager for what no graph serves (image embeddings, a step past ``MAX_MIXED_TOKENS``).
     Installed as ``model.forward``."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int):
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, eager_if: Callable[[], bool] | None = None):
         self.eager = model.forward
+        self.eager_if = eager_if  # asked before each step: True runs it eagerly (a step with LoRA adapters)
         self.buckets = decode_buckets(max_num_seqs)
         self._pad_sizes = self.buckets + tuple(b for b in DECODE_BUCKETS if b > self.buckets[-1])
         # where a layer computes its products another way (quantization/dispatch.py): no graph spans it
@@ -110,7 +112,8 @@ class CompiledForward:
         self.recompiles_refused = 0  # steps no graph fitted, run eagerly instead of compiling one
 
     def __call__(self, input_ids, positions, attn_metadata, inputs_embeds=None):
-        if inputs_embeds is not None or not isinstance(attn_metadata, PagedAttentionMetadata):
+        if inputs_embeds is not None or not isinstance(attn_metadata, PagedAttentionMetadata) or (
+                self.eager_if is not None and self.eager_if()):
             return self.eager(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
         num_tokens = input_ids.shape[0]
         if attn_metadata.max_query_len <= MAX_ROWS_PER_REQUEST and num_tokens <= DECODE_BUCKETS[-1]:
@@ -265,10 +268,11 @@ def mixed_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAtte
                                                         max_query_len=2, max_seq_len=0)
 
 
-def compile_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int) -> str | None:
+def compile_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int,
+                 eager_if: Callable[[], bool] | None = None) -> str | None:
     """Install a ``CompiledForward`` on ``model`` and compile it now (the time goes to the log); where
     compiling fails (no C++ compiler, say), the eager forward stays: returns why, else None."""
-    compiled = CompiledForward(model, max_num_seqs)
+    compiled = CompiledForward(model, max_num_seqs, eager_if)
     try:
         seconds = compiled.capture(kv_caches)
     except Exception as exc:  # inductor needs a C++ compiler at run time, for one

@@ -113,9 +113,10 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
             self.kv_connector.register_kv_caches(self.kv_cache)
         backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
         self.model.set_attention_backend(backend)
-        if config.compile_decode:  # every step a compiled graph (model/compile.py)
+        if config.compile_step:  # every step a compiled graph (model/compile.py); with adapters, not their steps
+            eager_if = None if self.lora_manager is None else self.lora_manager.step_has_adapters
             problem = load_cpu_kernels() or compile_step(self.model, [*self.kv_cache.key, *self.kv_cache.value],
-                                                          config.scheduler.max_num_seqs)
+                                                          config.scheduler.max_num_seqs, eager_if)
             if problem is not None:  # a warning where enforce_eager=False asked for it
                 logger.log(logging.WARNING if config.enforce_eager is False else logging.INFO,
                            "every step runs eagerly: %s", problem)

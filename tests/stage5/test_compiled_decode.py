@@ -215,22 +215,43 @@ def test_verify_steps_and_short_prompts_run_the_start_up_graphs_and_stay_close_t
     assert all(d.close for d in divergences), divergences
 
 
-def test_enforce_eager_and_the_dtype_decide_when_decode_steps_compile(tiny_llama):
+def test_with_lora_the_steps_without_adapters_run_compiled_and_the_others_eagerly(tiny_llama, tmp_path):
+    from stage5_server import LoRARequest
+    from tests.stage5.lora_adapters import make_adapter
+
+    lora = LoRARequest("every", 1, str(make_adapter(tiny_llama, tmp_path / "every", seed=1)))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    runs = {}
+    for eager in (True, None):
+        llm = LLM(model=str(tiny_llama), device="cpu", dtype="bfloat16", max_model_len=256, block_size=8,
+                  enforce_eager=eager, enable_lora=True)
+        base = llm.generate(list(PROMPTS), params, use_tqdm=False)
+        steps = llm.engine.stats().num_steps
+        adapted = llm.generate(list(PROMPTS), params, use_tqdm=False, lora_request=lora)
+        runs[eager] = base + adapted
+    forward = _forward(llm)
+    assert forward.compiled_steps == steps  # every step without an adapter, and only those
+    ids, lps = ({e: [o.outputs[0].token_ids for o in runs[e]] for e in runs},
+                {e: [as_token_logprobs(o.outputs[0].logprobs) for o in runs[e]] for e in runs})
+    divergences = first_divergences(ids[None], lps[None], ids[True], lps[True])
+    assert all(d.close for d in divergences), divergences
+
+
+def test_enforce_eager_and_the_dtype_decide_when_steps_compile(tiny_llama):
     def compiles(**args):
-        return EngineConfig.create(str(tiny_llama), device="cpu", **args).compile_decode
+        return EngineConfig.create(str(tiny_llama), device="cpu", **args).compile_step
 
     assert compiles(dtype="bfloat16")  # the CPU fast path
     assert not compiles(dtype="float32")  # the reference stays eager
     assert compiles(dtype="float32", enforce_eager=False)
     assert not compiles(dtype="bfloat16", enforce_eager=True)
     assert not compiles(dtype="bfloat16", attention_backend="torch")
-    with pytest.raises(ValueError, match="enforce_eager=False: the compiled decode step runs on a CPU"):
+    with pytest.raises(ValueError, match="enforce_eager=False: the compiled step runs on a CPU"):
         compiles(dtype="bfloat16", attention_backend="torch", enforce_eager=False)
-    with pytest.raises(ValueError, match="enable_lora: the compiled decode step"):
-        compiles(dtype="bfloat16", enable_lora=True, enforce_eager=False)
+    assert compiles(dtype="bfloat16", enable_lora=True)  # the steps without adapters
 
 
-def test_where_inductor_cannot_compile_decode_steps_run_eagerly_and_say_why(tiny_llama, tmp_path):
+def test_where_inductor_cannot_compile_every_step_runs_eagerly_and_says_why(tiny_llama, tmp_path):
     """Inductor needs a C++ compiler when the engine starts (here: no such compiler, an empty cache)."""
     import os
     import subprocess
