@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,20 @@ def test_weight_updates_smoke(tmp_path, tiny_llama):
                                                    "write a checkpoint, start a new engine"]
     assert all(row["output_tokens_per_s"] > 0 for row in rows["loop"])
     assert "python -m benchmarks.weight_updates" in (tmp_path / f"{name}.md").read_text()
+
+
+@pytest.mark.slow
+def test_online_peers_smoke(tmp_path, tiny_llama):
+    """The rate sweep against stagedserve alone (no vLLM given: stagedserve's own bench serve is the load),
+    on the tiny model saved in bfloat16: a row per rate, the figure, the report."""
+    from benchmarks import online_peers
+    from benchmarks.common import bf16_checkpoint
+
+    model = bf16_checkpoint(tiny_llama)
+    assert json.loads((Path(model) / "config.json").read_text())["dtype"] == "bfloat16"
+    data = online_peers.main(["--vllm-python", "", "--model", model, "--rates", "2", "8", "--num-prompts", "3",
+                              "--input-len", "16", "--output-len", "4", *_outputs(tmp_path, "online_peers")])
+    _check_files(tmp_path, "online_peers")
+    rows = data["rows"]["stagedserve serve"]
+    assert list(rows) == ["2.0", "8.0"] and all(r["completed"] == 3 and r["failed"] == 0 for r in rows.values())
+    assert set(data["skipped"]) == {"vLLM's CPU server"} and data["ratios"] == {}
