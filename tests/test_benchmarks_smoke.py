@@ -234,3 +234,19 @@ def test_online_peers_smoke(tmp_path, tiny_llama):
     rows = data["rows"]["stagedserve serve"]
     assert list(rows) == ["2.0", "8.0"] and all(r["completed"] == 3 and r["failed"] == 0 for r in rows.values())
     assert set(data["skipped"]) == {"vLLM's CPU server"} and data["ratios"] == {}
+
+
+@pytest.mark.slow
+def test_served_profile_smoke(tmp_path, tiny_llama):
+    """The served engine's steps and the offline engine's on the same arrivals, each step logged."""
+    from benchmarks import served_profile
+
+    data = served_profile.main(["--model", str(tiny_llama), "--rates", "4", "--num-prompts", "4", "--input-len", "16",
+                                "--output-len", "6", "--out-dir", str(tmp_path),
+                                "--markdown", str(tmp_path / "served_profile.md")])
+    assert "python -m benchmarks.served_profile" in (tmp_path / "served_profile.md").read_text()
+    runs = data["runs"]["4.0"]
+    for run in runs.values():
+        assert sum(k["steps"] for k in run["kinds"].values()) == run["steps"] > 0
+        assert run["kinds"]["with prompt tokens"]["mean_prompt_tokens"] >= 16 and run["tpot_p50_ms"] > 0
+    assert set(runs["served"]["cpu_cores"]) == {"API server", "engine core"}
