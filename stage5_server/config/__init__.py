@@ -122,6 +122,9 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", None, is_flag=True,
               help="run every step eagerly; default: on a CPU in bfloat16, every step runs a graph compiled at "
                    "start-up (--no-enforce-eager: in float32 too)"),
+    EngineArg("compile_in_background", None, is_flag=True,  # None: at start-up; stagedserve serve: in the background
+              help="compile the compiled step in a thread while the first steps run eagerly, instead of before "
+                   "the engine is ready (default: on for stagedserve serve)"),
     EngineArg("cpu_threads", None, type=positive_int,
               help="torch threads of the engine on a CPU (default: one per physical core)"),
     EngineArg("speculative_config", None, type=speculative_config_arg, metavar="JSON",  # None: off
@@ -209,6 +212,7 @@ class EngineConfig:
     attention_backend: str  # a name in ATTENTION_BACKENDS
     enforce_eager: bool | None
     compile_step: bool  # every step runs a graph compiled at start-up (model/compile.py)
+    compile_in_background: bool  # ... compiled in a thread while the first steps run eagerly
     cpu_threads: int | None
     log_stats_interval: float | None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -242,8 +246,9 @@ class EngineConfig:
         backend = args["distributed_executor_backend"] or "mp"
         if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend: must be 'mp' or 'ray', got {backend!r}")
-        if args["enforce_eager"] not in (None, True, False):
-            raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
+        for flag in ("enforce_eager", "compile_in_background"):
+            if args[flag] not in (None, True, False):
+                raise ValueError(f"{flag}: must be a bool, got {args[flag]!r}")
         cpu_threads = args["cpu_threads"]
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {cpu_threads!r}")
@@ -296,7 +301,8 @@ class EngineConfig:
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                    parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size, backend),
                    attention_backend=attention_backend, enforce_eager=args["enforce_eager"],
-                   compile_step=compile_step, cpu_threads=cpu_threads,
+                   compile_step=compile_step, compile_in_background=bool(args["compile_in_background"]),
+                   cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
                    args=args)

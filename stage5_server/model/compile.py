@@ -1,35 +1,36 @@
 """A compiled step on a CPU: what CUDA graphs are to a GPU.
 
 A step pushes its rows through every layer, and eager PyTorch walks the modules and dispatches about
-140 operators a layer from Python; at a few rows that costs more than the arithmetic, and at tens of
-rows it is still a fifth of the step. ``CompiledForward`` compiles the whole forward with inductor
-(``fullgraph=True``: no graph break) into three graphs, all compiled at start-up by ``capture``:
+140 operators a layer from Python: at a few rows that costs more than the arithmetic, and at tens of rows
+it is still a large share of the step. ``CompiledForward`` compiles the whole forward with inductor
+(``fullgraph=True``: no graph break) into graphs of two kinds, compiled by ``capture`` before the first
+step that runs them:
 
-- **one decode row**: static shapes;
-- **decode rows**, 2 up to ``max_num_seqs``, each step padded to the next of ``DECODE_BUCKETS``;
-- **mixed steps**, prefill chunks beside decodes, up to ``max_num_batched_tokens`` tokens.
+- **decode rows**, steps of up to ``MAX_DECODE_ROWS`` tokens (a decode batch, a speculative verify step,
+  a prompt's short last chunk): one graph for one row, one for 2 to 8 rows. Attention is ``cpu_kernels``'
+  C++ ``decode_step_attention``, one operator a layer that writes the step's K/V, then attends each row in
+  place. A step whose requests bring several tokens becomes decode rows first: the token at position
+  ``p`` is a row over its request's blocks that sees ``p + 1`` tokens (``one_row_per_token``); the
+  operator writes every row's K/V before any row attends, which is the causal mask of the eager path.
+- **any step** of more tokens: larger decode batches, prompts alone or beside decodes. Attention is
+  ``attention/cpu_attn.py``'s ``paged_step_attention``, the eager path (the C++ operator for the
+  decodes, one SDPA call for the prompts) as one custom operator a layer.
 
-In a graph, attention is one operator a layer: decode rows call ``cpu_kernels``' C++
-``decode_step_attention`` (it writes the step's K/V, then attends each row in place); a mixed step
-calls ``attention/cpu_attn.py``'s ``paged_step_attention``. The products are operators too: packed
-oneDNN weights through ``quantization/packed.py``'s custom operator, the int4 and int8 kernels as
-they are, and a layer that switches between them by the number of rows through ``torch.cond``. RMSNorm,
-RoPE, SiLU-and-multiply and the residual adds become generated C++ loops.
+A decode step is padded to the next of ``DECODE_BUCKETS`` (vLLM's ``cudagraph_capture_sizes``): padding
+rows write nothing (slot -1) and attend one token, and a decode step's products cost about the same at
+twice the rows, since they stream the weights either way. The list keeps the shapes a graph meets to a
+few, each run once by ``capture``; a GPU's CUDA graphs, captured per batch size, need exactly this list.
 
-The decode graph sees only decodes, one query row per sequence. A step whose requests bring a few
-tokens each (a speculative verify step, the last short chunk of a prompt) becomes one: the token at
-position ``p`` is a decode row over its request's blocks that sees ``p + 1`` tokens
-(``one_row_per_token``). The operator writes every row's K/V before any row attends, so each row sees
-the tokens before it in the same step: the causal mask of the eager path.
+The products are operators in the graphs: packed oneDNN weights through ``cpu_kernels``'
+``packed_linear``, the int4 and int8 kernels as they are. A layer that picks its method by the number of
+rows (``quantization/dispatch.py``) says where (``row_split``), and no graph's range of rows crosses
+that point, so each graph holds one method per layer.
 
-Padding a decode step to a bucket costs little (a decode step's products stream the weights whatever
-the rows, a padding row attends one token and writes nothing) and keeps the shapes the graph meets to
-a few, each run once at start-up: oneDNN makes its GEMM plan for a row count the first time it meets
-it, at start-up rather than under the first requests. A GPU's CUDA graphs, captured per batch size,
-need exactly this list. Per call, dynamo checks only its guards on the step's inputs (vLLM drops its
-guards too), and each call runs under ``fail_on_recompile``: a step that no graph fits runs eagerly
-and is counted (``recompiles_refused``), never compiled while requests wait. Inductor's on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``, by default under the temp directory) makes later start-ups quicker.
+Per call, dynamo checks only its guards on the step's inputs (vLLM drops its guards too), and each call
+runs under ``fail_on_recompile``: a step that no graph fits runs eagerly and is counted
+(``recompiles_refused``), never compiled while requests wait. Inductor's on-disk cache
+(``TORCHINDUCTOR_CACHE_DIR``, by default under the temp directory) makes later captures quicker.
+``compile_step`` captures at start-up, or in a thread while the first steps run eagerly.
 
 vLLM: ``vllm/compilation/`` (``backends.py``'s ``VllmBackend``; ``cuda_graph.py``: graphs captured
 per batch size at start-up, ``cudagraph_capture_sizes`` in ``vllm/config/compilation.py``;
@@ -45,6 +46,7 @@ import inspect
 import itertools
 import logging
 import re
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -61,17 +63,13 @@ logger = logging.getLogger("stagedserve")
 # made coarser, since a CPU graph here serves every size of its range and the list only bounds the
 # shapes met. Doubling keeps a padded step within 2x its rows, where the products cost about the same.
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# A step whose requests bring at most this many tokens each runs as decode rows (a verify step of up
-# to 7 drafts, a prompt's short last chunk); a longer chunk runs the mixed graph, whose attention
-# multiplies blocks of queries at once.
-MAX_ROWS_PER_REQUEST = 8
-# The mixed graphs' tokens: more than any token budget in use; a larger step runs eagerly.
-MAX_MIXED_TOKENS = 1 << 16
+MAX_DECODE_ROWS = 8  # steps of up to this many tokens run as decode rows (the C++ decode operator)
+MAX_STEP_TOKENS = 1 << 16  # more than any token budget in use; a larger step runs eagerly
 RECOMPILE_REFUSED = "fail_on_recompile"  # in the error dynamo raises where a call would compile
 # Each graph's size range is fixed, whatever the engine's limits, and named in the cache key (with this
 # version): inductor's on-disk cache keeps an entry with the guards of the range it was compiled for, and
 # an entry of a narrower range, found for the same graph, would refuse the wider one.
-CACHE_KEY_TAG = "stagedserve-compiled-step-2"
+CACHE_KEY_TAG = "stagedserve-compiled-step-3"
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -82,30 +80,29 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def graph_ranges(low: int, high: int, splits: set[int]) -> list[tuple[int, int]]:
-    """``[low, high]`` cut after each split point inside it: the row ranges of one kind's graphs."""
+    """``[low, high]`` cut after each split point inside it: the ranges of one kind's graphs."""
     bounds = [low - 1, *sorted(s for s in splits if low <= s < high), high]
     return [(a + 1, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class CompiledForward:
-    """The model's forward, compiled for decode steps (padded to ``decode_buckets(max_num_seqs)``) and
-    mixed steps; eager for what no graph serves (image embeddings, a step past ``MAX_MIXED_TOKENS``).
-    Installed as ``model.forward``."""
+    """The model's forward, compiled for every step that has token ids (``max_num_seqs``: the decode
+    buckets). Installed as ``model.forward``; ``eager_if``, asked before each step, sends a step to the
+    eager forward (a step with LoRA adapters: the graphs were traced without them)."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, eager_if: Callable[[], bool] | None = None):
         self.eager = model.forward
-        self.eager_if = eager_if  # asked before each step: True runs it eagerly (a step with LoRA adapters)
+        self.eager_if = eager_if
         self.buckets = decode_buckets(max_num_seqs)
-        self._pad_sizes = self.buckets + tuple(b for b in DECODE_BUCKETS if b > self.buckets[-1])
         # where a layer computes its products another way (quantization/dispatch.py): no graph spans it
         splits = {s for layer in model.modules() if isinstance(layer, Linear) and (s := layer.method.row_split())}
-        self.decode_ranges = [(1, 1), *graph_ranges(2, DECODE_BUCKETS[-1], splits)]
-        self.mixed_ranges = graph_ranges(MAX_ROWS_PER_REQUEST + 1, MAX_MIXED_TOKENS, splits)
+        self.decode_ranges = [(1, 1), *graph_ranges(2, MAX_DECODE_ROWS, splits)]
+        self.step_ranges = graph_ranges(MAX_DECODE_ROWS + 1, MAX_STEP_TOKENS, splits)
         options = {"guard_filter_fn": step_input_guards}
         # traced without the eager forward's inference_mode (dynamo traces no_grad, not inference tensors);
         # each kind on its own code object, so a step is never matched against the other kind's guards
         forward = inspect.unwrap(type(model).forward)
-        self.decode_graph, self.mixed_graph = (
+        self.decode_graph, self.step_graph = (
             torch.compile(types.MethodType(_own_code(forward), model), fullgraph=True, dynamic=False, options=options)
             for _ in range(2))
         self.compiled_steps = 0  # steps that ran a graph (the tests read these)
@@ -116,13 +113,12 @@ class CompiledForward:
                 self.eager_if is not None and self.eager_if()):
             return self.eager(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
         num_tokens = input_ids.shape[0]
-        if attn_metadata.max_query_len <= MAX_ROWS_PER_REQUEST and num_tokens <= DECODE_BUCKETS[-1]:
+        if num_tokens <= MAX_DECODE_ROWS:
             meta = attn_metadata if attn_metadata.max_query_len == 1 else one_row_per_token(attn_metadata, positions)
-            rows = min(self._pad_sizes[bisect.bisect_left(self._pad_sizes, num_tokens)],
-                       next(high for low, high in self.decode_ranges if low <= num_tokens <= high))
-            graph, inputs = self.decode_graph, padded_decode_rows(input_ids, positions, meta, rows)
-        elif num_tokens <= MAX_MIXED_TOKENS:
-            graph, inputs = self.mixed_graph, mixed_step(input_ids, positions, attn_metadata)
+            graph, inputs = self.decode_graph, padded_decode_rows(input_ids, positions, meta, self._rows(num_tokens))
+        elif num_tokens <= MAX_STEP_TOKENS:
+            rows = self._rows(num_tokens) if attn_metadata.max_query_len == 1 else num_tokens
+            graph, inputs = self.step_graph, step_inputs(input_ids, positions, attn_metadata, rows)
         else:
             return self.eager(input_ids, positions, attn_metadata)
         try:
@@ -138,42 +134,54 @@ class CompiledForward:
         self.compiled_steps += 1
         return hidden[:num_tokens]
 
+    def _rows(self, num_tokens: int) -> int:
+        """The rows a decode step of ``num_tokens`` runs: its bucket, within its graph's range."""
+        index = bisect.bisect_left(self.buckets, num_tokens)
+        bucket = self.buckets[index] if index < len(self.buckets) else num_tokens
+        return min(bucket, next(high for low, high in self.decode_ranges + self.step_ranges
+                                if low <= num_tokens <= high))
+
     def capture(self, kv_caches: list[torch.Tensor] = ()) -> float:
-        """Compile every graph now, on dummy steps (slots -1: nothing written), then run each decode
-        bucket once; returns the seconds. ``kv_caches``: the layers' K and V tensors, whose number of
-        blocks the graphs leave open, so that inductor's cache serves another KV cache size too."""
+        """Compile every graph on dummy steps (slots -1: nothing written), then run each decode bucket
+        once; returns the seconds. ``kv_caches``: the layers' K and V tensors, whose number of blocks the
+        graphs leave open, so that inductor's cache serves another KV cache size too."""
         for cache in kv_caches:
             torch._dynamo.mark_dynamic(cache, 0)
         start = time.perf_counter()
         with torch.no_grad():
             for low, high in self.decode_ranges:
-                input_ids, positions, meta = _dummy_decode(low)
+                input_ids, positions, meta = padded_decode_rows(*_dummy_decode(low), low)
                 if high > low:
                     for tensor in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables):
                         torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
                     torch._dynamo.mark_dynamic(meta.query_start_loc, 0, min=low + 1, max=high + 1)
-                    torch._dynamo.mark_dynamic(meta.block_tables, 1)  # any context (two blocks or more)
+                torch._dynamo.mark_dynamic(meta.block_tables, 1)  # any context (two blocks or more)
                 with torch.compiler.config.patch(cache_key_tag=f"{CACHE_KEY_TAG}-decode-{low}-{high}"):
                     self.decode_graph(input_ids, positions, meta)
-            for low, high in self.mixed_ranges:
-                input_ids, positions, meta = mixed_step(*_dummy_mixed(low))
+            for low, high in self.step_ranges:
+                input_ids, positions, meta = step_inputs(*_dummy_step(low), low)
                 for tensor in (input_ids, positions, meta.slot_mapping):
                     torch._dynamo.mark_dynamic(tensor, 0, min=low, max=high)
                 for tensor in (meta.query_start_loc, meta.seq_lens, meta.block_tables):  # two sequences or more
                     torch._dynamo.mark_dynamic(tensor, 0)
                 torch._dynamo.mark_dynamic(meta.block_tables, 1)
-                with torch.compiler.config.patch(cache_key_tag=f"{CACHE_KEY_TAG}-mixed-{low}-{high}"):
-                    self.mixed_graph(input_ids, positions, meta)
+                with torch.compiler.config.patch(cache_key_tag=f"{CACHE_KEY_TAG}-step-{low}-{high}"):
+                    self.step_graph(input_ids, positions, meta)
             with torch.compiler.set_stance("fail_on_recompile"):
-                for rows in self.buckets[1:]:  # oneDNN's plans for each bucket's shapes, made now
-                    self.decode_graph(*_dummy_decode(rows))
+                for rows in self.buckets[1:]:  # each bucket's shapes met once, now
+                    input_ids, positions, meta = _dummy_decode(rows)
+                    if rows <= MAX_DECODE_ROWS:
+                        self.decode_graph(*padded_decode_rows(input_ids, positions, meta, rows))
+                    else:
+                        self.step_graph(*step_inputs(input_ids, positions, meta, rows))
         return time.perf_counter() - start
 
     def describe(self) -> str:
-        ranges = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in self.decode_ranges)
-        mixed = ", ".join(f"{a}-{b}" for a, b in self.mixed_ranges)
-        return (f"{len(self.decode_ranges) + len(self.mixed_ranges)} graphs: decode rows {ranges} (padded to "
-                f"{list(self.buckets)}), mixed steps of {mixed} tokens")
+        def spans(ranges):
+            return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
+
+        return (f"{len(self.decode_ranges) + len(self.step_ranges)} graphs: decode rows {spans(self.decode_ranges)}, "
+                f"any step of {spans(self.step_ranges)} tokens; decode steps padded to {list(self.buckets)}")
 
 
 STEP_INPUTS = ("input_ids", "positions", "attn_metadata")
@@ -212,7 +220,7 @@ def _dummy_decode(num_rows: int) -> tuple[torch.Tensor, torch.Tensor, PagedAtten
     return torch.zeros(num_rows, dtype=torch.long), torch.zeros(num_rows, dtype=torch.long), meta
 
 
-def _dummy_mixed(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+def _dummy_step(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
     """A prompt of ``num_tokens - 1`` tokens beside one decode, writing nothing."""
     meta = PagedAttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),
@@ -253,31 +261,53 @@ def padded_decode_rows(input_ids: torch.Tensor, positions: torch.Tensor, meta: P
     return input_ids, positions, meta
 
 
-def mixed_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
-               ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
-    """A step's inputs as the mixed graph takes them: at least two sequences (a lone prompt gets an
-    empty one beside it) and two blocks, so that no size is 1, which would be a graph of its own; the
-    step's Python numbers fixed, so that no guard reads them (the operator plans from the tensors)."""
-    tables, starts, seq_lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+def step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+                rows: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    """A step as the any-step graph takes it: a decode step padded to ``rows`` tokens with one-token
+    sequences that write nothing (slot -1); at least two sequences (a lone prompt gets an empty one
+    beside it) and two blocks, so that no size is 1, which would be a graph of its own; the step's
+    Python numbers set to 0, so that no guard reads them (the operator plans from the tensors)."""
+    tables, starts, seq_lens, slots = meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping
+    pad = rows - input_ids.shape[0]
+    if pad:  # one token each
+        input_ids, positions, slots = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad)), \
+            F.pad(slots, (0, pad), value=-1)
+        starts = torch.cat([starts, starts[-1] + torch.arange(1, pad + 1, dtype=starts.dtype)])
+        seq_lens, tables = F.pad(seq_lens, (0, pad), value=1), F.pad(tables, (0, 0, 0, pad))
     if seq_lens.shape[0] < 2:
         starts, seq_lens = torch.cat([starts, starts[-1:]]), F.pad(seq_lens, (0, 1))
         tables = F.pad(tables, (0, 0, 0, 1))
     if tables.shape[1] < 2:
         tables = F.pad(tables, (0, 2 - tables.shape[1]))
-    return input_ids, positions, PagedAttentionMetadata(meta.slot_mapping, starts, seq_lens, tables,
-                                                        max_query_len=2, max_seq_len=0)
+    return input_ids, positions, PagedAttentionMetadata(slots, starts, seq_lens, tables, max_query_len=0,
+                                                        max_seq_len=0)
 
 
 def compile_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int,
-                 eager_if: Callable[[], bool] | None = None) -> str | None:
-    """Install a ``CompiledForward`` on ``model`` and compile it now (the time goes to the log); where
-    compiling fails (no C++ compiler, say), the eager forward stays: returns why, else None."""
+                 eager_if: Callable[[], bool] | None = None, background: bool = False) -> str | None:
+    """Install a ``CompiledForward`` on ``model`` once its graphs are compiled: now, or (``background``)
+    in a thread while the steps before run eagerly; the time goes to the log. Where compiling fails (no
+    C++ compiler, say), the eager forward stays: returns why (logs it, in the background), else None."""
     compiled = CompiledForward(model, max_num_seqs, eager_if)
-    try:
-        seconds = compiled.capture(kv_caches)
-    except Exception as exc:  # inductor needs a C++ compiler at run time, for one
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return f"compiling failed ({type(exc).__name__}: {(lines[0] if lines else '')[:300]})"
-    model.forward = compiled
-    logger.info("compiled step: %s; compiled in %.1f s", compiled.describe(), seconds)
+
+    def capture() -> str | None:
+        try:
+            seconds = compiled.capture(kv_caches)
+        except Exception as exc:  # inductor needs a C++ compiler at run time, for one
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            return f"compiling failed ({type(exc).__name__}: {(lines[0] if lines else '')[:300]})"
+        model.forward = compiled  # the next step runs it
+        logger.info("compiled step: %s; compiled in %.1f s", compiled.describe(), seconds)
+        return None
+
+    if not background:
+        return capture()
+
+    def capture_and_say() -> None:
+        problem = capture()
+        if problem is not None:
+            logger.warning("every step runs eagerly: %s", problem)
+
+    logger.info("compiled step: compiling in the background; steps run eagerly until it is done")
+    threading.Thread(target=capture_and_say, name="stagedserve-compile", daemon=True).start()
     return None

@@ -116,7 +116,8 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         if config.compile_step:  # every step a compiled graph (model/compile.py); with adapters, not their steps
             eager_if = None if self.lora_manager is None else self.lora_manager.step_has_adapters
             problem = load_cpu_kernels() or compile_step(self.model, [*self.kv_cache.key, *self.kv_cache.value],
-                                                          config.scheduler.max_num_seqs, eager_if)
+                                                          config.scheduler.max_num_seqs, eager_if,
+                                                          background=config.compile_in_background)
             if problem is not None:  # a warning where enforce_eager=False asked for it
                 logger.log(logging.WARNING if config.enforce_eager is False else logging.INFO,
                            "every step runs eagerly: %s", problem)

@@ -141,7 +141,7 @@ def test_compiled_steps_are_logprob_close_to_eager_and_compile_only_at_start_up(
     _, ids_eager, lps_eager = _run(tiny_llama, True, SERVED_PROMPTS)
     graphs_before = counters["stats"]["unique_graphs"]
     llm, ids, lps = _run(tiny_llama, False, SERVED_PROMPTS)
-    assert counters["stats"]["unique_graphs"] - graphs_before == 3  # one row; 2 to 512 rows; mixed steps
+    assert counters["stats"]["unique_graphs"] - graphs_before == 3  # one row; 2 to 8 rows; any step of more
     forward = _forward(llm)
     assert forward.compiled_steps == llm.engine.stats().num_steps and forward.recompiles_refused == 0
     divergences = first_divergences(ids, lps, ids_eager, lps_eager)
@@ -150,7 +150,7 @@ def test_compiled_steps_are_logprob_close_to_eager_and_compile_only_at_start_up(
 
 
 def test_a_decode_step_is_padded_to_the_next_bucket_with_rows_that_write_nothing():
-    from stage5_server.model.compile import DECODE_BUCKETS, decode_buckets, padded_decode_rows
+    from stage5_server.model.compile import DECODE_BUCKETS, decode_buckets, padded_decode_rows, step_inputs
 
     assert decode_buckets(16) == (1, 2, 4, 8, 16) and decode_buckets(12) == (1, 2, 4, 8, 12)
     assert decode_buckets(10_000)[-1] == DECODE_BUCKETS[-1]
@@ -161,6 +161,11 @@ def test_a_decode_step_is_padded_to_the_next_bucket_with_rows_that_write_nothing
     assert ids.tolist() == [7, 8, 9, 0] and padded.slot_mapping.tolist() == [5, 9, 30, -1]
     assert padded.seq_lens.tolist() == [6, 10, 31, 1] and padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert padded.block_tables.tolist() == [[0, 0], [1, 0], [3, 0], [0, 0]]  # two blocks wide at least
+    # a decode step for the any-step graph: padding sequences of one token each
+    ids, positions, padded = step_inputs(torch.tensor([7, 8, 9]), torch.tensor([5, 9, 30]), meta, 4)
+    assert ids.tolist() == [7, 8, 9, 0] and padded.slot_mapping.tolist() == [5, 9, 30, -1]
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4] and padded.seq_lens.tolist() == [6, 10, 31, 1]
+    assert padded.max_query_len == 0  # no guard reads the step's numbers
 
 
 def test_a_step_no_graph_fits_runs_eagerly_and_is_counted_instead_of_compiling(tiny_llama):
@@ -176,6 +181,25 @@ def test_a_step_no_graph_fits_runs_eagerly_and_is_counted_instead_of_compiling(t
     hidden = forward(torch.tensor([3, 4]), torch.zeros(2, dtype=torch.int32), meta)
     assert hidden.shape[0] == 2 and forward.recompiles_refused == 1
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_in_the_background_the_first_steps_run_eagerly_and_the_graphs_take_over(tiny_llama):
+    import time
+
+    _, ids_eager, lps_eager = _run(tiny_llama, True, list(PROMPTS))
+    llm, ids, lps = _run(tiny_llama, None, list(PROMPTS), compile_in_background=True)  # eager while it compiles
+    assert all(d.close for d in first_divergences(ids, lps, ids_eager, lps_eager))
+    deadline = time.monotonic() + 600
+    while not isinstance(_forward(llm), CompiledForward):
+        assert time.monotonic() < deadline, "the background compile never finished"
+        time.sleep(0.5)
+    steps = llm.engine.stats().num_steps
+    outs = llm.generate(list(PROMPTS), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    assert _forward(llm).compiled_steps == llm.engine.stats().num_steps - steps
+    divergences = first_divergences([o.outputs[0].token_ids for o in outs],
+                                    [as_token_logprobs(o.outputs[0].logprobs) for o in outs], ids_eager, lps_eager)
+    assert all(d.close for d in divergences), divergences
 
 
 def test_int8_linears_compile_and_stay_logprob_close_to_eager(tiny_llama):
