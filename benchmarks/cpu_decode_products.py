@@ -9,7 +9,8 @@ the last one's in cache, at 16, 43 (the batch-64 workload's mean decode batch) a
 run measures the time of a step's products (every layer once):
 
 - ``bf16 packed``: oneDNN's GEMM over weights packed at load (``quantization/packed.py``, what the
-  engine runs for a decode batch of more than 8 rows);
+  engine runs for a decode batch of more than 8 rows); where oneDNN cannot pack bfloat16 (a CPU without
+  AVX-512), the engine's fallback, the plain weights through ``F.linear``, and the result says so;
 - ``bf16 packed, hot``: the same products, one layer's weights used for every layer, so they come
   from the caches: closer to what a GEMM measured alone reports;
 - ``int8 (W8A8)``: oneDNN's int8 GEMM (``torch.ops.onednn.qlinear_pointwise``, per-channel int8
@@ -32,6 +33,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.common import benchmark_parser, best_seconds, provenance, run_info, write_results
+from stage5_server.quantization.packed import pack_weight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # SmolLM2-135M: (N, K)
 
@@ -72,19 +74,28 @@ def measure(rows: int, layers: int, repeats: int, seed: int = 0) -> dict:
     weights = {name: [torch.randn(n, k, generator=gen) * k ** -0.5 for _ in range(layers)]
                for name, (n, k) in SHAPES.items()}
     inputs = {name: torch.randn(rows, k, generator=gen) for name, (_, k) in SHAPES.items()}
-    packed = {name: [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws]
-              for name, ws in weights.items()}
+    # packed as the engine packs (quantization/packed.py); where oneDNN refuses bfloat16 (a CPU without
+    # AVX-512), the engine's fallback: the plain weight through F.linear
+    packed = {name: [pack_weight(w.bfloat16()) for w in ws] for name, ws in weights.items()}
+    is_packed = all(p is not None for ps in packed.values() for p in ps)
+    if not is_packed:
+        packed = {name: [w.bfloat16() for w in ws] for name, ws in weights.items()}
     x_bf16 = {name: x.bfloat16() for name, x in inputs.items()}
+
+    def bf16_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if is_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return torch.nn.functional.linear(x, weight)
 
     def bf16_step(hot: bool = False):
         for layer in range(layers):
             for name in SHAPES:
-                weight = packed[name][0 if hot else layer]
-                torch.ops.mkldnn._linear_pointwise(x_bf16[name], weight, None, "none", [], "")
+                bf16_product(x_bf16[name], packed[name][0 if hot else layer])
 
     flops = 2 * rows * layers * sum(n * k for n, k in SHAPES.values())
     weight_bytes = 2 * layers * sum(n * k for n, k in SHAPES.values())
     row = {"rows": rows, "layers": layers, "gflop": flops / 1e9, "weight_mb": weight_bytes / 1e6,
+           "bf16_weights": "packed" if is_packed else "plain (could not pack)",
            "bf16_packed_ms": best_seconds(bf16_step, repeats) * 1e3,
            "bf16_packed_hot_ms": best_seconds(lambda: bf16_step(hot=True), repeats) * 1e3}
     flat = torch.cat([w.bfloat16().flatten() for ws in weights.values() for w in ws])
@@ -94,8 +105,7 @@ def measure(rows: int, layers: int, repeats: int, seed: int = 0) -> dict:
         reference = torch.nn.functional.linear(inputs["o"], weights["o"][0])
         got = _int8_product(inputs["o"], *int8["o"][0]).float()
         row["int8_relative_error"] = ((got - reference).norm() / reference.norm()).item()
-        row["bf16_relative_error"] = ((torch.ops.mkldnn._linear_pointwise(x_bf16["o"], packed["o"][0], None, "none", [],
-                                                                          "").float() - reference).norm()
+        row["bf16_relative_error"] = ((bf16_product(x_bf16["o"], packed["o"][0]).float() - reference).norm()
                                       / reference.norm()).item()
 
         quantized = {name: _quantize_rows(x) for name, x in inputs.items()}
@@ -148,6 +158,9 @@ def markdown(result: dict) -> str:
              "", f"The default model's four products per layer, {result['rows'][0]['layers']} layers with weights "
                  "of their own, the best of "
                  f"{result['repeats']} steps; GB/s is the bfloat16 weights' bytes over the step's time.", "",
+             *([] if result["rows"][0].get("bf16_weights", "packed") == "packed" else [
+                 "oneDNN cannot pack bfloat16 weights on this CPU (it needs AVX-512 or AVX-NE-CONVERT): the bf16 "
+                 "columns are the engine's fallback there, the plain weights through `F.linear`.", ""]),
              "| rows | GFLOP | bf16 packed ms | GFLOP/s | weights GB/s | bf16 packed, hot ms | hot GFLOP/s | "
              "int8 GEMM ms | int8 GEMM + quantizing ms | read ms | read GB/s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

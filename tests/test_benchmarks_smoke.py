@@ -17,6 +17,7 @@ from benchmarks import (
     spec_decode,
     step_overhead,
 )
+from stage5_server.quantization.packed import pack_weight
 
 
 def _outputs(tmp_path, name):
@@ -122,6 +123,9 @@ def test_cpu_decode_products_smoke(tmp_path):
     flops = 2 * 4 * 2 * sum(n * k for n, k in cpu_decode_products.SHAPES.values())
     assert row["gflop"] == pytest.approx(flops / 1e9) and row["weight_mb"] == pytest.approx(flops / 4 / 1e6)
     assert row["bf16_packed_ms"] > 0 and row["bf16_packed_hot_ms"] > 0 and row["read_ms"] > 0
+    # packed where oneDNN packs bfloat16 on this CPU, else the engine's fallback (plain weights), said so
+    packs = pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+    assert row["bf16_weights"] == ("packed" if packs else "plain (could not pack)")
     if cpu_decode_products.int8_available():  # int8 rounds more than bfloat16, and both stay near float32
         assert row["bf16_relative_error"] < row["int8_relative_error"] < 0.05
     md = (tmp_path / "cpu_decode_products.md").read_text()
