@@ -12,11 +12,15 @@ run from vLLM's virtual environment as ``benchmarks/load_clients.py`` runs it; w
 
     STAGEDSERVE_VLLM_PYTHON=<vllm venv>/bin/python python -m benchmarks.online_peers
 
+stagedserve compiles its compiled step before it listens (``--no-compile-in-background``), as vLLM's server
+compiles before it listens, so that no rate is measured while a compiler shares the CPUs.
+
 ``--model gguf`` serves stagedserve the GGUF file instead (its default model, vLLM keeps the directory);
-``--rates 1.5 --num-prompts 48 --slo-tpot-ms 150`` is the single-rate run of earlier versions.
+``--model gguf --rates 1.5 --num-prompts 48 --slo-tpot-ms 150`` is the single-rate run of earlier versions.
 
 Writes ``benchmarks/results/online_peers.json``, ``docs/results/online_peers.md`` and
-``docs/assets/online_peers.png`` (goodput and TPOT p50 against the rate, both servers).
+``docs/assets/online_peers.png`` (goodput and TPOT p50 against the rate, both servers); with ``--model gguf``,
+the same names ending in ``_gguf``.
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ def server_commands(model: str, stagedserve_model: str | None, port: int, key: s
                     vllm_python: str | None) -> dict[str, tuple[list[str], dict]]:
     """Each server on its defaults, on ``model`` (stagedserve on ``stagedserve_model`` where given)."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
-    commands = {STAGEDSERVE: ([sys.executable, "-m", "stage5_server", "serve", stagedserve_model or model, *common],
+    commands = {STAGEDSERVE: ([sys.executable, "-m", "stage5_server", "serve", stagedserve_model or model, *common,
+                               "--no-compile-in-background"],
                               {**os.environ, "STAGEDSERVE_API_KEY": key})}
     if vllm_python:
         commands[VLLM] = ([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -178,6 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--slo-tpot-ms", type=int, default=100)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
+    if args.model == "gguf":  # the GGUF run's report sits beside the sweep's
+        name = f"{NAME}_gguf"
+        args.markdown = args.markdown.replace(f"{NAME}.md", f"{name}.md")
+        args.plot = args.plot.replace(f"{NAME}.png", f"{name}.png")
+    else:
+        name = NAME
     started = time.perf_counter()
     stagedserve_model = None
     if args.model == "bf16":
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
         text=True).stdout.strip().splitlines()[-1] if args.vllm_python else None
     result["runtime_s"] = time.perf_counter() - started
-    write_results(NAME, result, to_markdown(result), args.out_dir, args.markdown)
+    write_results(name, result, to_markdown(result), args.out_dir, args.markdown)
     if result["rows"]:
         plot(result, args.plot)
     return result

@@ -5,7 +5,8 @@ requests arriving at the same times.
 At each rate (default 2 and 4 requests/s), 64 requests of 256 random prompt tokens and 128 output tokens
 (EOS ignored) arrive as a Poisson process:
 
-- served: ``stagedserve serve`` on its defaults, driven by stagedserve's own ``bench serve`` (token-id
+- served: ``stagedserve serve`` on its defaults (but compiling before it listens, as the offline engine does,
+  so that no compiler shares the CPUs with the load), driven by stagedserve's own ``bench serve`` (token-id
   prompts on ``/v1/completions``), its engine core logging every step (``STAGEDSERVE_STEP_LOG``,
   ``stage5_server/core/step_log.py``); the API server's and the engine core's CPU seconds from ``/proc``;
 - offline: an ``LLM`` with the server's batch settings in this process, each request added at its arrival
@@ -87,7 +88,7 @@ def served(model: str, rate: float, args, log_dir: Path) -> dict:
     key, port = secrets.token_urlsafe(16), free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "stage5_server", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", SERVED_NAME, *cli_flags(args.engine)]
+               "--served-model-name", SERVED_NAME, *cli_flags({"compile_in_background": False, **args.engine})]
     env = {**os.environ, "STAGEDSERVE_API_KEY": key, "STAGEDSERVE_STEP_LOG": str(log_dir)}
     with server(command, url, env, args.startup_timeout) as proc:
         own_bench(url, key, model, args, 16.0, WARMUP_PROMPTS)  # warm-up: not counted

@@ -6,7 +6,7 @@ its own, whose fake kernel (``build.py``) gives inductor the output's shape. Ind
 call only for a weight it packed itself while freezing a graph; this one it calls as it is, between its
 own loops, so a compiled step (``model/compile.py``) runs on packed weights too.
 
-vLLM: its CPU GEMMs are custom operators as well (``onednn_mm`` in ``csrc/cpu/torch_bindings.cpp``,
+vLLM: its CPU GEMMs are custom operators as well (``onednn_mm`` in ``csrc/cpu/dnnl_kernels.cpp``,
 called from ``dispatch_cpu_unquantized_gemm`` in ``vllm/model_executor/layers/utils.py``).
 """
 
