@@ -10,9 +10,12 @@ PYTEST_ARGS ?=
 # make test skips the tests marked slow (make test-slow runs only those; MARK= runs everything).
 MARK    ?= not slow
 
-.PHONY: demo test test-slow lint docs docs-serve docs-check serve exercises check hint peek soak clean
+.PHONY: demo test test-slow lint docs docs-serve docs-check serve exercises check hint peek solve soak clean
 
-ifeq ($(wildcard .exercises.json),)
+# A learner's copy (make exercises) links the project's .venv, and a checkout may link another
+# checkout's: make never installs into an environment it borrows through a link.
+BORROWED_VENV := $(or $(wildcard .exercises.json),$(shell test -L .venv && echo link))
+ifeq ($(BORROWED_VENV),)
 $(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
@@ -33,9 +36,9 @@ $(STAMP): $(CORE)
 	$(PIP) install -q -e '.[test,docs,clients]'
 	touch $(STAMP)
 else
-# A learner's copy (make exercises) links the project's .venv: use it, never install into it from here.
 $(CORE) $(STAMP):
-	@test -x $(PY) || { echo "no .venv here: run make exercises again in the project"; exit 1; }
+	@test -x $(PY) || { echo "no .venv here: set it up in the project (make test there), then make exercises"; \
+		exit 1; }
 endif
 
 demo: $(CORE)
@@ -72,17 +75,22 @@ SOAK_CLIENTS ?= 32
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_CLIENTS=$(SOAK_CLIENTS) $(PY) -m pytest -p no:xdist -q tests/reliability/test_soak.py
 
-# The learner's loop (scripts/make_exercises.py): a copy with STAGE's key functions blanked in
-# build/exercises/stageN, then check it task by task. In the copy itself STAGE may be left out.
+# The learner's loop (scripts/make_exercises.py): a copy with STAGE's key functions blanked, in
+# build/exercises/stageN or OUT/stageN, then check it task by task (TASK="a b" for several). In the
+# copy itself STAGE may be left out. A copy that holds work is never overwritten (FRESH=1 moves it
+# aside first); solve puts a task's reference into the copy; hint shows hints 1..HINT.
 EXERCISES := $(PY) scripts/make_exercises.py
 exercises: $(STAMP)
-	$(EXERCISES) build --stage $(or $(STAGE),1)
+	$(EXERCISES) build --stage $(or $(STAGE),1) $(if $(OUT),--out "$(OUT)",) $(if $(FRESH),--fresh,)
 
 check: $(STAMP)
-	$(EXERCISES) check $(if $(STAGE),--stage $(STAGE),) $(if $(TASK),--task $(TASK),)
+	$(EXERCISES) check $(if $(STAGE),--stage $(STAGE),) $(if $(TASK),--task "$(TASK)",)
 
-hint peek: $(STAMP)
-	$(EXERCISES) $@ $(if $(STAGE),--stage $(STAGE),) --task $(TASK)
+hint: $(STAMP)
+	$(EXERCISES) hint $(if $(STAGE),--stage $(STAGE),) --task "$(TASK)" $(if $(HINT),--hint $(HINT),)
+
+peek solve: $(STAMP)
+	$(EXERCISES) $@ $(if $(STAGE),--stage $(STAGE),) --task "$(TASK)"
 
 clean:
 	rm -rf .venv site .pytest_cache

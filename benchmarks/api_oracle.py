@@ -8,9 +8,13 @@ per request, the two status codes and where the response *shapes* differ: keys p
 side only, and values of different JSON types (a streamed response is the union of its chunks'
 shapes). Values themselves are not compared: the two engines sample differently.
 
+With ``--pooling-model DIR`` (an embedding model: ``all-minilm-l6-v2``'s directory) a second pair of
+servers answers the pooling routes' requests (embeddings, ``/pooling``, Cohere's ``/v2/embed``, score
+under each of its field names, rerank).
+
 Not a test (vLLM's CPU build is a heavy install); the Serving page summarizes its last run.
 
-    python -m benchmarks.api_oracle --vllm-python /path/to/vllm-venv/bin/python [--model DIR]
+    python -m benchmarks.api_oracle --vllm-python /path/to/vllm-venv/bin/python [--model DIR] [--pooling-model DIR]
 
 ``--vllm-url``/``--vllm-key`` and ``--stagedserve-url``/``--stagedserve-key`` use servers that
 are already running instead. Writes ``benchmarks/results/api_oracle.json`` and
@@ -117,6 +121,12 @@ def requests_to_send(token_ids: list[int]) -> list[tuple[str, str, str, dict | N
                   "add_generation_prompt": False, "continue_final_message": True}),
         ("empty messages", {"messages": []}), ("bad role", {"messages": [{"role": "robot", "content": "x"}]}),
         ("wrong model", {"model": "nope"}), ("unknown field", {"foo": 1}),
+        ("a vendor's extra field", {"foo_unknown_field": 1, "my_vendor": {"a": 1}}),
+        ("vLLM's default skip_special_tokens=true", {"skip_special_tokens": True}),
+        ("guided_json (removed from vLLM)", {"guided_json": {"type": "object"}}),
+        ("developer role then system", {"messages": [{"role": "developer", "content": "Be brief."},
+                                                     {"role": "system", "content": "Answer in one word."},
+                                                     *chat["messages"]]}),
         ("stream", stream), ("stream include_usage", {**stream, "stream_options": {"include_usage": True}}),
         ("stream continuous_usage_stats",
          {**stream, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
@@ -134,11 +144,53 @@ def requests_to_send(token_ids: list[int]) -> list[tuple[str, str, str, dict | N
         ("tokenize messages", "POST", "/tokenize", {"model": MODEL_NAME, "messages": chat["messages"]}),
         ("detokenize", "POST", "/detokenize", {"model": MODEL_NAME, "tokens": token_ids}),
         ("responses", "POST", "/v1/responses", {"model": MODEL_NAME, "input": "Hi"}),
+        ("responses: instructions", "POST", "/v1/responses", {"model": MODEL_NAME, "input": "Hi",
+                                                               "instructions": "Answer in one word."}),
+        ("responses: a developer input item", "POST", "/v1/responses", {"model": MODEL_NAME, "input": [
+            {"role": "developer", "content": "Answer in one word."}, {"role": "user", "content": "Hi"}]}),
+        ("responses: stream", "POST", "/v1/responses", {"model": MODEL_NAME, "input": "Hi", "stream": True,
+                                                        "max_output_tokens": 5}),
+        ("responses: unknown field", "POST", "/v1/responses", {"model": MODEL_NAME, "input": "Hi", "foo": 1}),
+        ("tokenize: developer role", "POST", "/tokenize", {"model": MODEL_NAME, "messages": [
+            {"role": "developer", "content": "Be brief."}, *chat["messages"]]}),
         ("embeddings", "POST", "/v1/embeddings", {"model": MODEL_NAME, "input": "Hi"}),
         ("no api key", "NOAUTH", "/v1/models", None), ("wrong api key", "BADAUTH", "/v1/models", None),
         ("invalid JSON", "RAW", "/v1/completions", None),
     ]
     return sent
+
+
+def pooling_requests_to_send() -> list[tuple[str, str, str, dict | None]]:
+    """(name, method, path, JSON body) of the pooling routes' requests, for an embedding model."""
+    texts = ["The KV cache is split into blocks.", "Bananas are rich in potassium.", "Blocks hold keys and values."]
+    query = "What does the KV cache hold?"
+    e = {"model": MODEL_NAME}
+    sent = [
+        ("embeddings", "/v1/embeddings", {**e, "input": texts}),
+        ("embeddings base64", "/v1/embeddings", {**e, "input": texts[0], "encoding_format": "base64"}),
+        ("embeddings unknown field", "/v1/embeddings", {**e, "input": texts[0], "foo_unknown_field": 1}),
+        ("embeddings empty string", "/v1/embeddings", {**e, "input": ""}),
+        ("pooling", "/pooling", {**e, "input": texts}),
+        ("pooling base64", "/pooling", {**e, "input": texts[0], "encoding_format": "base64"}),
+        ("cohere embed", "/v2/embed", {**e, "texts": texts}),
+        ("cohere embed every type", "/v2/embed", {**e, "texts": texts,
+                                                  "embedding_types": ["float", "base64", "binary", "ubinary"]}),
+        ("cohere embed int8", "/v2/embed", {**e, "texts": texts, "embedding_types": ["int8"]}),
+        ("cohere embed input_type", "/v2/embed", {**e, "texts": texts, "input_type": "search_query"}),
+        ("cohere embed truncate START", "/v2/embed", {**e, "texts": texts, "truncate": "START", "max_tokens": 4}),
+        ("cohere embed truncate NONE, too long", "/v2/embed", {**e, "texts": texts, "truncate": "NONE",
+                                                               "max_tokens": 4}),
+        ("score text_1 against text_2", "/v1/score", {**e, "text_1": query, "text_2": texts}),
+        ("score queries and documents", "/v1/score", {**e, "queries": query, "documents": texts}),
+        ("score queries and items", "/v1/score", {**e, "queries": query, "items": texts}),
+        ("score data_1 and data_2 pairs", "/v1/score", {**e, "data_1": texts[:2], "data_2": texts[1:]}),
+        ("score half a pair", "/v1/score", {**e, "queries": query}),
+        ("score unprefixed", "/score", {**e, "text_1": query, "text_2": texts}),
+        ("rerank", "/v1/rerank", {**e, "query": query, "documents": texts}),
+        ("rerank top_n", "/v1/rerank", {**e, "query": query, "documents": texts, "top_n": 1}),
+        ("rerank v2", "/v2/rerank", {**e, "query": query, "documents": texts}),
+    ]
+    return [(f"pooling: {name}", "POST", path, body) for name, path, body in sent]
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -267,10 +319,11 @@ def send(client: httpx.Client, url: str, key: str, method: str, path: str, body:
     return client.post(url + path, json=body, headers=headers)
 
 
-def compare(vllm: tuple[str, str], ours: tuple[str, str], token_ids: list[int], model: str) -> list[dict]:
+def compare(vllm: tuple[str, str], ours: tuple[str, str], requests: list[tuple[str, str, str, dict | None]],
+            model: str) -> list[dict]:
     rows = []
     with httpx.Client(timeout=120.0) as client:
-        for name, method, path, body in requests_to_send(token_ids):
+        for name, method, path, body in requests:
             streamed = bool(body and body.get("stream"))
             answers = [send(client, url, key, method, path, body) for url, key in (vllm, ours)]
             (ref_shape, _), (our_shape, _) = (response_shape(r, streamed) for r in answers)
@@ -295,8 +348,9 @@ def verdict(row: dict) -> str:
 def to_markdown(result: dict) -> str:
     rows = result["rows"]
     counts = {v: sum(verdict(r) == v for r in rows) for v in ("same", "nulls", "shape", "status")}
+    pooling = f", pooling model `{result['pooling_model']}`" if result.get("pooling_model") else ""
     lines = [f"`{result['run']['command']}` ({result['run']['date']}, vLLM {result['vllm_version']}, "
-             f"model `{result['model']}`)", "",
+             f"model `{result['model']}`{pooling})", "",
              f"{len(rows)} requests: {counts['same']} the same status and shape as vLLM, "
              f"{counts['nulls']} the same but for keys vLLM sends as null, "
              f"{counts['shape']} the same status in another shape, {counts['status']} another status.", "",
@@ -311,6 +365,33 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def start_pair(stack: ExitStack, args: argparse.Namespace, model: str, max_model_len: int,
+               vllm: tuple[str | None, str | None], ours: tuple[str | None, str | None], error,
+               ) -> tuple[tuple[str, str], tuple[str, str]]:
+    """vLLM's server and ``stagedserve serve`` on ``model`` (each unless given by URL), until ``stack`` closes."""
+    if not vllm[0]:
+        if not args.vllm_python:
+            error("give --vllm-python (or --vllm-url)")
+        port, key = free_port(), secrets.token_urlsafe(16)
+        vllm = (f"http://127.0.0.1:{port}", key)
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        stack.enter_context(server(
+            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--api-key", key,
+             "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+             "--block-size", "32", "--seed", "0"], vllm[0], env, args.startup_timeout))
+    if not ours[0]:
+        port, key = free_port(), secrets.token_urlsafe(16)
+        ours = (f"http://127.0.0.1:{port}", key)
+        stack.enter_context(server(
+            [sys.executable, "-m", "stage5_server", "serve", model, "--served-model-name", MODEL_NAME,
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+             "--max-num-seqs", "8", "--seed", "0", "--log-stats-interval", "0"],
+            ours[0], {**os.environ, "STAGEDSERVE_API_KEY": key}, args.startup_timeout))
+    return vllm, ours
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"))
@@ -319,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stagedserve-url")
     ap.add_argument("--stagedserve-key")
     ap.add_argument("--model", default=None, help="a Hugging Face directory both load (default: the tiny llama)")
+    ap.add_argument("--pooling-model", default=None,
+                    help="an embedding model's directory: a second pair of servers for the pooling routes")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--name", default="api_oracle")
     ap.add_argument("--out-dir", default="benchmarks/results")
@@ -329,38 +412,23 @@ def main(argv: list[str] | None = None) -> dict:
         result = json.loads(Path(args.render).read_text())
         Path(args.markdown).write_text(to_markdown(result))
         return result
-    from shared import Tokenizer, cached_tiny_model
+    from course import cached_tiny_model
+    from shared import Tokenizer
 
     model = args.model or str(cached_tiny_model("llama"))
     token_ids = Tokenizer(model).encode("Hello, world! How are you")
     with ExitStack() as stack:
-        vllm = (args.vllm_url, args.vllm_key)
-        if not args.vllm_url:
-            if not args.vllm_python:
-                ap.error("give --vllm-python (or --vllm-url)")
-            port, key = free_port(), secrets.token_urlsafe(16)
-            vllm = (f"http://127.0.0.1:{port}", key)
-            env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-            stack.enter_context(server(
-                [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--api-key", key,
-                 "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--block-size", "32",
-                 "--seed", "0"], vllm[0], env, args.startup_timeout))
-        ours = (args.stagedserve_url, args.stagedserve_key)
-        if not args.stagedserve_url:
-            port, key = free_port(), secrets.token_urlsafe(16)
-            ours = (f"http://127.0.0.1:{port}", key)
-            stack.enter_context(server(
-                [sys.executable, "-m", "stage5_server", "serve", model, "--served-model-name", MODEL_NAME,
-                 "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "8",
-                 "--seed", "0", "--log-stats-interval", "0"],
-                ours[0], {**os.environ, "STAGEDSERVE_API_KEY": key}, args.startup_timeout))
+        vllm, ours = start_pair(stack, args, model, 512, (args.vllm_url, args.vllm_key),
+                                (args.stagedserve_url, args.stagedserve_key), ap.error)
         version = httpx.get(f"{vllm[0]}/version", timeout=10).json().get("version")
-        rows = compare(vllm, ours, token_ids, model)
-    model_label = Path(model).name  # no machine paths in the results
-    result = {"run": run_info("benchmarks.api_oracle", argv), "vllm_version": version, "model": model_label,
-              "rows": rows}
+        rows = compare(vllm, ours, requests_to_send(token_ids), model)
+    if args.pooling_model:
+        with ExitStack() as stack:
+            vllm, ours = start_pair(stack, args, args.pooling_model, 256, (None, None), (None, None), ap.error)
+            rows += compare(vllm, ours, pooling_requests_to_send(), args.pooling_model)
+    # no machine paths in the results
+    result = {"run": run_info("benchmarks.api_oracle", argv), "vllm_version": version, "model": Path(model).name,
+              "pooling_model": Path(args.pooling_model).name if args.pooling_model else None, "rows": rows}
     write_results(args.name, result, to_markdown(result), args.out_dir, args.markdown)
     return result
 

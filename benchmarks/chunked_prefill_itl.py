@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
+from course.workloads import random_token_prompts
 from shared import SamplingParams, resolve_model, summarize
-from shared.workloads import random_token_prompts
 from stage3_continuous import LLM
 
 

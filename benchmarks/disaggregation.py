@@ -35,6 +35,7 @@ from benchmarks.common import benchmark_parser, provenance, run_info, write_resu
 NAME = "disaggregation"
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "disaggregation-benchmark-salt-secret-0123456789"
+KV_SECRET = "kv-transfer-" + "0123456789abcdef" * 2  # the channel's shared secret (kv_transfer/peer_auth.py)
 
 
 def free_port() -> int:
@@ -50,7 +51,7 @@ def start_server(cores: str, threads: int, log: Path, *flags: str) -> tuple[subp
     if shutil.which("taskset"):
         command = ["taskset", "-c", cores, *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
-           "STAGEDSERVE_CACHE_SALT_SECRET": SECRET}
+           "STAGEDSERVE_CACHE_SALT_SECRET": SECRET, "STAGEDSERVE_KV_TRANSFER_SECRET": KV_SECRET}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

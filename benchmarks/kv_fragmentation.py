@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
-from shared.workloads import sharegpt_like_lengths
+from course.workloads import sharegpt_like_lengths
 from stage1_naive import ContiguousKVCache
 from stage2_paged import BlockAllocator, BlockTable, OutOfBlocksError
 

@@ -19,7 +19,8 @@ import statistics
 import time
 
 from benchmarks.common import benchmark_parser, provenance, run_info, write_results
-from shared import SamplingParams, cached_tiny_model, summarize
+from course import cached_tiny_model
+from shared import SamplingParams, summarize
 
 NAME = "kv_offload"
 

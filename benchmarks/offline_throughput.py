@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
-from shared import SamplingParams, cached_tiny_model, kv_bytes_per_token, resolve_model, summarize
+from course import cached_tiny_model
+from course.workloads import random_token_prompts, sharegpt_like_lengths
+from shared import SamplingParams, kv_bytes_per_token, resolve_model, summarize
 from shared.config import ModelConfig
-from shared.workloads import random_token_prompts, sharegpt_like_lengths
 
 STAGES = {
     "stage1": ("stage1_naive", {}),

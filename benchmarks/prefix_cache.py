@@ -1,7 +1,7 @@
 """Prefix caching on the two-phase load: prefill tokens computed, hit rate, TTFT per phase.
 
 Phase 1: a burst of short requests behind one long shared system prompt; phase 2: two very
-long prompts alongside more short ones (``shared.workloads.two_phase_load``). Each phase is
+long prompts alongside more short ones (``course.workloads.two_phase_load``). Each phase is
 one offline ``generate`` call on the same engine (so phase 2 can reuse what phase 1 cached),
 run through stage3 (no caching), stage4 with caching off, and stage4 with caching on.
 Checks the arithmetic: prefill tokens saved == the sum of every request's ``num_cached_tokens``.
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import benchmark_parser, provenance, run_info, save_figure, write_results
-from shared import SamplingParams, cached_tiny_model, summarize
+from course import cached_tiny_model
+from course.workloads import two_phase_load
+from shared import SamplingParams, summarize
 from shared.config import ModelConfig
-from shared.workloads import two_phase_load
 
 ENGINES = {
     "stage3": ("stage3_continuous", {}),

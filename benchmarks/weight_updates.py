@@ -77,13 +77,18 @@ def trainer_main(path: str, port: int, world_size: int, seed: int) -> None:
 def update_over_gloo(llm, path: str, seed: int) -> float:
     """Seconds from the trainer's first byte to an engine serving the new weights (the trainer's start-up
     and reading the checkpoint are not counted: the group is joined first)."""
+    import secrets
+
     from stage5_server.weight_sync import describe_tensors
 
+    os.environ.setdefault("STAGEDSERVE_WEIGHT_SYNC_SECRET", secrets.token_hex(32))  # both ends read it
     port = free_port()
     trainer = multiprocessing.get_context("spawn").Process(target=trainer_main, args=(path, port, 2, seed))
     trainer.start()
     try:
-        llm.collective_rpc("init_weight_update_group", args=("127.0.0.1", port, 1, 2))
+        llm.collective_rpc("init_weight_update_group", args=("127.0.0.1", port, 1, 2))  # joins on a thread
+        while not all(llm.collective_rpc("weight_update_group_ready")):
+            time.sleep(0.05)
         metadata = describe_tensors(checkpoint_tensors(path).items())
         start = time.perf_counter()
         llm.update_weights_from_distributed(metadata)
@@ -121,7 +126,7 @@ def run(model_path: Path, engine_args: dict, repeats: int, rounds: int, batch_si
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     size_mib = sum(t.numel() * t.element_size() for t in base.values()) / 2**20
 
-    llm = LLM(str(model_path), **engine_args)
+    llm = LLM(str(model_path), **engine_args, enable_weight_sync=True)
     try:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm
         in_process, gloo = [], []

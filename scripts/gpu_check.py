@@ -315,7 +315,7 @@ def engine_throughput(args) -> dict:
     model = args.model
     if model is None:  # a Qwen3-0.6B-shaped checkpoint with random weights, built on the spot
         try:
-            from shared.tiny_model import QWEN3_0_6B, make_tiny_model
+            from course.tiny_model import QWEN3_0_6B, make_tiny_model
             print("  building a Qwen3-0.6B-shaped random checkpoint ...")
             model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu_check_model_")), arch="qwen3",
                                         size=QWEN3_0_6B))

@@ -1,9 +1,9 @@
-"""The course's layering, measured: one command that prints the table the stage 5 page carries.
+"""The course's layering, measured: one command that prints the table the stage 5 reference page carries.
 
     python scripts/layering_report.py [--json FILE] [--verbose] [--static-only]
 
-The course promises (docs/stage5.md, "Which room may import which") that ``shared/`` and stages 1-4 stay
-what a learner of those stages needs, and that every stage-5 feature lives in its own room behind a
+The course promises (docs/stage5-reference.md, "Which room may import which") that ``shared/`` and
+stages 1-4 stay what a learner of those stages needs, and that every stage-5 feature lives in its own room behind a
 seam. This script measures how far the code keeps that promise, so a redesign can show a before and
 an after made by the same command. Every count of lines is of NON-BLANK lines of ``.py`` files;
 modules and rooms are located by file path, never by a private name.
@@ -23,7 +23,7 @@ Rows:
 3. Modules one streaming chat request passes. A real server, built by the public entry points
    (``make_async_llm`` + ``create_app``, uvicorn on 127.0.0.1, the engine arguments of
    ``tests/stage5/server_fixtures.py``, the tiny random checkpoint of
-   ``shared.tiny_model.cached_tiny_model``, or ``tiny-chat`` if that had no chat template), serves
+   ``course.tiny_model.cached_tiny_model``, or ``tiny-chat`` if that had no chat template), serves
    one warm-up streaming chat completion, then the measured one (another prompt, ``max_tokens`` 8,
    temperature 0), both sent with httpx. Every thread is traced with ``threading.setprofile`` /
    ``sys.setprofile``. The window opens ``SETTLE_S`` after the warm-up's ``data: [DONE]``, just
@@ -44,14 +44,17 @@ Rows:
    tracers record, per function, the ``time.monotonic()`` intervals in which it was called (one
    clock for every process on the machine); the engine's writes its records every
    ``DUMP_INTERVAL_S`` to a file in the directory ``LAYERING_TRACE_DIR`` names, and the parent keeps
-   what intersects its window. Reported: API-process modules / engine-process modules / their
-   union (distinct module names). ``--verbose`` lists every module with the functions that made it
-   count. Earlier estimates of this row ("about 41 modules") had no definition; compare against
-   the numbers this definition gives, not against such estimates.
+   what intersects its window. Reported: in thread mode, ``stage5_server``'s own modules, the lower
+   stages' (1-4) and ``shared``'s, a row each; in engine-process mode, API-process modules /
+   engine-process modules / their union (distinct module names); and, in each mode, how many of the
+   modules live in a feature's room (``FEATURES``' rooms: none should, on a server without the
+   features). ``--verbose`` lists every module with the functions that made it count. Earlier
+   estimates of this row ("about 41 modules") had no definition; compare against the numbers this
+   definition gives, not against such estimates.
 4. ``stage5_server`` lines without ``bench/`` and ``kernels/``.
-5. Lines each stage-5 feature adds outside its room: every non-blank line (code, comment or
-   docstring) of a ``.py`` file in ``shared/``, stages 1-4 and ``stage5_server`` (less ``bench/``
-   and the feature's own room) that names the feature, by the word table ``FEATURES`` below. A word
+5. Lines each stage-5 feature (weight sync among them) adds outside its room: every non-blank line
+   (code, comment or docstring) of a ``.py`` file in ``shared/``, stages 1-4 and ``stage5_server``
+   (less ``bench/`` and the feature's own room) that names the feature, by the word table ``FEATURES`` below. A word
    matches case-insensitively at a word-ish start (not preceded by a letter or digit, or at a
    camel-case hump: ``enable_lora``, ``MaxLoRA``, ``num_draft_tokens`` match; ``Albert``,
    ``division`` do not) and may go on (``drafts``, ``adapters``); false friends (the table's
@@ -64,7 +67,9 @@ Rows:
    import statement in A (module level or inside a function, but not under ``if TYPE_CHECKING:``)
    of a module of B, by the module it names (``from a.b import c``: ``a.b.c`` if a module, else
    ``a.b``; parent packages are not edges), never A -> A. Counted: the elementary cycles of that
-   graph (``--verbose`` lists them, with one import that makes each edge).
+   graph (``--verbose`` lists them, with one import that makes each edge). Two more rows count the
+   imports under ``if TYPE_CHECKING:`` too: the room edges that exist for type hints alone, and the
+   two-way room pairs once every import counts (``tests/test_layout.py`` holds this at zero).
 
 ``--static-only`` skips row 3 (a few seconds instead of about twenty). Nothing is downloaded: the tiny
 checkpoint is built locally if it is not cached, and every process the script starts is stopped.
@@ -146,6 +151,10 @@ FEATURES: tuple[Feature, ...] = (
             # image fetching's connector (server/media.py)
             false_friends=(r"\bMediaConnector\b", r"\bself\.connector = connector\b", r"\bself\.connector\b",
                            r"(?<![\w.])connector(?=: MediaConnector)")),
+    Feature("weight sync", rooms=("stage5_server/weight_sync", "stage5_server/config/weight_sync.py"),
+            words=("weight_?sync", r"weight[ _]version", "update_weights", "reload_weights", r"weight[ _-]updates?",
+                   "sleep", "wake_up"),
+            false_friends=(r"\b(?:time|asyncio)\.sleep\b",)),  # waiting, not the engine's sleep
 )
 
 # Blanked out of every line for every feature and for row 6: names that contain a feature's word but
@@ -391,8 +400,10 @@ def room_of(module: str, top: str = STAGE5) -> str | None:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def room_graph(index: ModuleIndex, top: str = STAGE5) -> dict[str, dict[str, list[str]]]:
-    """``{room: {room it imports: ["file:line", ...]}}``, TYPE_CHECKING imports left out."""
+def room_graph(index: ModuleIndex, top: str = STAGE5,
+               type_checking: bool | None = False) -> dict[str, dict[str, list[str]]]:
+    """``{room: {room it imports: ["file:line", ...]}}``. ``type_checking``: False, the imports that run (those
+    under ``if TYPE_CHECKING:`` left out); True, those alone; None, both."""
     graph: dict[str, dict[str, list[str]]] = {}
     for module, path in sorted(index.path_of.items()):
         source = room_of(module, top)
@@ -400,7 +411,7 @@ def room_graph(index: ModuleIndex, top: str = STAGE5) -> dict[str, dict[str, lis
             continue
         graph.setdefault(source, {})
         for statement in imports_of(index, module):
-            if statement.type_checking:
+            if type_checking is not None and statement.type_checking != type_checking:
                 continue
             for target in statement.named:
                 room = room_of(target, top)
@@ -557,7 +568,7 @@ def trace_engine_core(core) -> None:
 
 def _pick_model() -> tuple[str, str]:
     """The tiny random checkpoint if it has a chat template, else tiny-chat (which ships with the package)."""
-    from shared.tiny_model import cached_tiny_model
+    from course.tiny_model import cached_tiny_model
 
     path = Path(cached_tiny_model())
     has_template = (path / "chat_template.jinja").is_file() or '"chat_template"' in (
@@ -818,13 +829,44 @@ def static_report(root: Path = REPO) -> Report:
                 for a, b in zip(cycle, [*cycle[1:], cycle[0]])]
         report.details.append("  " + "; ".join(hops))
 
+    full = room_graph(index, type_checking=None)
+    typed_only = {(a, b): where for a, bs in room_graph(index, type_checking=True).items() for b, where in bs.items()
+                  if b not in graph.get(a, {})}
+    pairs = sorted((a, b) for a, bs in full.items() for b in bs if a < b and a in full.get(b, {}))
+    report.data["room_type_only_edges"] = {f"{a} -> {b}": where for (a, b), where in sorted(typed_only.items())}
+    report.data["room_two_way_pairs"] = [f"{a} <-> {b}" for a, b in pairs]
+    report.details.append(f"room imports for type hints alone: {len(typed_only)} edges")
+    report.details += [f"  {a} -> {b} ({where[0]})" for (a, b), where in sorted(typed_only.items())]
+    report.details.append(f"two-way room pairs, type hints included: {len(pairs)}")
+    report.details += [f"  {a} <-> {b}" for a, b in pairs]
+
     report.numbers.update({"stage5_lines_without_bench_kernels": stage5_lines,
-                           "stage5_words_in_shared_and_stages_1_4": words_count, "room_import_cycles": len(cycles)})
+                           "stage5_words_in_shared_and_stages_1_4": words_count, "room_import_cycles": len(cycles),
+                           "room_type_only_edges": len(typed_only), "room_two_way_pairs": len(pairs)})
     report.rows += [("`stage5_server` lines without `bench/` and `kernels/`", f"{stage5_lines:,}"), *feature_rows,
                     ("Stage-5 feature words in `shared/` and stages 1-4 (lines)", f"{words_count:,}"),
                     ("Import cycles between `stage5_server` rooms",
-                     f"{len(cycles):,}{'+' if len(cycles) >= CYCLE_LIMIT else ''}")]
+                     f"{len(cycles):,}{'+' if len(cycles) >= CYCLE_LIMIT else ''}"),
+                    ("Room imports for type hints alone (edges)", f"{len(typed_only):,}"),
+                    ("Two-way room pairs, type hints included", f"{len(pairs):,}")]
     return report
+
+
+def by_layer(modules: Iterable[str]) -> dict[str, list[str]]:
+    """Modules as ``stage5_server``'s own, the lower stages' (1-4) and ``shared``'s."""
+    layers: dict[str, list[str]] = {"stage5": [], "lower": [], "shared": []}
+    for module in sorted(modules):
+        top = module.split(".")[0]
+        layers["stage5" if top == STAGE5 else "shared" if top == "shared" else "lower"].append(module)
+    return layers
+
+
+def in_feature_rooms(modules: Iterable[str], root: Path = REPO) -> list[str]:
+    """The modules that live in a feature's room (``FEATURES``)."""
+    index = ModuleIndex(root)
+    rooms = [room for feature in FEATURES for room in feature_rooms(feature, root)]
+    return sorted(m for m in modules if m in index.path_of and any(
+        index.path_of[m] == room or room in index.path_of[m].parents for room in rooms))
 
 
 def request_report(report: Report) -> None:
@@ -838,12 +880,26 @@ def request_report(report: Report) -> None:
         for module, functions in e["called"].items():
             engine.setdefault(module, []).extend(functions)
     union = set(api) | set(engine)
-    rows = [("Modules one streaming chat request passes (thread mode)", f"{len(thread_modules)}"),
+    layers = by_layer(thread_modules)
+    features = {"thread": in_feature_rooms(thread_modules), "engine_process": in_feature_rooms(union)}
+    passes = "Modules one streaming chat request passes (thread mode)"
+    rows = [(f"{passes}: `stage5_server`'s own", f"{len(layers['stage5'])}"),
+            (f"{passes}: stages 1-4", f"{len(layers['lower'])}"),
+            (f"{passes}: `shared/`", f"{len(layers['shared'])}"),
             ("Modules one streaming chat request passes (engine process): API / engine / union",
-             f"{len(api)} / {len(engine)} / {len(union)}")]
+             f"{len(api)} / {len(engine)} / {len(union)}"),
+            ("Feature-room modules one streaming chat request passes (thread mode / engine process)",
+             f"{len(features['thread'])} / {len(features['engine_process'])}")]
     at = next(i for i, (label, _) in enumerate(report.rows) if label.startswith("`stage5_server` lines"))
     report.rows[at:at] = rows
+    report.data["request_thread_mode_by_layer"] = layers
+    report.data["request_feature_room_modules"] = features
     report.numbers.update({"request_modules_thread": len(thread_modules),
+                           "request_modules_thread_stage5": len(layers["stage5"]),
+                           "request_modules_thread_stages_1_4": len(layers["lower"]),
+                           "request_modules_thread_shared": len(layers["shared"]),
+                           "request_feature_room_modules_thread": len(features["thread"]),
+                           "request_feature_room_modules_engine_process": len(features["engine_process"]),
                            "request_modules_engine_process_api": len(api),
                            "request_modules_engine_process_engine": len(engine),
                            "request_modules_engine_process_union": len(union)})

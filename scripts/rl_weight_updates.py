@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from shared import SamplingParams, cached_tiny_model
+from course import cached_tiny_model
+from shared import SamplingParams
 from stage5_server import LLM
 
 PROMPT = list(range(3, 40))  # 37 tokens: two full blocks of 16 for the prefix cache
@@ -51,6 +52,13 @@ def transformers_greedy(model, prompt: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt):].tolist()
 
 
+def load_on_the_worker(worker, named_tensors) -> int:
+    """The worker's weight method, run as a function: what the engine's own update adds (the drain, the cache
+    reset, the version) is left out on purpose, to measure what the reset prevents. By name, through
+    ``collective_rpc``, the method is refused."""
+    return worker.extension.update_weights(named_tensors)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     start = time.monotonic()
     path = cached_tiny_model("llama")
-    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=256, block_size=16, num_kv_blocks=64, max_num_seqs=4, enable_weight_sync=True)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trainer.generation_config.eos_token_id = None
 
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     train_toward(trainer, args.target + 1, tokens, args.steps, args.lr)  # another target: the outputs must move
     expected = transformers_greedy(trainer, PROMPT, GREEDY.max_tokens)
     hits = llm.engine.stats().prefix_cache_hits
-    llm.collective_rpc("update_weights", args=(list(trainer.state_dict().items()),))  # no reset
+    llm.collective_rpc(load_on_the_worker, args=(list(trainer.state_dict().items()),))  # no drain, no reset
     stale = rollout(llm)
     stale_hits = llm.engine.stats().prefix_cache_hits - hits
     llm.reset_prefix_cache()

@@ -82,8 +82,8 @@ def stage_change(stage: int) -> str:
     package = PACKAGES[stage]
     module = importlib.import_module(package)
     before = importlib.import_module(PACKAGES[stage - 1])
-    names = list(module.__all__)
-    earlier = set(getattr(before, "__all__", [])) if stage > 1 else set()
+    names = [*module.__all__, "LLM"]  # every stage exports LLM, loaded on first use (in no __all__)
+    earlier = {*getattr(before, "__all__", []), "LLM"} if stage > 1 else set()
     replaced = [n for n in names if n in earlier and getattr(module, n) is not getattr(before, n)]
     own = [n for n in names if n not in earlier and _stage_of(_owner(getattr(module, n))) == package]
     passed_on = [n for n in names if n not in earlier and n not in own]  # stage 1: shared's names

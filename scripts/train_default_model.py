@@ -1,4 +1,4 @@
-"""Train tiny-chat (``shared/assets/tiny-chat``): a small Llama that answers the tasks in ``shared.chat_tasks``.
+"""Train tiny-chat (``shared/assets/tiny-chat``): a small Llama that answers the tasks in ``course.chat_tasks``.
 
     python scripts/train_default_model.py --out build/tiny-chat-phase1
     python scripts/train_default_model.py --init-from build/tiny-chat-phase1 --steps 1500 --lr 2e-3 --seed 1 \
@@ -11,7 +11,7 @@ Plain torch on CPU: a byte-level BPE tokenizer with one token per digit, transfo
 ``LlamaForCausalLM`` with random initial weights (or ``--init-from`` a checkpoint), AdamW
 with a cosine schedule, loss on the assistant's answer and its closing ``<|im_end|>`` only.
 Every question is generated here from a seed, from the training split of
-``shared.chat_tasks``. Deterministic for a given ``--seed``, ``--steps`` and thread count.
+``course.chat_tasks``. Deterministic for a given ``--seed``, ``--steps`` and thread count.
 Writes an ordinary Hugging Face checkpoint directory (config, safetensors, tokenizer with
 chat template, generation config) and prints held-out accuracy per task, measured with
 transformers' own ``generate``.
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from shared import chat_tasks  # noqa: E402
-from shared.tiny_model import CHAT_TEMPLATE, CORPUS, SPECIAL_TOKENS  # noqa: E402
+from course import chat_tasks  # noqa: E402
+from course.tiny_model import CHAT_TEMPLATE, CORPUS, SPECIAL_TOKENS  # noqa: E402
 
 ARCHITECTURE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32)

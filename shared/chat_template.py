@@ -16,6 +16,13 @@ as before: transformers also tokenizes the text between special tokens piece by 
 A template that cannot show tools gets the conversation with the tools, calls and results
 written as text first (``shared/tool_prompt.py``); that text is the caller's like any other.
 
+OpenAI's ``developer`` role (what its newer clients send in place of ``system``) becomes ``system``
+where the template names no ``developer`` role: such a template would render the turn as an
+unknown role, and many (the default model's among them) would then add their own default
+system prompt in front of it. vLLM does the same (``_normalize_messages_for_chat_template`` in
+``vllm/entrypoints/openai/responses/utils.py``, vLLM pull request 43590; on chat, vLLM 0.32 counts
+a developer turn as the system turn it stands for).
+
 ``control_tokens_in_messages=True`` restores the plain behaviour, for trusted callers.
 vLLM: ``vllm/entrypoints/chat_utils.py`` (``apply_hf_chat_template``), which renders and
 tokenizes the text as one string.
@@ -63,6 +70,7 @@ def apply_chat_template(hf, messages: list[dict], *, add_generation_prompt: bool
                         template_kwargs: dict | None = None, control_tokens_in_messages: bool = False) -> list[int]:
     """Token ids of the rendered conversation; control tokens only where the template put them."""
     kwargs = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template, **(template_kwargs or {}))
+    messages = developer_as_system(messages, chat_template or getattr(hf, "chat_template", None))
     if uses_tools(messages, tools) and not shows_tools(hf, kwargs):
         messages, tools = describe_tools(messages, tools), None  # the tools described as text
         log_tools_described()
@@ -88,6 +96,19 @@ def apply_chat_template(hf, messages: list[dict], *, add_generation_prompt: bool
         logger.debug("chat template rewrites message text; no message contains a control token")
         return hf.encode(text, add_special_tokens=False)
     return encode_with_template_control_tokens(hf, text, spans, special)
+
+
+_NAMES_DEVELOPER = re.compile(r"""["']developer["']""")  # a template comparing a role with 'developer'
+
+
+def developer_as_system(messages: list[dict], template: Any) -> list[dict]:
+    """The conversation with each ``developer`` turn as a ``system`` turn, unless ``template`` names a
+    developer role of its own (``message.role == 'developer'``, say)."""
+    if not any(isinstance(m, dict) and m.get("role") == "developer" for m in messages):
+        return messages
+    if template and _NAMES_DEVELOPER.search(str(template)):
+        return messages
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 
 def render(hf, messages: list[dict], **kwargs) -> str:

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.cache import build_once, cache_dir
+
 logger = logging.getLogger("stagedserve")
 
 CONVERTER_VERSION = "v1"  # bump when the converted directory changes, so old caches are not reused
@@ -58,8 +60,6 @@ def is_gguf(path: str | Path) -> bool:
 def gguf_checkpoint_dir(path: str | Path) -> Path:
     """The converted Hugging Face directory of the GGUF file at ``path``, converting it first if no
     earlier run did (atomically, safe across processes)."""
-    from shared.tiny_model import build_once, cache_dir
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"model: no GGUF file at {path!s}")

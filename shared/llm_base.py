@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -142,9 +143,6 @@ class BaseLLM:
                                                kv_bytes_per_token(self.model_config, self.dtype))
 
     # ---- the public API ---------------------------------------------------------------
-    def cache_config_info(self) -> dict[str, str]:
-        return cache_config_info(self.args, self.dtype, getattr(self, "kv_cache_capacity", None))
-
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         if request_id is not None and self.output_processor.has_request(request_id):
@@ -156,20 +154,7 @@ class BaseLLM:
 
     def _add(self, prompt: PromptType, parent: ParentRequest | None, requests: list[Request],
              final_only: bool = False) -> None:
-        """Hand checked requests (one, or a parent's n children) to the engine and track their outputs."""
-        added = []
-        try:
-            for index, request in enumerate(requests):
-                self.engine.add_request(request)  # may still refuse it; then nothing of it is tracked
-                added.append(request.request_id)
-                self.output_processor.add_request(request.request_id, prompt if isinstance(prompt, str) else None,
-                                                  request.prompt_token_ids, request.sampling_params,
-                                                  request.arrival_time, final_only=final_only, parent=parent,
-                                                  index=index)
-        except BaseException:
-            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            self.output_processor.abort_requests(added)
-            raise
+        add_to_engine(self.engine, self.output_processor, prompt, parent, requests, final_only)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that changed (a request added by
@@ -197,35 +182,19 @@ class BaseLLM:
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        prompts, params = self._prompts_and_params(prompts, sampling_params)
+        prompts, params = prompts_and_params(prompts, sampling_params)
         return self._run(prompts, [self._make_requests(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
-
-    @staticmethod
-    def _prompts_and_params(prompts: PromptType | list[PromptType],
-                            sampling_params: SamplingParams | list[SamplingParams] | None,
-                            ) -> tuple[list[PromptType], list[SamplingParams]]:
-        """``generate``'s arguments as one prompt and its parameters each."""
-        prompts = _as_prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        return prompts, [p or SamplingParams() for p in params]
 
     def _run(self, prompts: list[PromptType], groups: list[tuple[str, ParentRequest | None, list[Request]]],
              use_tqdm: bool) -> list[RequestOutput]:
         """Add every prompt's checked requests (``groups``: ``_make_requests``'s answers, all made before any
         is added), step until all have finished, and return their final outputs in order."""
         results: dict[str, RequestOutput] = {}
-        bar = _progress(len(groups), use_tqdm)
+        bar = progress_bar(len(groups), use_tqdm)
         try:
             for prompt, (_, parent, requests) in zip(prompts, groups):
                 self._add(prompt, parent, requests, final_only=True)
-            mine = {request_id for request_id, _, _ in groups}  # other requests may share the engine
-            while len(results) < len(groups):
-                for out in self.step():
-                    if out.request_id in mine and out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            step_until_finished(self.step, [request_id for request_id, _, _ in groups], results, bar)
         except BaseException:
             pending = [request_id for request_id, _, _ in groups if request_id not in results]
             self.abort(pending)  # give back their KV before the error propagates
@@ -277,22 +246,34 @@ class BaseLLM:
         return request_id, parent, [make(cid, parent.child_params(i)) for i, cid in enumerate(parent.child_ids)]
 
 
-def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | None) -> dict[str, str]:
-    """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
-    stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``.
-    ``capacity``: the tokens the cache holds, once known."""
-    info = {"cache_dtype": str(dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
-    block_size = args.get("block_size")
-    if block_size and capacity is not None:
-        info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
-                    num_gpu_blocks_override=str(args.get("num_kv_blocks")))
-    for field, arg in (("enable_prefix_caching", "enable_prefix_caching"),
-                       ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
-                       ("gpu_memory_utilization", "gpu_memory_utilization"),
-                       ("kv_cache_memory_bytes", "kv_cache_memory")):
-        if arg in args:
-            info[field] = str(args[arg])
-    return info
+def add_to_engine(engine: Any, output_processor: OutputProcessor, prompt: PromptType, parent: ParentRequest | None,
+                  requests: list[Request], final_only: bool = False) -> None:
+    """Hand one prompt's checked requests (one, or a parent's n children) to ``engine`` and track their outputs in
+    ``output_processor``: all of them or none (a refusal takes back what was added, and raises)."""
+    added = []
+    try:
+        for index, request in enumerate(requests):
+            engine.add_request(request)
+            added.append(request.request_id)
+            output_processor.add_request(request.request_id, prompt if isinstance(prompt, str) else None,
+                                         request.prompt_token_ids, request.sampling_params, request.arrival_time,
+                                         final_only=final_only, parent=parent, index=index)
+    except BaseException:
+        engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+        output_processor.abort_requests(added)
+        raise
+
+
+def step_until_finished(step: Callable[[], list[RequestOutput]], request_ids: list[str],
+                        results: dict[str, RequestOutput], bar: Any) -> None:
+    """Call ``step`` until every one of ``request_ids`` has its final output in ``results`` (other requests may
+    share the engine: their outputs are passed over); ``bar`` counts each."""
+    mine = set(request_ids)
+    while len(results) < len(mine):
+        for out in step():
+            if out.request_id in mine and out.finished:
+                results[out.request_id] = out
+                bar.update(1)
 
 
 def check_inputs(prompt: PromptType, params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
@@ -390,6 +371,17 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
 
 
+def prompts_and_params(prompts: PromptType | list[PromptType],
+                       sampling_params: SamplingParams | list[SamplingParams] | None,
+                       ) -> tuple[list[PromptType], list[SamplingParams]]:
+    """``generate``'s arguments as one prompt and its parameters each."""
+    prompts = _as_prompt_list(prompts)
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+    return prompts, [p or SamplingParams() for p in params]
+
+
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -400,7 +392,7 @@ def _as_prompt_list(prompts) -> list:
     return prompts
 
 
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", disable=not enabled or total == 0, leave=False)

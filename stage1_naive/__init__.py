@@ -14,9 +14,18 @@ from shared import CompletionOutput, Request, RequestOutput, RequestStatus, Samp
 from stage1_naive.attention import ContiguousAttentionBackend, ContiguousAttentionMetadata
 from stage1_naive.engine import NaiveEngineCore
 from stage1_naive.kv_cache import ContiguousKVCache
-from stage1_naive.llm import LLM
 
+# ``LLM`` (``llm.py``) loads on first use (``__getattr__`` below): importing the stage loads its engine alone. It is in
+# no ``__all__``, so the next stage's ``import *`` takes the rest of the surface and gives its own ``LLM``.
 __all__ = [
-    "LLM", "ContiguousKVCache", "ContiguousAttentionBackend", "ContiguousAttentionMetadata", "NaiveEngineCore",
+    "ContiguousKVCache", "ContiguousAttentionBackend", "ContiguousAttentionMetadata", "NaiveEngineCore",
     "SamplingParams", "Request", "RequestStatus", "RequestOutput", "CompletionOutput",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # the offline front end over this stage's engine (``llm.py``), loaded on first use
+        from stage1_naive.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,19 @@ from stage2_paged.attention import (
 from stage2_paged.block_table import BlockAllocator, BlockTable, OutOfBlocksError, slot_mapping
 from stage2_paged.engine import PagedEngineCore
 from stage2_paged.kv_cache import PagedKVCache
-from stage2_paged.llm import LLM
 
-__all__ = [n for n in _stage1_all if n != "LLM"] + [
-    "LLM", "BlockAllocator", "BlockTable", "OutOfBlocksError", "PagedKVCache", "PagedAttentionBackend",
+# ``LLM`` (``llm.py``) loads on first use (``__getattr__`` below): importing the stage loads its engine alone. It is in
+# no ``__all__``, so the next stage's ``import *`` takes the rest of the surface and gives its own ``LLM``.
+__all__ = _stage1_all + [
+    "BlockAllocator", "BlockTable", "OutOfBlocksError", "PagedKVCache", "PagedAttentionBackend",
     "PagedAttentionMetadata", "PagedEngineCore", "build_paged_metadata", "gather_kv", "paged_attention",
     "slot_mapping",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # the offline front end over this stage's engine (``llm.py``), loaded on first use
+        from stage2_paged.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

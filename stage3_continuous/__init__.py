@@ -15,10 +15,19 @@ from stage3_continuous.config import CacheConfig, SchedulerConfig
 from stage3_continuous.dry_run import describe_step, dry_run_step
 from stage3_continuous.engine import EngineCore, LoggingStatLogger, format_stats_line
 from stage3_continuous.kv_cache_manager import KVCacheManager
-from stage3_continuous.llm import LLM
 from stage3_continuous.scheduler import Scheduler, SchedulerOutput
 
-__all__ = [n for n in _stage2_all if n != "LLM"] + [
-    "LLM", "CacheConfig", "EngineCore", "KVCacheManager", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+# ``LLM`` (``llm.py``) loads on first use (``__getattr__`` below): importing the stage loads its engine alone. It is in
+# no ``__all__``, so the next stage's ``import *`` takes the rest of the surface and gives its own ``LLM``.
+__all__ = _stage2_all + [
+    "CacheConfig", "EngineCore", "KVCacheManager", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "LoggingStatLogger", "describe_step", "dry_run_step", "format_stats_line",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # the offline front end over this stage's engine (``llm.py``), loaded on first use
+        from stage3_continuous.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,12 +21,21 @@ from stage4_prefix_cache.kv_cache_utils import (
     hash_block_tokens,
     hash_request_tokens,
 )
-from stage4_prefix_cache.llm import LLM
 from stage4_prefix_cache.scheduler import CacheConfig, LoggingStatLogger, Scheduler, format_stats_line
 
-_OVERRIDDEN = ("LLM", "Scheduler", "CacheConfig", "KVCacheManager", "LoggingStatLogger", "format_stats_line")
+_OVERRIDDEN = ("Scheduler", "CacheConfig", "KVCacheManager", "LoggingStatLogger", "format_stats_line")
+# ``LLM`` (``llm.py``) loads on first use (``__getattr__`` below): importing the stage loads its engine alone. It is in
+# no ``__all__``, so the next stage's ``import *`` takes the rest of the surface and gives its own ``LLM``.
 __all__ = [n for n in _stage3_all if n not in _OVERRIDDEN] + [
-    "LLM", "BlockPool", "CacheConfig", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
+    "BlockPool", "CacheConfig", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
     "PrefixCacheStats", "Scheduler", "LoggingStatLogger", "format_stats_line", "get_hash_fn", "hash_block_tokens",
     "hash_request_tokens",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # the offline front end over this stage's engine (``llm.py``), loaded on first use
+        from stage4_prefix_cache.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,8 @@ metrics; ``vllm/entrypoints/openai/``), ``lora/`` (LoRA adapters side by side; `
 ``cli/`` and ``bench/`` (the ``stagedserve`` command and its load benchmark;
 ``vllm/entrypoints/cli/``, ``vllm/benchmarks/``).
 
-Everything but ``LLM`` is imported on first use, so ``from stage5_server import LLM`` loads
-neither fastapi nor pyzmq nor msgspec.
+Importing the package loads the engine core and its configuration; everything else, ``LLM`` included, is
+imported on first use, so ``from stage5_server import LLM`` loads neither fastapi nor pyzmq.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from stage4_prefix_cache import __all__ as _stage4_all
 from stage5_server.config import EngineConfig  # noqa: F401  (in __all__ below)
 from stage5_server.core import EngineCore, Scheduler, SchedulerOutput, build_engine_core  # noqa: F401
 from stage5_server.core.request import Request  # noqa: F401
-from stage5_server.llm import LLM  # noqa: F401
 
 _EXPORTS = {
+    "LLM": "stage5_server.llm",  # the offline front end, on first use (the next line's names likewise)
     "ATTENTION_BACKENDS": "stage5_server.attention", "TritonAttentionBackend": "stage5_server.attention",
     "resolve_attention_backend": "stage5_server.attention",
     "AsyncEngine": "stage5_server.engine", "AsyncLLM": "stage5_server.engine", "MPAsyncLLM": "stage5_server.engine",
@@ -47,5 +47,5 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-_OWN = ["EngineConfig", "EngineCore", "LLM", "Request", "Scheduler", "SchedulerOutput", "build_engine_core"]
-__all__ = [n for n in _stage4_all if n not in _OWN] + _OWN + list(_EXPORTS)
+_OWN = ["EngineConfig", "EngineCore", "Request", "Scheduler", "SchedulerOutput", "build_engine_core"]
+__all__ = [n for n in _stage4_all if n not in _OWN] + _OWN + [n for n in _EXPORTS if n != "LLM"]  # LLM: as stage 4's

@@ -15,6 +15,12 @@ class EngineDeadError(EngineError):
     """The engine core has stopped (shut down or crashed); no request can run (HTTP 503)."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine refuses new requests for now: it sleeps, or woke from a level-2 sleep and awaits weights
+    (``weight_sync/``), as the core's admission check says (``EngineCore.refusal``). HTTP 503; not dead: waking it
+    (and, after level 2, a weight update) serves again."""
+
+
 class RequestAborted(Exception):
     """The request was aborted before it finished (``abort``, or its client went away)."""
 

@@ -112,16 +112,26 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("stage", stages, ids=str)
 
 
+def repo_relative_parts(path: Path, root: Path) -> tuple[str, ...]:
+    """The parts of a test file's path relative to the repository root (``("tests", "stage2", ...)``).
+
+    Only these say which stage a test belongs to: the folders above the repository (a learner's
+    copy lives in ``build/exercises/stage2``) say nothing about it.
+    """
+    try:
+        return Path(path).resolve().relative_to(Path(root).resolve()).parts
+    except ValueError:
+        return ()
+
+
 def pytest_collection_modifyitems(config, items):
     wanted = config.getoption("--stage")
     if wanted is None:
         return
     keep, drop = [], []
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        stage_dirs = [p for p in parts if p.startswith("stage") and p[5:].isdigit()]
-        in_suite = "invariants" in parts
-        ok = in_suite or (stage_dirs and int(stage_dirs[-1][5:]) == wanted)
+        parts = repo_relative_parts(Path(str(item.fspath)), config.rootpath)
+        ok = parts[:2] == ("tests", "invariants") or parts[:2] == ("tests", f"stage{wanted}")
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -130,28 +140,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2() -> Path:
-    from shared import cached_tiny_model
+    from course import cached_tiny_model
 
     return cached_tiny_model("qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_llava() -> Path:
-    from stage5_server.multimodal.tiny_model import cached_tiny_llava
+    from course.tiny_llava import cached_tiny_llava
 
     return cached_tiny_llava()
 

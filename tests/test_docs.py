@@ -113,6 +113,12 @@ def test_a_snippets_recorded_output_is_what_it_prints(script, args, recorded):
     assert done.stdout == (ROOT / recorded).read_text(), f"rerun: {script} {' '.join(args)} > {recorded}"
 
 
+def test_the_course_figures_are_what_their_script_draws():
+    done = subprocess.run([sys.executable, "scripts/course_figures.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 PLANNING = re.compile(r"\bgoals?\b|\bengineer'?s?\b|\bTODO\b", re.IGNORECASE)
 
 

@@ -79,16 +79,40 @@ def test_shared_imports_no_stage_and_no_stage_imports_a_later_one(index):
     assert {name: names for name, names in offending.items() if names} == {}
 
 
+# The course's material (tiny checkpoints, workloads, the chat tasks: ``course/``) is for tests, benchmarks, scripts
+# and notebooks: no engine imports it. Stage 5's two commands that hand it to a user (``make-tiny-model``, ``bench
+# serve``'s datasets) import it inside the command; ``shared.named_models`` names the builder of the ``tiny`` and
+# ``small`` models by its qualified name.
+COURSE_COMMANDS = {"stage5_server.cli.tiny_model", "stage5_server.bench.datasets"}
+
+
+@pytest.mark.parametrize("package", ["shared", *STAGES])
+def test_no_stage_imports_the_course_package(package):
+    found = {name: sorted(n for n in imported(path) if n.split(".")[0] == "course")
+             for name, path in modules(package).items() if name not in COURSE_COMMANDS}
+    assert {name: names for name, names in found.items() if names} == {}
+
+
+def test_the_commands_that_hand_out_the_course_import_it_inside_the_command():
+    mods = modules("stage5_server")
+    for name in COURSE_COMMANDS:
+        top_level = [node for node in ast.parse(mods[name].read_text()).body
+                     if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not [n for n in top_level for alias in getattr(n, "names", [])
+                    if (getattr(n, "module", None) or alias.name).split(".")[0] == "course"], name
+
+
 # ---- the rooms of stage5_server ----------------------------------------------------------------------------------
-# Which rooms each room may import at run time (imports under ``if TYPE_CHECKING:`` aside): the chain runs front end ->
-# core -> executor -> worker -> model, attention and kernels; a system (speculative decoding, LoRA, pooling, images)
-# reaches the chain only where it plugs in (a request's fields, the drafter, a runner kind named by its qualified
-# name, the linear-layer seam); ``config``, ``errors`` and ``processes`` sit under everything. The worker reaches the
-# core only for the messages the core sends it.
+# Which rooms each room may import, at run time or only for type hints (``if TYPE_CHECKING:``): the chain runs front
+# end -> core -> executor -> worker -> model, attention and kernels; a system (speculative decoding, LoRA, pooling,
+# images, the KV connector, weight sync) reaches the chain only where it plugs in (a request's fields, the drafter, a
+# runner kind or a worker extension named by its qualified name, the linear-layer seam); ``config``, ``errors``,
+# ``processes`` and the step contract (``outputs``: what the core hands the workers and what comes back) sit under
+# everything.
 sys.path.insert(0, str(ROOT / "scripts"))
 import layering_report  # noqa: E402
 
-BASE = {"config", "errors", "processes", "arg_types"}
+BASE = {"config", "errors", "processes", "arg_types", "outputs"}
 MODEL = {"model", "attention", "kernels", "cpu_kernels", "quantization", "parallel"}
 ROOM_IMPORTS = {
     "__main__": {"cli"},
@@ -104,7 +128,7 @@ ROOM_IMPORTS = {
     "pooling": {"core", "worker"} | BASE,  # a runner kind: its scheduler and workers build on the chain's
     "core": {"executor", "attention", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "executor": {"parallel"} | BASE,  # the workers by name (EngineConfig.worker_cls)
-    "worker": MODEL | {"core", "spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
+    "worker": MODEL | {"spec_decode", "lora", "multimodal", "weight_sync", "kv_transfer"} | BASE,
     "spec_decode": {"model"} | BASE,
     "lora": {"model", "parallel"} | BASE,
     "multimodal": BASE,
@@ -115,15 +139,21 @@ ROOM_IMPORTS = {
     "attention": {"kernels", "cpu_kernels"},
     "model": set(), "kernels": set(), "cpu_kernels": set(),
     "config": {"attention", "parallel", "quantization", "arg_types"},
+    "outputs": set(),
     "errors": set(), "processes": set(), "arg_types": set(),
 }
 
 
-def stage5_room_graph() -> dict[str, dict[str, list[str]]]:
-    return layering_report.room_graph(layering_report.ModuleIndex(ROOT))
+def stage5_room_graph(root: Path = ROOT, top: str = "stage5_server") -> dict[str, dict[str, list[str]]]:
+    """Every room's imports, those for type hints alone included."""
+    return layering_report.room_graph(layering_report.ModuleIndex(root), top, type_checking=None)
 
 
-def test_every_room_imports_only_the_rooms_its_layer_may():
+def two_way_pairs(graph: dict[str, dict[str, list[str]]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in graph.items() for b in targets if a < b and a in graph.get(b, {}))
+
+
+def test_every_room_imports_only_the_rooms_its_layer_may_type_hints_included():
     graph = stage5_room_graph()
     assert set(graph) == set(ROOM_IMPORTS), "a room was added or removed: place it in ROOM_IMPORTS"
     unexpected = {room: {target: where[:2] for target, where in targets.items() if target not in ROOM_IMPORTS[room]}
@@ -131,13 +161,19 @@ def test_every_room_imports_only_the_rooms_its_layer_may():
     assert {room: found for room, found in unexpected.items() if found} == {}
 
 
-def test_no_two_rooms_import_each_other_even_through_others():
-    assert layering_report.simple_cycles(stage5_room_graph()) == []
+def test_no_two_rooms_import_each_other_type_hints_included():
+    graph = stage5_room_graph()
+    assert two_way_pairs(graph) == []
+    assert layering_report.simple_cycles(graph) == []  # nor through others
 
 
-def test_the_worker_reaches_the_core_only_for_its_messages():
-    index = layering_report.ModuleIndex(ROOT)
-    reached = {target for module in index.path_of if module.startswith("stage5_server.worker")
-               for statement in layering_report.imports_of(index, module) if not statement.type_checking
-               for target in statement.named if target.startswith("stage5_server.core")}
-    assert reached == {"stage5_server.core.scheduler_output"}
+def test_an_import_for_type_hints_alone_still_makes_a_two_way_pair(tmp_path):
+    package = tmp_path / "stage9_rooms"
+    for room in ("core", "executor"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "core" / "engine.py").write_text("from stage9_rooms.executor.run import Executor\n")
+    (package / "executor" / "run.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                                 "    from stage9_rooms.core.engine import Output\n")
+    assert two_way_pairs(stage5_room_graph(tmp_path, "stage9_rooms")) == [("core", "executor")]

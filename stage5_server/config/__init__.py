@@ -10,8 +10,9 @@ is ``max_model_len``: the builder lowers it when the user set no length and the 
 sized KV cache holds less.
 
 Each system's own settings are a module of this package, as vLLM's are: ``model.py`` (which
-checkpoint, and what it is), ``multimodal.py``, ``pooler.py``, ``speculative.py``, ``lora.py``. The
-rooms that implement the systems read them; this package imports none of those rooms.
+checkpoint, and what it is), ``multimodal.py``, ``pooler.py``, ``speculative.py``, ``lora.py``,
+``weight_sync.py``. The rooms that implement the systems read them; this package imports none of those
+rooms.
 
 The names and defaults come from one table, ``ENGINE_ARG_TABLE``: an ``EngineArg`` per argument, with
 what ``stagedserve serve`` needs to make its flag of it (how a value parses, choices, short aliases,
@@ -45,6 +46,7 @@ from stage5_server.config.model import read_model_config, resolve_model
 from stage5_server.config.multimodal import MultiModalConfig
 from stage5_server.config.pooler import CONVERTS, RUNNERS, PoolerConfig, pooling_args, resolve_runner
 from stage5_server.config.speculative import SpeculativeConfig, check_draft_model, speculative_config_arg
+from stage5_server.config.weight_sync import check_weight_sync, weight_sync_extension
 from stage5_server.parallel.parallel_state import (
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
@@ -144,6 +146,9 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
               help="serve LoRA adapters beside the base model (the request's model field names one)"),
     EngineArg("max_loras", 1, type=positive_int, help="distinct adapters in one step: the adapter slots (default: 1)"),
     EngineArg("max_lora_rank", 16, type=positive_int, help="the largest adapter rank a slot holds (default: 16)"),
+    EngineArg("enable_weight_sync", False, is_flag=True,  # weight_sync/
+              help="take new weights and sleep while serving, for RL post-training: collective_rpc reaches the "
+                   "workers' weight-update methods (default: off; --enable-dev-routes turns it on)"),
     inherited("seed", type=int),
     EngineArg("tensor_parallel_size", 1, type=positive_int, aliases=("-tp",), help="split each layer over N devices"),
     EngineArg("pipeline_parallel_size", 1, type=positive_int, aliases=("-pp",),  # parallel/pipeline.py
@@ -222,6 +227,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: no adapters (lora/)
     multimodal: MultiModalConfig | None = None  # a vision-language model's vision side (multimodal/); None: text only
     kv_transfer: KVTransferConfig | None = None  # the KV connector (kv_transfer/); None: none
+    weight_sync: bool = False  # weight updates and sleep (weight_sync/): members of the core, front end and workers
     args: dict[str, Any] = field(default_factory=dict)  # every engine argument as given, defaults filled in
 
     @classmethod
@@ -305,7 +311,7 @@ class EngineConfig:
                    cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
-                   args=args)
+                   weight_sync=check_weight_sync(args["enable_weight_sync"]), args=args)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return replace(self, max_model_len=max_model_len)
@@ -317,6 +323,11 @@ class EngineConfig:
     @property
     def worker_cls(self) -> str:
         return RUNNER_KINDS[self.runner][1]
+
+    @property
+    def worker_extension_cls(self) -> str | None:
+        """The class each rank builds over its worker, whose methods ``collective_rpc`` also reaches; None: none."""
+        return weight_sync_extension(self.weight_sync)
 
 
 def resolve_compile_step(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,

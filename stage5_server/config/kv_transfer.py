@@ -9,8 +9,10 @@
 - ``kv_connector_extra_config``: the connector's own settings. ``OffloadingConnector``:
   ``cpu_bytes_to_use`` (the tier's bytes, summed over the ranks). ``P2pZmqConnector``: ``kv_host`` /
   ``kv_port``, the consumer's receiving address (the consumer binds it; the producer sends to it;
-  ``kv_host`` defaults to 127.0.0.1), and on the consumer ``buffer_bytes``, the most received K/V it
-  keeps (default 1 GiB).
+  ``kv_host`` defaults to 127.0.0.1), on the consumer ``buffer_bytes``, the most received K/V it
+  keeps (default 1 GiB), and on both ``max_message_bytes``, the largest message part the consumer takes
+  and the producer sends (default 64 MiB). Both instances also need the same secret in
+  ``$STAGEDSERVE_KV_TRANSFER_SECRET`` (``kv_transfer/peer_auth.py``).
 
 ``--kv-offloading-size GiB`` is vLLM's shorthand for the first: an ``OffloadingConnector`` whose
 ``cpu_bytes_to_use`` is that many GiB.
@@ -31,8 +33,9 @@ KV_CONNECTORS = {"OffloadingConnector": ("kv_both",), "P2pZmqConnector": ("kv_pr
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 EXTRA_KEYS = {"OffloadingConnector": ("cpu_bytes_to_use",),
-              "P2pZmqConnector": ("kv_host", "kv_port", "buffer_bytes")}
+              "P2pZmqConnector": ("kv_host", "kv_port", "buffer_bytes", "max_message_bytes")}
 DEFAULT_P2P_BUFFER_BYTES = 1 << 30
+DEFAULT_P2P_MAX_MESSAGE_BYTES = 64 << 20
 GIB = 1 << 30
 
 
@@ -64,6 +67,10 @@ class KVTransferConfig:
     def buffer_bytes(self) -> int:
         return self.kv_connector_extra_config.get("buffer_bytes", DEFAULT_P2P_BUFFER_BYTES)
 
+    @property
+    def max_message_bytes(self) -> int:
+        return self.kv_connector_extra_config.get("max_message_bytes", DEFAULT_P2P_MAX_MESSAGE_BYTES)
+
     @classmethod
     def create(cls, value: dict[str, Any] | str | KVTransferConfig | None,
                kv_offloading_size: float | None = None) -> KVTransferConfig | None:
@@ -94,7 +101,7 @@ class KVTransferConfig:
         if unknown:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key {unknown[0]!r} for "
                              f"{connector}; accepted: {list(EXTRA_KEYS[connector])}")
-        for name in ("cpu_bytes_to_use", "buffer_bytes"):
+        for name in ("cpu_bytes_to_use", "buffer_bytes", "max_message_bytes"):
             if name in extra and not (_is_int(extra[name]) and extra[name] > 0):
                 raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{name}: must be a positive "
                                  f"integer of bytes, got {extra[name]!r}")

@@ -86,3 +86,16 @@ def pooling_args(args: dict[str, Any], model_config: ModelConfig, pooler: Pooler
     if is_encoder(model_config):
         changed["enable_chunked_prefill"] = False
     return changed
+
+
+def input_type_prompts(path: str | Path) -> dict[str, str]:
+    """The prompt prefix of each input type the checkpoint defines: ``task_instructions`` in ``config.json``,
+    else sentence-transformers' ``prompts`` (``config_sentence_transformers.json``); empty when it defines none.
+    vLLM reads the same two (``CohereServingEmbedding`` in ``vllm/entrypoints/pooling/embed/cohere/serving.py``)."""
+    path = Path(path)
+    for name, key in (("config.json", "task_instructions"), ("config_sentence_transformers.json", "prompts")):
+        file = path / name
+        found = json.loads(file.read_text()).get(key) if file.is_file() else None
+        if isinstance(found, dict) and found:
+            return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
+    return {}

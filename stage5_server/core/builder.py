@@ -11,7 +11,8 @@
 3. the scheduler of the config's runner kind (``EngineConfig.scheduler_cls``) is built over that
    pool, with the scheduler side of a KV connector if one is configured (``kv_transfer/``), and every
    worker allocates its blocks;
-4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter.
+4. the core gets its structured-output grammar manager and, with speculative decoding, its drafter; with
+   weight sync on, the member that registers weight updates and sleep among its utilities (``weight_sync/``).
 
 vLLM: ``EngineCore.__init__`` and ``_initialize_kv_caches`` in ``vllm/v1/engine/core.py``,
 ``get_kv_cache_config`` in ``vllm/v1/core/kv_cache_utils.py``.
@@ -70,7 +71,8 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
         scheduler = resolve_obj_by_qualname(config.scheduler_cls)(
             config.scheduler, cache_config, max_model_len, config.model_config.vocab_size,
             max_loras=None if config.lora is None else config.lora.max_loras,
-            **({} if connector is None else {"kv_connector": connector}))
+            **({} if connector is None else {"kv_connector": connector}),
+            **({} if config.multimodal is None else {"takes_images": True}))
         executor.collective_rpc("initialize_kv_cache", num_blocks, block_size, max_model_len)
     except BaseException:
         executor.shutdown()
@@ -82,8 +84,13 @@ def build_engine_core(config: EngineConfig, tokenizer: Tokenizer | None = None) 
     mc, interval = config.model_config, config.log_stats_interval
     tokenizer = tokenizer or Tokenizer(config.tokenizer_path)
     grammars = StructuredOutputManager(tokenizer.hf, mc.vocab_size, mc.eos_token_ids)
-    return EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
+    core = EngineCore(config, scheduler, executor, grammars, LoggingStatLogger(interval) if interval else None,
                       make_drafter(config))
+    if config.weight_sync:  # weight updates and sleep: a member of the core (its workers have the extension)
+        from stage5_server.weight_sync import WeightSync
+
+        core.weight_sync = WeightSync(core)
+    return core
 
 
 def kv_cache_tokens(config: EngineConfig, executor: Executor, per_token: int) -> int:

@@ -8,14 +8,21 @@ the core's outputs go out as they come (the scheduler made them, each with only 
 that raises fails its own requests (the core freed their KV) and the rest go on, while an
 ``EngineDeadError`` fails all and ends the loop; with nothing schedulable (KV full of waiting prompts)
 it waits briefly instead of spinning. The loop keeps no table of requests: the scheduler's is the one.
+Utility calls (``collective_rpc``, and what a system registered: ``utilities.py``) wait in its queue for a
+gap between steps: the loop runs the queue's head after handling its inputs and after each step. A call that
+*drains* (a weight update, a sleep) waits until the core has no unfinished request; meanwhile each new request
+is held, in arrival order, and admitted once the call has run (an aborted one is dropped).
 
-vLLM: ``EngineCoreProc.run_busy_loop`` in ``vllm/v1/engine/core.py``.
+vLLM: ``EngineCoreProc.run_busy_loop`` and ``_handle_client_request`` in ``vllm/v1/engine/core.py``; the
+hold-and-resume is ``pause_generation(mode="wait")`` of ``vllm/v1/engine/async_llm.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from shared.request import RequestStatus
@@ -29,10 +36,10 @@ from stage5_server.core.messages import (
     FailedRequests,
     Shutdown,
     UtilityCall,
+    UtilityOutput,
 )
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.errors import EngineDeadError, StepFailed
-from stage5_server.weight_sync.loop import UtilityLoop
 
 if TYPE_CHECKING:
     from stage5_server.core.engine_core import EngineCore
@@ -43,10 +50,11 @@ IDLE_POLL_S = 0.2  # while idle, wake this often (to notice a vanished parent, t
 NOTHING_SCHEDULABLE_WAIT_S = 0.005
 
 
-class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc between steps (weight_sync/loop.py)
+class EngineCoreLoop:
     def __init__(self, core: EngineCore, idle_poll_s: float = IDLE_POLL_S):
         self.core = core
-        self.init_utilities()
+        self.utility_calls: deque[UtilityCall] = deque()  # waiting for a gap between steps
+        self.held_requests: list[AddRequest] = []  # arrived while a queued call drains the core
         self.idle_poll_s = idle_poll_s
         self.stopping = False
         self.dead = False  # the core cannot step again
@@ -58,6 +66,9 @@ class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc betw
         raise NotImplementedError
 
     def publish(self, outputs: EngineCoreOutputs) -> None:
+        raise NotImplementedError
+
+    def publish_utility(self, output: UtilityOutput, client_id: str | None) -> None:
         raise NotImplementedError
 
     def keep_running(self) -> bool:
@@ -81,19 +92,49 @@ class EngineCoreLoop(UtilityLoop):  # weight updates, sleep, collective_rpc betw
     def handle(self, messages: list[EngineCoreInput]) -> None:
         for message in messages:
             if isinstance(message, AddRequest):
-                if not self.hold_or_add(message):
+                if self.draining:
+                    self.held_requests.append(message)
+                else:
                     self.add(message.request)
             elif isinstance(message, AbortRequests):
-                self.forget_held(message.request_ids)
+                if self.held_requests:
+                    aborted = set(message.request_ids)
+                    self.held_requests = [m for m in self.held_requests if m.request.request_id not in aborted]
                 self.abort(message.request_ids)
             elif isinstance(message, UtilityCall):
                 self.utility_calls.append(message)
             elif isinstance(message, Shutdown):
                 self.stopping = True
 
+    # ---- utility calls, between steps ---------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return any(self.core.utilities.drains(call.method) for call in self.utility_calls)
+
+    def run_due_utilities(self) -> None:
+        """Run the queued calls that may run now, in order; then admit the requests held for them."""
+        while self.utility_calls:
+            call = self.utility_calls[0]
+            if self.core.utilities.drains(call.method) and self.core.has_unfinished_requests():
+                return  # the requests in the core finish first
+            self.utility_calls.popleft()
+            self.publish_utility(self.run_utility(call), call.client_id)
+        held, self.held_requests = self.held_requests, []
+        self.handle(held)
+
+    def run_utility(self, call: UtilityCall) -> UtilityOutput:
+        try:
+            args, kwargs = pickle.loads(call.payload)
+            result = self.core.utilities.run(call.method, tuple(args), dict(kwargs))
+            return UtilityOutput(call.call_id, pickle.dumps(result))
+        except Exception as exc:  # the caller gets it; the engine goes on
+            logger.warning("engine utility %s failed: %s", call.method, exc)
+            return UtilityOutput(call.call_id, error=str(exc), error_type=type(exc).__name__)
+
+    # ---- requests ----------------------------------------------------------------------------------
     def add(self, wire: EngineCoreRequest) -> None:
-        refusal = self.core.weight_sync.refusal()
-        if refusal is not None:  # asleep: refused at once, never left waiting
+        refusal = self.core.refusal()
+        if refusal is not None:  # an admission check says no (asleep): refused at once, never left waiting
             self.send([], FailedRequests([wire.request_id], refusal))
             return
         try:

@@ -192,10 +192,10 @@ class ZmqCoreLoop(EngineCoreLoop):
 def _build_core(model: str | None, engine_args: dict[str, Any], engine_index: int):
     """``(EngineCore, EngineCoreReady)``, or ``(None, EngineCoreStartupError)``."""
     try:
-        from shared.llm_base import cache_config_info
         from stage5_server.config import STAGE, EngineConfig
         from stage5_server.core.builder import build_engine_core
         from stage5_server.core.plugins import load_engine_plugins
+        from stage5_server.core.stats import cache_config_info
 
         core = build_engine_core(EngineConfig.create(model, **engine_args))
         load_engine_plugins(core)

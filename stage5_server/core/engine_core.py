@@ -19,6 +19,10 @@ a batch and schedules the next from the requests not in flight before it waits f
 A step whose execution raises fails the requests in it (the scheduler frees their KV): ``StepFailed``
 names them; the core can step again, unless the executor is dead.
 
+Between steps the core runs its utilities (``utilities.py``: ``collective_rpc``, and the calls a system
+registered when it is on, such as weight updates and sleep, ``weight_sync/``, which the builder attaches as
+the member ``weight_sync``).
+
 vLLM: ``EngineCore.step``, ``step_with_batch_queue`` and ``preprocess_add_request`` in
 ``vllm/v1/engine/core.py``.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shared.structured_output import StructuredOutputManager
@@ -34,16 +39,17 @@ from stage3_continuous.engine import SchedulerFacade
 from stage5_server.core.messages import EngineCoreOutput, EngineCoreRequest
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.core.step_log import StepLog
-from stage5_server.errors import StepFailed
+from stage5_server.core.utilities import Utilities
+from stage5_server.errors import EngineSleepingError, StepFailed
 from stage5_server.executor import Executor, PendingStep
-from stage5_server.weight_sync.core import WeightSync
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
     from stage5_server.spec_decode.drafter import Drafter
+    from stage5_server.weight_sync import WeightSync
 
 
 class EngineCore(SchedulerFacade):
@@ -63,7 +69,9 @@ class EngineCore(SchedulerFacade):
         self.max_batches_in_flight = config.parallel.pipeline_parallel_size
         self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.most_batches_in_flight = 0  # the deepest the queue has been: 2 shows two stages busy at once
-        self.weight_sync = WeightSync(self)  # weight updates, sleep, collective_rpc (weight_sync/)
+        self.utilities = Utilities(self)  # calls between steps: collective_rpc, and what a system registers
+        self.admission_checks: list[Callable[[], str | None]] = []  # each: why no new request may run now, or None
+        self.weight_sync: WeightSync | None = None  # weight updates and sleep (weight_sync/), set by the builder
 
     @property
     def num_kv_blocks(self) -> int:
@@ -76,6 +84,19 @@ class EngineCore(SchedulerFacade):
             self.structured_output_manager.grammar_init(core_request)
         return core_request
 
+    def refusal(self) -> str | None:
+        """Why no new request may run now (the first admission check that says so: asleep), or None."""
+        for check in self.admission_checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
+
+    def check_admission(self) -> None:
+        reason = self.refusal()
+        if reason is not None:
+            raise EngineSleepingError(reason)
+
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
 
@@ -84,7 +105,8 @@ class EngineCore(SchedulerFacade):
 
     def stats(self) -> SchedulerStats:
         stats = super().stats()
-        stats.weight_version, stats.sleep_level = self.weight_sync.version, self.weight_sync.sleep_level
+        if self.weight_sync is not None:
+            stats.weight_version, stats.sleep_level = self.weight_sync.version, self.weight_sync.sleep_level
         return stats
 
     def shutdown(self) -> None:

@@ -4,8 +4,9 @@ Stage 4 hashes a block from its parent's hash, its token ids and its extra keys 
 ``extra_hashes``: there, the cache salt). Stage 5's requests carry two more things that decide what
 a block's K/V are, so its blocks carry two more sources (``block_extra_keys``), in this order:
 
-1. ``("lora", name)`` and ``("lora", path)``: the adapter the request runs under (``lora/``), on
-   every block; the same name reloaded from another directory is another adapter;
+1. ``("lora", ...)``: the adapter the request runs under (``lora/``), on every block: its name and the
+   digest of its weights (``LoRARequest.cache_key``), so the same name loaded again with other weights,
+   from the same directory or another, is another adapter;
 2. ``("mm", image hash)``: each image whose placeholder tokens the block overlaps (``multimodal/``),
    in the order the images appear. An image's placeholders are all one token id, so two prompts
    with the same text and different images have the same token ids: without this key the second
@@ -29,6 +30,7 @@ from stage4_prefix_cache.kv_cache_manager import KVCacheManager as _KVCacheManag
 from stage4_prefix_cache.kv_cache_utils import ExtraKey, KVCacheBlock
 from stage5_server.core.request import Request
 from stage5_server.kv_transfer import FilledBlock, KVConnectorBase
+from stage5_server.kv_transfer.base import transfer_id_of
 from stage5_server.kv_transfer.lookup import filled_blocks, take_connector_blocks
 
 
@@ -45,12 +47,13 @@ class KVCacheManager(_KVCacheManager):
 
     def filled_blocks(self, request: Request, num_new_tokens: int) -> list[FilledBlock]:
         return filled_blocks(self._get_block_hashes(request), self.req_to_blocks[request.request_id],
-                             request.num_computed_tokens, num_new_tokens, request.num_tokens, self.block_size)
+                             request.num_computed_tokens, num_new_tokens, request.num_tokens, self.block_size,
+                             transfer_id_of(request))
 
     def block_extra_keys(self, request: Request, start: int, end: int) -> tuple[ExtraKey, ...]:
         keys: list[ExtraKey] = []
         adapter = getattr(request, "lora_request", None)
         if adapter is not None:
-            keys += [("lora", adapter.lora_name), ("lora", adapter.lora_path)]
+            keys += [("lora", part) for part in adapter.cache_key]
         keys += [("mm", f.identifier) for f in getattr(request, "mm_features", ()) if f.overlaps(start, end)]
         return (*keys, *super().block_extra_keys(request, start, end))

@@ -6,12 +6,12 @@ one clock for every process) and how the request stands. The same ``msgspec`` St
 a queue (thread mode) or as msgpack over ZeroMQ (process mode): a rename is one edit.
 
     front end -> core:  AddRequest | AbortRequests | Shutdown (| ClientGone, from the supervisor)
-                        | UtilityCall (weight updates, sleep, collective_rpc: ``weight_sync/``)
+                        | UtilityCall (a call between steps: ``collective_rpc``, ``utilities.py``)
     core -> front end:  EngineCoreOutputs (per step), after EngineCoreReady | EngineCoreStartupError;
                         UtilityOutput
     data parallelism:   ClientHello -> ClientWelcome; EngineStats -> coordinator -> EngineStatsUpdate
 
-vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``) and
+vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``, ``UtilityOutput``) and
 ``vllm/v1/serial_utils.py`` (``MsgpackEncoder`` / ``MsgpackDecoder``).
 """
 
@@ -28,7 +28,6 @@ from stage5_server.core.request import Request
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.inputs import MultiModalFeature
-from stage5_server.weight_sync.messages import UtilityCall, UtilityOutput
 
 # ---- front end -> engine core --------------------------------------------------------------------
 
@@ -46,12 +45,13 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []  # the front end tokenizes ``sampling_params.bad_words``
     mm_features: list[MultiModalFeature] = []  # the prompt's images, prepared by the front end
     lora_request: LoRARequest | None = None  # the adapter it runs under (lora/)
+    kv_transfer_params: dict[str, str] | None = None  # its blocks' transfer between instances (kv_transfer/)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
                        priority=self.priority, cache_salt=self.cache_salt, eos_token_ids=self.eos_token_ids,
                        bad_words_token_ids=self.bad_words_token_ids, mm_features=self.mm_features,
-                       lora_request=self.lora_request)
+                       lora_request=self.lora_request, kv_transfer_params=self.kv_transfer_params)
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -65,6 +65,17 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Run one of the core's utilities between two steps (``utilities.py``): ``collective_rpc``, or one a system
+    registered (weight updates and sleep, ``weight_sync/``). ``payload``: the pickled ``(args, kwargs)`` (tensors,
+    a function); only an API server sends it."""
+
+    call_id: int
+    method: str
+    payload: bytes
+    client_id: str | None = None
 
 
 class ClientGone(msgspec.Struct, tag="client_gone"):
@@ -97,6 +108,16 @@ class EngineCoreOutput(OutputDelta):
     def from_request(cls, request: Request, num_sent: int) -> EngineCoreOutput:
         delta = OutputDelta.from_request(request, num_sent)
         return cls(**vars(delta), pooled=request.pooled_output)
+
+
+class UtilityOutput(msgspec.Struct, tag="utility_output"):
+    """A ``UtilityCall``'s answer: the pickled result, or the error (``error_type``: its class's name)."""
+
+    call_id: int
+    result: bytes = b""
+    error: str | None = None
+    error_type: str = ""
+    engine_index: int = 0
 
 
 class FailedRequests(msgspec.Struct):
@@ -148,7 +169,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     tokenizer: str
     engine_args: dict[str, Any]
-    cache_config: dict[str, str]  # the resolved KV-cache configuration (``LLM.cache_config_info``)
+    cache_config: dict[str, str]  # the resolved KV-cache configuration (``stats.cache_config_info``)
     engine_index: int = 0
 
 

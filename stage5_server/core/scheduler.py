@@ -1,7 +1,7 @@
 """Stage 4's scheduler, for an engine whose workers may live in other processes.
 
 1. **The workers' view of the step.** ``schedule()`` takes stage 4's decision and describes it as the
-   plain-data ``SchedulerOutput`` every rank receives (``scheduler_output.py``): a request whole the
+   plain-data ``SchedulerOutput`` every rank receives (``stage5_server/outputs.py``): a request whole the
    first time, afterwards only what it gained; with the structured-output masks of the requests that
    sample, computed here, where the grammars live. ``update_from_output`` takes the runner's answer,
    puts tokens and logprobs on the requests and returns the ``EngineCoreOutput`` of each request that
@@ -23,8 +23,8 @@
    (``lora/``): a waiting request whose adapter would be one too many among the running requests
    waits, and the requests behind it go first, as vLLM's scheduler skips it.
 
-The KV cache manager is stage 4's with stage 5's extra keys in each block's hash (an adapter's, an
-image's: ``kv_cache_manager.py``).
+The KV cache manager is stage 4's; with adapters, images or a KV connector on, stage 5's, which adds
+their keys to each block's hash (an adapter's, an image's) and asks the connector (``kv_cache_manager.py``).
 
 vLLM: ``vllm/v1/core/sched/scheduler.py`` (``schedule``'s ``NewRequestData`` / ``CachedRequestData``,
 ``num_tokens_with_spec``, the rejected-token rollback and the outputs in ``update_from_output``,
@@ -45,21 +45,22 @@ from stage4_prefix_cache.scheduler import SchedulerOutput as _LiveSchedulerOutpu
 from stage5_server.core.kv_cache_manager import KVCacheManager
 from stage5_server.core.messages import EngineCoreOutput
 from stage5_server.core.request import Request
-from stage5_server.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from stage5_server.core.stats import SchedulerStats
 from stage5_server.kv_transfer import KVConnectorBase
+from stage5_server.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from stage5_server.spec_decode.grammar import fill_bitmask_with_drafts, num_valid_drafts
 
 
 class Scheduler(_PrefixCachingScheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int = 1 << 30,
                  vocab_size: int | None = None, max_loras: int | None = None,
-                 kv_connector: KVConnectorBase | None = None):
-        super().__init__(scheduler_config, cache_config, max_model_len)
+                 kv_connector: KVConnectorBase | None = None, takes_images: bool = False):
         self.kv_connector = kv_connector  # None: no KV connector (kv_transfer/)
+        self.max_loras = max_loras  # None: no adapters served
+        self.takes_images = takes_images  # a vision-language model: images key their blocks (multimodal/)
+        super().__init__(scheduler_config, cache_config, max_model_len)
         if kv_connector is not None:
             self.kv_cache_manager.kv_connector = kv_connector
-        self.max_loras = max_loras  # None: no adapters served
         self.vocab_size = vocab_size  # the width of a structured-output mask (the builder passes the model's)
         self.sent_to_workers: dict[str, list[int]] = {}  # request id -> [tokens, blocks] the workers hold
         self.finished_on_workers: set[str] = set()  # to tell the workers with the next executed step
@@ -70,7 +71,9 @@ class Scheduler(_PrefixCachingScheduler):
         self.counters = SchedulerStats()  # stage 4's, with speculative decoding's counters
 
     def _make_kv_cache_manager(self, cache_config: CacheConfig):
-        if not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
+        """Stage 4's manager, unless adapters, images or a KV connector need stage 5's (chosen at start-up)."""
+        plain = self.max_loras is None and not self.takes_images and self.kv_connector is None
+        if plain or not isinstance(cache_config, CacheConfig):  # a stage 3 config: caching stays off
             return super()._make_kv_cache_manager(cache_config)
         return KVCacheManager(cache_config.block_size, cache_config.num_blocks,
                               enable_caching=cache_config.enable_prefix_caching,

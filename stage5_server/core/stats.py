@@ -6,14 +6,19 @@ A snapshot (``Scheduler.stats()``) crosses to the front end in every ``EngineCor
 (``spec_decode/metrics.py``), always present, all zero while nothing is drafted, the weight version and
 sleep level (``weight_sync/``), and a KV connector's counters (``kv_transfer/``).
 
+The KV cache as resolved, for ``/metrics``' ``vllm:cache_config_info``, is ``cache_config_info``.
+
 vLLM: ``SchedulerStats`` in ``vllm/v1/metrics/stats.py`` (its ``spec_decoding_stats``) and
-``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``; a KV connector's counters (``kv_transfer/``).
+``LoggingStatLogger`` in ``vllm/v1/metrics/loggers.py``; a KV connector's counters (``kv_transfer/``);
+``CacheConfig`` in ``vllm/config/cache.py`` (the fields ``cache_config_info`` names).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from shared.metrics import SchedulerStats as _SchedulerStats
 from stage4_prefix_cache.scheduler import LoggingStatLogger as _PrefixCacheStatLogger
@@ -50,3 +55,21 @@ class LoggingStatLogger(_PrefixCacheStatLogger):
 
 
 format_stats_line = LoggingStatLogger.format_line
+
+
+def cache_config_info(args: dict[str, Any], dtype: torch.dtype, capacity: int | None) -> dict[str, str]:
+    """The KV cache as resolved, as strings under the names of vLLM's ``CacheConfig`` fields (those this
+    stage has; vLLM's ``cache_dtype`` "auto" is written as the dtype it means), for ``vllm:cache_config_info``.
+    ``capacity``: the tokens the cache holds, once known."""
+    info = {"cache_dtype": str(dtype).removeprefix("torch."), "kv_cache_size_tokens": str(capacity)}
+    block_size = args.get("block_size")
+    if block_size and capacity is not None:
+        info.update(block_size=str(block_size), num_gpu_blocks=str(capacity // block_size),
+                    num_gpu_blocks_override=str(args.get("num_kv_blocks")))
+    for name, arg in (("enable_prefix_caching", "enable_prefix_caching"),
+                       ("prefix_caching_hash_algo", "prefix_caching_hash_algo"),
+                       ("gpu_memory_utilization", "gpu_memory_utilization"),
+                       ("kv_cache_memory_bytes", "kv_cache_memory")):
+        if arg in args:
+            info[name] = str(args[arg])
+    return info

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.tiny_model import cache_dir
+from shared.cache import cache_dir
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))

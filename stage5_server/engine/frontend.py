@@ -25,21 +25,31 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from shared.llm_base import PromptType
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from stage5_server.core.messages import AbortRequests, AddRequest, EngineCoreInput, EngineCoreOutputs, EngineCoreRequest
+from stage5_server.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+)
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
 from stage5_server.engine.input_processor import InputProcessor
 from stage5_server.engine.output_processor import OutputProcessor, RequestOutputKind
 from stage5_server.engine.stream import RequestStream
+from stage5_server.engine.utility_client import UtilityClient
 from stage5_server.errors import EngineDeadError, EngineError, RequestAborted
 from stage5_server.lora.request import LoRARequest
 from stage5_server.multimodal.processor import ImageProcessor
-from stage5_server.weight_sync.client import WeightSyncClient
+
+if TYPE_CHECKING:
+    from stage5_server.weight_sync.client import WeightSyncClient
 
 logger = logging.getLogger("stagedserve")
 
@@ -69,15 +79,24 @@ def _guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise EngineError(f"the engine failed on this request ({type(exc).__name__})") from None
 
 
+def prompt_text(prompt: PromptType) -> str | None:
+    """The prompt's text, if it came as text (a string, or ``{"prompt": text, ...}``)."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def dead_core_stats(stats: SchedulerStats) -> SchedulerStats:
     """A dead core runs and holds nothing; its counters keep what it did."""
     return dataclasses.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
 
 
-class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (weight_sync/client.py)
-    """What the server uses of an engine. A client subclass sends the messages (``_send``), delivers the
-    core's outputs to ``_on_outputs`` and reports its death (``_engine_died``). ``stat_loggers`` run on
-    the output thread; ``cache_configs``: each core's KV-cache config, by rank."""
+class AsyncEngine:
+    """What the server uses of an engine. A client subclass sends the messages (``_send``, ``_send_utility``),
+    delivers the core's outputs to ``_on_outputs`` and its utility answers to ``utilities.on_output``, and
+    reports its death (``_engine_died``). ``stat_loggers`` run on the output thread; ``cache_configs``: each
+    core's KV-cache config, by rank. ``weight_sync``: weight updates and sleep (``weight_sync/client.py``), a
+    member only when the engine runs with them."""
 
     engine_process: ClassVar[bool]  # True: the core runs in a process of its own
     # Which of the API servers that share the engine cores this front end is (``--api-server-count``).
@@ -107,11 +126,20 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
         self._lock = threading.Lock()  # the tokenizer and both processors
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._init_weight_sync()
+        self.utilities = UtilityClient(self._send_utility)  # calls the core runs between steps
+        self.weight_sync: WeightSyncClient | None = None
+        if engine_args.get("enable_weight_sync"):
+            from stage5_server.weight_sync.client import WeightSyncClient
+
+            self.weight_sync = WeightSyncClient(self.utilities, lambda: self.stats)
 
     # ---- what a client provides -----------------------------------------------------------------
     def _send(self, message: EngineCoreInput) -> None:
         """Hand a message to the core without blocking; raise ``EngineDeadError`` if none takes it."""
+        raise NotImplementedError
+
+    def _send_utility(self, call: UtilityCall) -> int:
+        """Send a utility call to the core(s) without blocking; the number of answers to wait for."""
         raise NotImplementedError
 
     def _core_alive(self) -> bool:
@@ -134,6 +162,21 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping and self._core_alive()
+
+    async def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list:
+        """``method`` on every worker of every engine core, between steps; the results in (core, rank) order."""
+        answers = await self.utilities.call("collective_rpc", method, tuple(args), kwargs, timeout=timeout)
+        return [result for per_core in answers for result in per_core]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block of every core; False while requests hold blocks."""
+        return all(await self.utilities.call("reset_prefix_cache"))
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version a request sent now runs on (0 unless weight sync is on)."""
+        return 0 if self.weight_sync is None else self.weight_sync.weight_version
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` (tokenization) on a worker thread, never during detokenization: work that grows
@@ -175,7 +218,7 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             stream = RequestStream(request_id, loop, output_kind is RequestOutputKind.DELTA)
             for index, r in enumerate(requests):
-                self.output_processor.add_request(r.request_id, prompt if isinstance(prompt, str) else None,
+                self.output_processor.add_request(r.request_id, prompt_text(prompt),
                                                   r.prompt_token_ids, r.sampling_params, r.arrival_time,
                                                   kind=output_kind, parent=parent, index=index, queue=stream,
                                                   received=received_time)
@@ -275,14 +318,15 @@ class AsyncEngine(WeightSyncClient):  # weight updates, sleep, collective_rpc (w
     def _engine_died(self, why: str) -> None:
         logger.error("%s; failing %d in-flight request(s)", why, len(self.output_processor))
         self._dead = EngineDeadError(why)
-        self._utility_senders_gone(why)
+        self.utilities.senders_gone(why)
         self._fail_all(EngineError(f"{why} while running this request"), "error")
 
     # ---- helpers --------------------------------------------------------------------------------
     def _check_running(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
-        self.check_awake()  # asleep: refused (503), never left waiting
+        if self.weight_sync is not None:
+            self.weight_sync.check_awake()  # asleep: refused (503), never left waiting
 
     def _send_quietly(self, message: EngineCoreInput) -> None:
         try:

@@ -24,6 +24,7 @@ vLLM: ``vllm/v1/engine/input_processor.py`` (``processor.py`` in older versions)
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,15 +36,22 @@ from shared.tokenizer import Tokenizer
 from stage5_server.core.messages import EngineCoreRequest
 from stage5_server.errors import ContextLengthExceeded
 from stage5_server.lora.request import LoRARequest
-from stage5_server.multimodal.processor import (
-    ImageProcessor,
-    count_image_parts,
-    images_of,
-    load_offline_part,
-    split_image_parts,
-)
+from stage5_server.multimodal.processor import ImageProcessor, images_of, load_offline_part, split_image_parts
 
 NO_IMAGES = "this model takes no images (it is not a vision-language model)"
+
+
+TRANSFER_ID = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+
+
+def check_kv_transfer_params(params: Any) -> dict[str, str] | None:
+    """None, or ``{"transfer_id": 16 to 128 letters, digits, '-' or '_'}``; a ValueError naming the field."""
+    if params is None:
+        return None
+    if not isinstance(params, dict) or set(params) != {"transfer_id"} or not isinstance(params["transfer_id"], str) \
+            or not TRANSFER_ID.match(params["transfer_id"]):
+        raise ValueError("kv_transfer_params: expected {\"transfer_id\": 16 to 128 letters, digits, '-' or '_'}")
+    return dict(params)
 
 
 class InputProcessor:
@@ -66,18 +74,21 @@ class InputProcessor:
         """The checked engine requests for one prompt: ``(None, [request])``, or ``(parent, its n children)``.
         ``prompt``: text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, or
         ``{"messages": [...], **apply_chat_template's keyword arguments}``; any of the dicts may add
-        ``multi_modal_data: {"image": [PIL images]}`` (one image token per image in the prompt) and
-        ``mm_processor_kwargs`` (the image processor's keyword arguments)."""
+        ``multi_modal_data: {"image": [PIL images]}`` (one image token per image in the prompt),
+        ``mm_processor_kwargs`` (the image processor's keyword arguments) and ``kv_transfer_params``
+        (``{"transfer_id": ...}``: the id its blocks cross between a prefill and a decode instance under)."""
         if lora_request is not None and not self.enable_lora:
             raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a stage5_server.lora.LoRARequest, got {lora_request!r}")
-        images, processor_kwargs = None, None
+        images, processor_kwargs, transfer = None, None, None
         if isinstance(prompt, dict):
             if "multi_modal_data" in prompt:
                 images = images_of(prompt["multi_modal_data"])
             processor_kwargs = prompt.get("mm_processor_kwargs")
-            prompt = {k: v for k, v in prompt.items() if k not in ("multi_modal_data", "mm_processor_kwargs")}
+            transfer = check_kv_transfer_params(prompt.get("kv_transfer_params"))
+            prompt = {k: v for k, v in prompt.items()
+                      if k not in ("multi_modal_data", "mm_processor_kwargs", "kv_transfer_params")}
         if isinstance(prompt, dict) and "messages" in prompt:
             prompt, in_messages = self.render(prompt)
             if in_messages:
@@ -98,7 +109,8 @@ class InputProcessor:
             return EngineCoreRequest(request_id=rid, prompt_token_ids=token_ids, sampling_params=child_params,
                                      arrival_time=now, priority=priority, cache_salt=cache_salt,
                                      eos_token_ids=self.eos_token_ids, bad_words_token_ids=bad_words,
-                                     mm_features=features, lora_request=lora_request)
+                                     mm_features=features, lora_request=lora_request,
+                                     kv_transfer_params=transfer)
 
         if params.n == 1:
             return None, [make(request_id, params)]
@@ -121,12 +133,15 @@ class InputProcessor:
         return ids if self.image_processor is None else self.image_processor.expand(ids)
 
     def _split_images(self, messages: list[dict], load: Callable[[dict], Any]) -> tuple[list[dict], list]:
-        """The messages with each image part as the template's image token, and ``load(part)`` of each part."""
-        if not count_image_parts(messages):
-            return messages, []
-        if self.image_processor is None:
-            raise ValueError(f"messages: {NO_IMAGES}")
-        return split_image_parts(messages, load)
+        """The messages with each image part as the template's image token, and ``load(part)`` of each part. A
+        text model's messages pass as they are, unless a message's content parts hold anything but text."""
+        if self.image_processor is not None:
+            return split_image_parts(messages, load)
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise ValueError(f"messages[{i}].content: {NO_IMAGES}; send text parts only")
+        return messages, []
 
     def pooling_request(self, request_id: str, token_ids: list[int], cache_salt: str | None = None,
                         ) -> EngineCoreRequest:

@@ -77,7 +77,9 @@ class _Rank:
 
 def combine_stats(all_stats: list[SchedulerStats]) -> SchedulerStats:
     """Counts summed over the ranks (the step histogram bucket by bucket, the drafts' counts with their own
-    sum); KV usage as the mean."""
+    sum); KV usage as the mean. One rank's are its own (a copy)."""
+    if len(all_stats) == 1:
+        return dataclasses.replace(all_stats[0])
     total = SchedulerStats()
     for stats in all_stats:
         for f in dataclasses.fields(SchedulerStats):
@@ -315,7 +317,7 @@ class MPAsyncLLM(AsyncEngine):
             if isinstance(message, EngineCoreOutputs):
                 self._on_rank_outputs(rank, message)
             elif isinstance(message, UtilityOutput):
-                self._on_utility_output(message)
+                self.utilities.on_output(message)
 
     def _on_rank_outputs(self, rank: _Rank, message: EngineCoreOutputs) -> None:
         failed = message.failed
@@ -346,7 +348,7 @@ class MPAsyncLLM(AsyncEngine):
             for rid in lost:
                 self._forget_route(rid)
         logger.error("%s; failing its %d in-flight request(s); %d rank(s) left", why, len(lost), len(self.live_ranks()))
-        self._utility_senders_gone(f"{why} before it answered")
+        self.utilities.senders_gone(f"{why} before it answered")
         self._fail(lost, EngineError(f"{why} while running this request"), "error")
         if not self._core_alive():
             self._dead = EngineDeadError("every engine core has died")

@@ -13,24 +13,28 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from shared.llm_base import cache_config_info
 from shared.tokenizer import Tokenizer
 from stage5_server.config import STAGE, EngineConfig
 from stage5_server.core.builder import build_engine_core
 from stage5_server.core.busy_loop import EngineCoreLoop
 from stage5_server.core.engine_core import EngineCore
 from stage5_server.core.messages import EngineCoreInput, EngineCoreOutputs, Shutdown, UtilityCall, UtilityOutput, plain
+from stage5_server.core.stats import cache_config_info
 from stage5_server.engine.frontend import AsyncEngine, StatLoggerBase
 from stage5_server.errors import EngineDeadError
-
-if TYPE_CHECKING:
-    from stage5_server.llm import LLM
 
 logger = logging.getLogger("stagedserve")
 
 THREAD_NAME = "stagedserve-engine"
+
+
+class OfflineEngine(Protocol):
+    """What ``AsyncLLM.from_llm`` takes of an offline ``LLM`` (``stage5_server/llm.py``, which imports this room)."""
+
+    engine: EngineCore
+    tokenizer: Tokenizer
 
 
 class _ThreadCoreLoop(EngineCoreLoop):
@@ -86,7 +90,7 @@ class AsyncLLM(AsyncEngine):
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # so that nothing is queued after the engine thread's last look
         self._loop = _ThreadCoreLoop(core, self._inputs, self._on_outputs, self.log_stats_if_due, idle_poll_s,
-                                     self._on_utility_output)
+                                     self.utilities.on_output)
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -96,7 +100,7 @@ class AsyncLLM(AsyncEngine):
         return cls(build_engine_core(config, tokenizer), tokenizer, owns_core=True, **kwargs)
 
     @classmethod
-    def from_llm(cls, llm: LLM, **kwargs: Any) -> AsyncLLM:
+    def from_llm(cls, llm: OfflineEngine, **kwargs: Any) -> AsyncLLM:
         """Over ``llm``'s engine core (its own front end stays unused; ``llm`` is not to step meanwhile)."""
         return cls(llm.engine, llm.tokenizer, **kwargs)
 
@@ -140,5 +144,5 @@ class AsyncLLM(AsyncEngine):
         else:
             self._dead = EngineDeadError("the server is shutting down")
             self._fail_all(self._dead, "abort")
-            self._utility_senders_gone("the server is shutting down")
+            self.utilities.senders_gone("the server is shutting down")
             self._loop.abort(self.core.unfinished_request_ids())  # give their KV back

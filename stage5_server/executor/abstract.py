@@ -9,10 +9,13 @@ the next batch while a pipeline's later stages still work on this one.
 Every rank starts the same way, in this process, a worker process or a Ray actor (``start_worker``):
 its share of the CPU's threads, its place in the process group when the model is split, then the
 worker its runner kind names (``EngineConfig.worker_cls``: the generating ``Worker``, or the pooling
-room's), built without this package importing the room it lives in.
+room's), built without this package importing the room it lives in, with the extension the config names
+beside it (``worker_extension_cls``).
 
 vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``) and ``WorkerWrapperBase``
-in ``vllm/v1/worker/worker_base.py`` (the worker built from ``parallel_config.worker_cls``).
+in ``vllm/v1/worker/worker_base.py`` (the worker built from ``parallel_config.worker_cls``, and
+``worker_extension_cls``, whose methods vLLM adds to the worker's class; here the extension is an object beside
+the worker).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from stage5_server.config import EngineConfig
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class PendingStep(Protocol):
@@ -65,8 +68,23 @@ class Executor:
 
 
 def call(worker: Any, method: str | Callable, args: tuple) -> Any:
-    """One ``collective_rpc`` call on one worker."""
-    return getattr(worker, method)(*args) if isinstance(method, str) else method(worker, *args)
+    """One ``collective_rpc`` call on one worker (a name: its method, or its extension's)."""
+    if not isinstance(method, str):
+        return method(worker, *args)
+    fn = worker_method(worker, method)
+    if fn is None:
+        raise AttributeError(f"{type(worker).__name__} has no method {method!r}")
+    return fn(*args)
+
+
+def worker_method(worker: Any, name: str) -> Callable | None:
+    """The worker's method ``name``: its own, else its extension's (``EngineConfig.worker_extension_cls``, set by
+    ``make_worker``); None if neither has one."""
+    for owner in (worker, getattr(worker, "extension", None)):
+        fn = None if owner is None else getattr(owner, name, None)
+        if callable(fn):
+            return fn
+    return None
 
 
 def resolve_obj_by_qualname(qualname: str) -> Any:
@@ -76,8 +94,13 @@ def resolve_obj_by_qualname(qualname: str) -> Any:
 
 
 def make_worker(config: EngineConfig, rank: int = 0, device: torch.device | None = None) -> Any:
-    """The worker of ``config``'s runner kind (``EngineConfig.worker_cls``) for ``rank``."""
-    return resolve_obj_by_qualname(config.worker_cls)(config, rank, device)
+    """The worker of ``config``'s runner kind (``EngineConfig.worker_cls``) for ``rank``, and its extension if the
+    config names one (``worker_extension_cls``: a class built over the worker, whose methods ``collective_rpc``
+    reaches beside the worker's own, as weight updates and sleep do: ``weight_sync/worker.py``)."""
+    worker = resolve_obj_by_qualname(config.worker_cls)(config, rank, device)
+    if config.worker_extension_cls is not None:
+        worker.extension = resolve_obj_by_qualname(config.worker_extension_cls)(worker)
+    return worker
 
 
 def start_worker(config: EngineConfig, rank: int, device: torch.device, num_threads: int,

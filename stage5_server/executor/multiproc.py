@@ -39,7 +39,7 @@ from stage5_server.processes import set_process_name, stop_processes
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("stagedserve")
 

@@ -46,7 +46,7 @@ from stage5_server.parallel.parallel_state import DEFAULT_TIMEOUT_S, resolve_int
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("stagedserve")
 

@@ -14,7 +14,7 @@ from stage5_server.executor.abstract import DoneStep, Executor, call, make_worke
 
 if TYPE_CHECKING:
     from stage5_server.config import EngineConfig
-    from stage5_server.core.scheduler_output import SchedulerOutput
+    from stage5_server.outputs import SchedulerOutput
 
 
 class UniProcExecutor(Executor):

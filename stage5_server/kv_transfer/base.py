@@ -75,10 +75,19 @@ class KVConnectorStats:
 
 @dataclass
 class FilledBlock:
-    """A block whose K/V the step completes: its hash, where it is in the pool."""
+    """A block whose K/V the step completes: its hash, where it is in the pool, and the transfer its request is
+    part of (``transfer_id_of``; None: none)."""
 
     block_hash: BlockHash
     block_id: int
+    transfer_id: str | None = None
+
+
+def transfer_id_of(request: Any) -> str | None:
+    """The id under which a request's blocks cross between instances (``kv_transfer_params["transfer_id"]``, which
+    the proxy gives both instances of a request), or None."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params.get("transfer_id") if params else None
 
 
 def stored_run(block_hashes: list[BlockHash], start: int, holds) -> list[BlockHash]:

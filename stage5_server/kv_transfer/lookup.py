@@ -44,8 +44,10 @@ def take_connector_blocks(pool: BlockPool, connector: KVConnectorBase, request: 
 
 
 def filled_blocks(block_hashes: list[BlockHash], table: list[KVCacheBlock], num_computed_tokens: int,
-                  num_new_tokens: int, num_known_tokens: int, block_size: int) -> list[FilledBlock]:
-    """The blocks of known tokens whose K/V the next ``num_new_tokens`` positions complete."""
+                  num_new_tokens: int, num_known_tokens: int, block_size: int,
+                  transfer_id: str | None = None) -> list[FilledBlock]:
+    """The blocks of known tokens whose K/V the next ``num_new_tokens`` positions complete (``transfer_id``: the
+    request's, ``base.transfer_id_of``)."""
     start = num_computed_tokens // block_size
     end = min(num_computed_tokens + num_new_tokens, num_known_tokens) // block_size
-    return [FilledBlock(block_hashes[i], table[i].block_id) for i in range(start, end)]
+    return [FilledBlock(block_hashes[i], table[i].block_id, transfer_id) for i in range(start, end)]

@@ -12,24 +12,31 @@ argument: time to first token and time per output token fight over the same step
   ``SEND_TIMEOUT_S`` is logged and skipped, and for ``RETRY_AFTER_S`` the steps send nothing: the
   producer's requests never fail for it, and only one step waits for it.
 - **Consumer** (``kv_role: kv_consumer``): a thread of its engine core binds the address (loopback unless
-  ``kv_host`` names another) and keeps what arrives in a bounded buffer, LRU by hash. Its scheduler side
-  then finds a request's blocks there past the local prefix cache, as the offload tier does
+  ``kv_host`` names another) and keeps what arrives in a bounded buffer, LRU by (transfer id, hash). Its
+  scheduler side then finds a request's blocks there past the local prefix cache, as the offload tier does
   (``offload.py``), and the step that first reads them carries their K/V to the worker, which copies
   them into their blocks before the forward. The consumer recomputes only the last partial block.
 
 Blocks are named by their prefix-cache hash, so the two engines must hash alike: the same model, block
-size, sha256 and the request's same trust group (salt), adapter and images. Nothing on either side is
-kept per request, so an aborted request leaves nothing behind, and a request that reaches the consumer
-without its blocks is simply prefilled there.
+size, sha256 and the request's same trust group (salt), adapter and images. A block also travels under the
+*transfer id* of the request it was computed for: the proxy gives each request a fresh, random one and
+sends it to both instances (``X-KV-Transfer-Id``; ``kv_transfer_params`` on the engine request). The
+producer sends only blocks of requests that have one, and the consumer files what arrives under it: a
+request there takes only the blocks sent for its own transfer id, never those sent for another request,
+even with the same hashes. Nothing else is kept per request, so an aborted request leaves nothing behind
+(its blocks age out of the LRU buffer), and a request that reaches the consumer without its blocks is
+simply prefilled there.
 
-The channel is unauthenticated, like the ranks' own traffic: whoever reaches the consumer's port can
-write K/V into its cache. Keep it on loopback or a private network.
+Who is on the other end: CURVE keys drawn from a secret both instances share (``peer_auth.py``). A peer
+without it neither receives K/V (the producer will not complete a handshake with it) nor sends any (the
+consumer refuses it and logs its address). A message part is at most ``max_message_bytes`` (64 MiB by
+default; a peer that sends more is disconnected), and the producer splits a step's blocks to fit.
 
 The proxy in front of the pair is ``proxy.py``.
 
 vLLM: ``P2pNcclConnector`` in ``vllm/distributed/kv_transfer/kv_connector/v1/p2p/`` (the producer sends
-to the consumer as it saves each layer), ``NixlConnector`` (the consumer reads instead);
-``examples/online_serving/disaggregated_serving/``.
+to the consumer as it saves each layer, keyed by request id; its sockets take whoever connects),
+``NixlConnector`` (the consumer reads instead); ``examples/online_serving/disaggregated_serving/``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,19 @@ import torch
 import zmq
 
 from stage4_prefix_cache.kv_cache_utils import BlockHash
-from stage5_server.kv_transfer.base import FilledBlock, KVConnectorBase, KVConnectorMetadata, stored_run
+from stage5_server.kv_transfer.base import (
+    FilledBlock,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    stored_run,
+    transfer_id_of,
+)
+from stage5_server.kv_transfer.peer_auth import (
+    ConsumerGuard,
+    handshake_failed,
+    kv_transfer_secret,
+    secure_producer_socket,
+)
 
 logger = logging.getLogger("stagedserve")
 SEND_TIMEOUT_S = 5.0
@@ -63,25 +82,32 @@ class P2pZmqConnector(KVConnectorBase):
     def __init__(self, config, role, block_size: int, layout: tuple[int, int, int, torch.dtype] | None = None):
         super().__init__(config, role, block_size)
         self.layout = layout  # (layers, kv_heads, head_dim, dtype): what a received block must be
+        self.secret = kv_transfer_secret()
         self.context = zmq.Context()  # its own: a host process (a notebook's kernel) may use the shared one
         self.sender: zmq.Socket | None = None  # producer, worker side
+        self.sender_monitor: zmq.Socket | None = None
         self.send_failures = 0
         self.send_again_at = 0.0  # monotonic time: after a failure, no sends before it
-        # consumer, scheduler side: hash -> (K, V) each [layers, block_size, kv_heads, head_dim], oldest first
-        self.received: OrderedDict[BlockHash, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # consumer, scheduler side: (transfer id, hash) -> (K, V) each [layers, block_size, kv_heads, head_dim],
+        # oldest first
+        self.received: OrderedDict[tuple[str, BlockHash], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.received_bytes = 0
         self.lock = threading.Lock()
         self.matched: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # request id -> the K, V it matched
         self.pending_loads: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.receiver: threading.Thread | None = None
+        self.guard: ConsumerGuard | None = None
         self.stopping = threading.Event()
         if config.is_consumer and role.value == "scheduler":
             socket = self.context.socket(zmq.REP)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # a larger part: the peer is dropped
+            self.guard = ConsumerGuard(self.context, socket, self.secret)
             try:
                 socket.bind(config.address)
             except zmq.ZMQError as exc:
                 socket.close()
+                self.guard.close()
                 raise OSError(f"kv_transfer_config: cannot listen on {config.address}: {exc}") from None
             self.receiver = threading.Thread(target=self._receive, args=(socket,), name="kv-receiver", daemon=True)
             self.receiver.start()
@@ -89,26 +115,34 @@ class P2pZmqConnector(KVConnectorBase):
     # ---- consumer: the receiving thread -------------------------------------------------------
     def _receive(self, socket: zmq.Socket) -> None:
         poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
+        for polled in (socket, *self.guard.sockets):
+            poller.register(polled, zmq.POLLIN)
         try:
             while not self.stopping.is_set():
-                if not poller.poll(100):
+                ready = dict(poller.poll(100))
+                self.guard.handle(ready)
+                if socket not in ready:
                     continue
                 frames = socket.recv_multipart(copy=False)
                 try:
                     self._store(frames)
                     socket.send(b"ok")
                 except Exception as exc:  # a malformed message: refused, nothing kept
-                    logger.warning("kv_transfer: refused a message from a producer: %s", exc)
+                    logger.warning("kv_transfer: refused a message from the producer: %s", exc)
                     socket.send(b"error: " + str(exc).encode()[:200])
         finally:
             socket.close()
+            self.guard.close()
 
     def _store(self, frames) -> None:
         header = json.loads(bytes(frames[0].buffer))
         dtype, shape, hashes = DTYPES[header["dtype"]], tuple(header["shape"]), header["hashes"]
-        if len(frames) != 3 or len(shape) != 5 or shape[0] != len(hashes):
-            raise ValueError("expected a header, K and V of [blocks, layers, block_size, heads, head_dim]")
+        transfers = header["transfer_ids"]
+        if len(frames) != 3 or len(shape) != 5 or shape[0] != len(hashes) or len(transfers) != len(hashes):
+            raise ValueError("expected a header, K and V of [blocks, layers, block_size, heads, head_dim] and a "
+                             "transfer id per block")
+        if not all(isinstance(t, str) and 0 < len(t) <= 128 for t in transfers):
+            raise ValueError("a block without a transfer id: only blocks of a request in transfer are taken")
         layers, heads, head_dim, own_dtype = self.layout
         if shape[1:] != (layers, self.block_size, heads, head_dim) or dtype != own_dtype:
             raise ValueError(f"blocks of {list(shape[1:])} in {dtype}; this engine's are "
@@ -117,11 +151,11 @@ class P2pZmqConnector(KVConnectorBase):
         values = torch.frombuffer(bytearray(frames[2].buffer), dtype=dtype).view(shape)
         block_bytes = 2 * keys[0].numel() * keys.element_size()
         with self.lock:
-            for i, block_hash in enumerate(bytes.fromhex(h) for h in hashes):
-                if block_hash in self.received:
-                    self.received.move_to_end(block_hash)
+            for i, key in enumerate(zip(transfers, (bytes.fromhex(h) for h in hashes))):
+                if key in self.received:
+                    self.received.move_to_end(key)
                     continue
-                self.received[block_hash] = (keys[i].clone(), values[i].clone())  # each freed on its own
+                self.received[key] = (keys[i].clone(), values[i].clone())  # each freed on its own
                 self.received_bytes += block_bytes
                 self.counters.p2p_received_blocks += 1
             while self.received and self.received_bytes > self.config.buffer_bytes:
@@ -130,13 +164,15 @@ class P2pZmqConnector(KVConnectorBase):
 
     # ---- consumer: scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens, block_hashes):
-        if not self.config.is_consumer:
-            return 0
+        transfer = transfer_id_of(request)
+        if not self.config.is_consumer or transfer is None:
+            return 0  # only a request in transfer takes blocks, and only those sent for it
         with self.lock:  # the K/V themselves: the receiving thread may drop a hash from the buffer meanwhile
-            found = stored_run(block_hashes, num_computed_tokens // self.block_size, self.received.__contains__)
+            found = stored_run(block_hashes, num_computed_tokens // self.block_size,
+                               lambda block_hash: (transfer, block_hash) in self.received)
             for block_hash in found:
-                self.received.move_to_end(block_hash)
-            self.matched[request.request_id] = [self.received[block_hash] for block_hash in found]
+                self.received.move_to_end((transfer, block_hash))
+            self.matched[request.request_id] = [self.received[(transfer, block_hash)] for block_hash in found]
         return len(found) * self.block_size
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -169,41 +205,64 @@ class P2pZmqConnector(KVConnectorBase):
                 value_cache[block_id].copy_(values[layer])
 
     def wait_for_save(self, metadata: P2pMetadata) -> None:
-        if not metadata.sends or time.monotonic() < self.send_again_at:
+        sends = [block for block in metadata.sends if block.transfer_id is not None]  # nobody waits for the rest
+        if not sends or time.monotonic() < self.send_again_at:
             return
-        index = torch.tensor([block.block_id for block in metadata.sends])
+        key_cache = self.kv_cache.key
+        block_bytes = len(key_cache) * key_cache[0][0].numel() * key_cache[0].element_size()  # one side, every layer
+        per_message = self.config.max_message_bytes // block_bytes
+        if per_message == 0:
+            logger.warning("kv_transfer: a block's K (%d bytes) is over max_message_bytes; blocks not sent",
+                           block_bytes)
+            return
+        for start in range(0, len(sends), per_message):
+            if not self._send_blocks(sends[start:start + per_message]):
+                return
+
+    def _send_blocks(self, blocks: list[FilledBlock]) -> bool:
+        index = torch.tensor([block.block_id for block in blocks])
         keys = torch.stack([layer.index_select(0, index) for layer in self.kv_cache.key], dim=1).cpu()
         values = torch.stack([layer.index_select(0, index) for layer in self.kv_cache.value], dim=1).cpu()
         header = {"dtype": str(keys.dtype), "shape": list(keys.shape),
-                  "hashes": [block.block_hash.hex() for block in metadata.sends]}
-        self._send([json.dumps(header).encode(), _bytes(keys), _bytes(values)])
+                  "hashes": [block.block_hash.hex() for block in blocks],
+                  "transfer_ids": [block.transfer_id for block in blocks]}
+        return self._send([json.dumps(header).encode(), _bytes(keys), _bytes(values)])
 
-    def _send(self, frames: list) -> None:
+    def _send(self, frames: list) -> bool:
         if self.sender is None:
             self.sender = self.context.socket(zmq.REQ)
             self.sender.setsockopt(zmq.LINGER, 0)
+            self.sender_monitor = secure_producer_socket(self.sender, self.secret)
             self.sender.connect(self.config.address)
         self.sender.send_multipart(frames, copy=False)
         if self.sender.poll(int(SEND_TIMEOUT_S * 1000)):
             answer = self.sender.recv()
             if answer == b"ok":
-                return
+                return True
             logger.warning("kv_transfer: the consumer refused %d blocks: %s", len(frames), answer.decode()[:200])
         else:  # a REQ socket with no answer cannot send again: start over with a new one
-            logger.warning("kv_transfer: no answer from the consumer at %s in %.0f s; blocks not sent",
-                           self.config.address, SEND_TIMEOUT_S)
-            self.sender.close()
-            self.sender = None
+            if handshake_failed(self.sender_monitor):
+                logger.warning("kv_transfer: the peer at %s is not the consumer (it cannot prove it holds the "
+                               "shared secret); no block was sent to it", self.config.address)
+            else:
+                logger.warning("kv_transfer: no answer from the consumer at %s in %.0f s; blocks not sent",
+                               self.config.address, SEND_TIMEOUT_S)
+            self._close_sender()
         self.send_failures += 1
         self.send_again_at = time.monotonic() + RETRY_AFTER_S
+        return False
+
+    def _close_sender(self) -> None:
+        for socket in (self.sender, self.sender_monitor):
+            if socket is not None:
+                socket.close()
+        self.sender = self.sender_monitor = None
 
     def shutdown(self) -> None:
         self.stopping.set()
         if self.receiver is not None:
             self.receiver.join(timeout=2)
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
+        self._close_sender()
         self.context.term()
 
 

@@ -8,9 +8,16 @@ module they adapt: ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.wei
 rsLoRA).
 
 ``load_adapter`` reads and checks everything (the rank against ``max_lora_rank``, every target
-module against the model's projections, every shape against the model's sizes) and returns a
-``LoRAModel`` only if all of it holds: a failed load raises ``LoRALoadError`` and leaves nothing
-behind. The server checks an adapter this way before it lists it; the workers load it the same way.
+module against the model's projections, every shape against the model's sizes, every tensor a
+floating-point one whose values are all finite) and returns a ``LoRAModel`` only if all of it holds:
+a failed load raises ``LoRALoadError`` naming what is wrong and leaves nothing behind. The server
+checks an adapter this way before it lists it; the workers load it the same way.
+
+A ``LoRAModel`` carries ``digest``, a SHA-256 over its rank, scaling and every tensor's bytes: what
+the prefix cache keys an adapter's blocks by (``LoRARequest.weights_digest``), so an adapter loaded
+again with other weights under the same name and path never meets the K/V its old weights computed.
+vLLM keys those blocks by the adapter's name alone (``_gen_lora_extra_hash_keys`` in
+``vllm/v1/core/kv_cache_utils.py``), and loads integer or non-finite weights without a word.
 
 vLLM: ``LoRAModel.from_local_checkpoint`` in ``vllm/lora/lora_model.py`` and ``PEFTHelper`` in
 ``vllm/lora/peft_helper.py``.
@@ -18,6 +25,8 @@ vLLM: ``LoRAModel.from_local_checkpoint`` in ``vllm/lora/lora_model.py`` and ``P
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import re
@@ -46,6 +55,16 @@ class LoRAModel:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the rank, the scaling and every tensor (in layer order): equal only for equal weights."""
+        sha = hashlib.sha256(f"{self.rank}:{self.scaling!r}".encode())
+        for (layer, projection), (a, b) in sorted(self.weights.items()):
+            sha.update(f"{layer}.{projection}".encode())
+            for tensor in (a, b):
+                sha.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        return sha.hexdigest()
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -101,6 +120,21 @@ def check_adapter_config(config: dict, max_lora_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+def checked_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as float32, if it is a floating-point tensor whose values are all finite; LoRALoadError naming
+    it otherwise (an integer adapter would be served as garbage, a NaN or an infinity fails every request)."""
+    if not tensor.dtype.is_floating_point:
+        raise LoRALoadError(f"lora_path: weight {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; "
+                            "adapter weights must be floating point")
+    tensor = tensor.float()
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = tensor[~finite][0].item()
+        raise LoRALoadError(f"lora_path: weight {name!r} holds {int((~finite).sum())} value(s) that are not finite "
+                            f"({'NaN' if bad != bad else bad}); adapter weights must be finite numbers")
+    return tensor
+
+
 def load_adapter(path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> LoRAModel:
     """Read and check a PEFT adapter directory (module docstring); float32 tensors on the CPU."""
     from safetensors import safe_open
@@ -121,7 +155,7 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_lora_rank: int
                 if layer >= model_config.num_hidden_layers:
                     raise LoRALoadError(f"lora_path: weight {name!r} is past the model's "
                                         f"{model_config.num_hidden_layers} layers")
-                halves.setdefault((layer, match[3]), {})[match[4]] = tensors.get_tensor(name).float()
+                halves.setdefault((layer, match[3]), {})[match[4]] = checked_tensor(name, tensors.get_tensor(name))
     except LoRALoadError:
         raise
     except Exception as exc:  # a damaged file: safetensors' own error, as text

@@ -6,8 +6,10 @@ vLLM's own three fields: the name a client asks for (the server's ``model`` fiel
 server gives each load, and the PEFT directory the weights come from. The server and the offline
 ``LLM`` hand the weights they checked to the workers (``manager.py``'s ``add_lora``); an engine
 driven directly has its workers load ``lora_path`` the first time they meet ``(lora_int_id,
-lora_path)``. The prefix
-cache keys a block by the name and the path (``core/kv_cache_manager.py``).
+lora_path)``. A fourth field, ``weights_digest``, is set by whoever checked the weights (the server,
+the offline ``LLM``): the SHA-256 of those weights (``adapter.py``). The prefix cache keys a block by
+``cache_key`` (``core/kv_cache_manager.py``): the name and the digest, or, for a request that came
+without one, the name, the load number and the path, which is what the workers hold the weights by.
 
 vLLM: ``vllm/lora/request.py``.
 """
@@ -22,6 +24,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    weights_digest: str = ""  # SHA-256 of the checked weights; "" when nobody checked them yet
 
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -30,6 +33,13 @@ class LoRARequest:
             raise ValueError(f"lora_request: lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_request: lora_path must name a PEFT adapter directory, got {self.lora_path!r}")
+
+    @property
+    def cache_key(self) -> tuple[str, ...]:
+        """What the adapter adds to a block's hash: equal only for the same adapter with the same weights."""
+        if self.weights_digest:
+            return self.lora_name, self.weights_digest
+        return self.lora_name, str(self.lora_int_id), self.lora_path
 
     @property
     def key(self) -> tuple[int, str]:

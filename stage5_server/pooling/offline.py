@@ -30,9 +30,11 @@ NOT_GENERATING = ("{api}: this model runs the pooling runner (it returns vectors
 
 
 def pooling_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                      truncate_prompt_tokens: int | None = None, param: str = "input") -> list[int]:
+                      truncate_prompt_tokens: int | None = None, param: str = "input",
+                      keep_last: bool = False) -> list[int]:
     """A pooling prompt as checked token ids. Longer than ``max_model_len``: refused, unless
-    ``truncate_prompt_tokens`` (-1: ``max_model_len``) keeps its first tokens (as the tokenizer truncates)."""
+    ``truncate_prompt_tokens`` (-1: ``max_model_len``) keeps a text's first tokens (as the tokenizer truncates;
+    ``keep_last``: its last ones, the special tokens around them kept) or a list of ids' last ones (as vLLM)."""
     limit = None
     if truncate_prompt_tokens is not None:
         limit = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
@@ -44,6 +46,8 @@ def pooling_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size:
             raise ValueError(f"{param}: empty input; at least one token is needed")
         if limit is None:
             token_ids = tokenizer.encode(prompt)
+        elif keep_last:
+            token_ids = _last_tokens(prompt, tokenizer, limit, param)
         else:
             token_ids = tokenizer.hf(prompt, truncation=True, max_length=limit)["input_ids"]
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -61,25 +65,40 @@ def pooling_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size:
     return token_ids
 
 
+def _last_tokens(text: str, tokenizer: Tokenizer, limit: int, param: str) -> list[int]:
+    """``text``'s token ids cut to ``limit`` from the front: the special tokens the tokenizer adds around it stay."""
+    full = tokenizer.encode(text)
+    if len(full) <= limit:
+        return full
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    specials = len(full) - len(plain)
+    head = next((h for h in range(specials + 1) if full[h:h + len(plain)] == plain), None)
+    if head is None or limit <= specials:  # the text's tokens are not a run inside the full ids: cut plainly
+        if limit <= specials:
+            raise ValueError(f"{param}: a limit of {limit} tokens leaves no room for the text beside this model's "
+                             f"{specials} special tokens")
+        return full[-limit:]
+    return full[:head] + plain[len(plain) - (limit - specials):] + full[head + len(plain):]
+
+
 def cosine_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
     """Pairwise cosine similarity of ``left[i]`` and ``right[i]``."""
     a, b = torch.tensor(left, dtype=torch.float32), torch.tensor(right, dtype=torch.float32)
     return F.cosine_similarity(a, b, dim=-1).tolist()
 
 
-def pair_up(text_1: Any, text_2: Any) -> tuple[list, list]:
-    """vLLM's pairing: one against one, one against many, or many against as many (a ValueError starts
-    with the field it blames)."""
-    for name, given in (("text_1", text_1), ("text_2", text_2)):
+def pair_up(text_1: Any, text_2: Any, names: tuple[str, str] = ("text_1", "text_2")) -> tuple[list, list]:
+    """vLLM's pairing: one against one, one against many, or many against as many. Returns both sides as lists,
+    the first one not repeated (one text scores against each of the second). A ValueError starts with the
+    field it blames (``names``: the fields the two sides came from)."""
+    for name, given in zip(names, (text_1, text_2)):
         if isinstance(given, list) and not given:
             raise ValueError(f"{name}: an empty list; give a text or a list of texts")
     first = text_1 if isinstance(text_1, list) and text_1 and not isinstance(text_1[0], int) else [text_1]
     second = text_2 if isinstance(text_2, list) and text_2 and not isinstance(text_2[0], int) else [text_2]
-    if len(first) == 1:
-        first = first * len(second)
-    if len(first) != len(second):
-        raise ValueError(f"text_1: {len(first)} inputs cannot pair with text_2's {len(second)}; give one, "
-                         "or as many as text_2")
+    if len(first) not in (1, len(second)):
+        raise ValueError(f"{names[0]}: {len(first)} inputs cannot pair with {names[1]}'s {len(second)}; give one, "
+                         f"or as many as {names[1]}")
     return first, second
 
 
@@ -110,6 +129,7 @@ class PoolingAPI:
         """The cosine similarity of each pair (``pair_up``) of embeddings."""
         self._require_pooling("LLM.score()")
         first, second = pair_up(text_1, text_2)
+        first = first * len(second) if len(first) == 1 else first
         unique = list(dict.fromkeys(map(_key, first + second)))
         embedded = self.embed([_prompt(k) for k in unique], truncate_prompt_tokens)
         by_key = {k: out for k, out in zip(unique, embedded)}

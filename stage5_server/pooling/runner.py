@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from shared.model import DecoderModel
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.pooling.bert import BertModel
 from stage5_server.pooling.pooler import Pooler
 from stage5_server.worker.input_batch import InputBatch

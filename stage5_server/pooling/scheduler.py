@@ -12,7 +12,7 @@ from __future__ import annotations
 from shared.request import RequestStatus
 from stage5_server.core.messages import EngineCoreOutput
 from stage5_server.core.scheduler import Scheduler
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class PoolingScheduler(Scheduler):

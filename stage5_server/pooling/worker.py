@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stage5_server.config.model import is_encoder
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.pooling.bert import load_bert
 from stage5_server.pooling.pooler import Pooler
 from stage5_server.pooling.runner import DecoderPoolingRunner, EncoderModelRunner

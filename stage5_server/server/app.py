@@ -3,7 +3,8 @@
     HTTP -> APIKeyMiddleware (401 unless a valid key; sets the trust group; auth.py)
          -> BodySizeLimitMiddleware (413; limits.py) -> route: decoded, parsed and checked (body.py, 400),
             parse strictly (protocol.py, 400)
-         -> completions.py | chat.py | models.py (lora_models.py) | pooling.py -> serving.py -> the AsyncEngine
+         -> completions.py | chat.py | responses.py | models.py (lora_models.py) | pooling.py, cohere_embed.py
+            -> serving.py -> the AsyncEngine
             (with --enable-dev-routes: dev_routes.py, weight updates and sleep)
          -> JSON, or SSE ``data: {...}`` chunks ending in ``data: [DONE]`` (sse.py)
 
@@ -28,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stage5_server.engine.frontend import AsyncEngine
 from stage5_server.engine.thread_client import AsyncLLM
-from stage5_server.server import chat, completions, lora_models, models, pooling, responses
+from stage5_server.server import chat, cohere_embed, completions, lora_models, models, pooling, responses
 from stage5_server.server.auth import APIKeyMiddleware, APIKeys, CacheSalter
 from stage5_server.server.body import CheckedRoute
 from stage5_server.server.config import ServerConfig
@@ -69,6 +70,7 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     engine.stat_loggers.append(metrics)
     serving = OpenAIServing(engine, model_name, CacheSalter(config.cache_salt_secret), config.trust_client_cache_salt,
                             version(), metrics, config.chat_options, config.limits, config.media)
+    serving.models.num_groups = len(keys.groups) if keys is not None else 1
     for name, path in config.lora_modules:  # a bad adapter stops the start, with the 400's reason
         try:
             serving.models.load(name, path)
@@ -115,7 +117,8 @@ def create_app(engine: AsyncEngine | Any, config: ServerConfig | None = None, **
     completions.add_routes(app, serving)
     chat.add_routes(app, serving)
     responses.add_routes(app, serving)
-    pooling.add_routes(app, serving)  # embeddings, score, rerank
+    pooling.add_routes(app, serving)  # embeddings, pooling, score, rerank
+    cohere_embed.add_routes(app, serving)  # Cohere's /v2/embed
     if config.enable_dev_routes:  # off: 404, and not in the schema
         from stage5_server.server.dev_routes import add_dev_routes
 

@@ -20,9 +20,10 @@ import secrets
 import time
 from collections.abc import Mapping
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stage5_server.server.errors import error_body, send_json
+from stage5_server.server.errors import APIError, error_body, send_json
 
 PUBLIC_GROUP = "public"  # the one trust group of a server run without API keys
 TRUST_GROUP_SCOPE_KEY = "stagedserve.trust_group"
@@ -66,6 +67,14 @@ class APIKeys:
             if hmac.compare_digest(digest, key_digest):
                 group = key_group
         return group
+
+
+def trust_group(request: Request) -> str:
+    """The trust group of the request's key (set by ``APIKeyMiddleware``; only a public path has none)."""
+    group = request.scope.get(TRUST_GROUP_SCOPE_KEY)
+    if group is None:
+        raise APIError(401, "An API key is required.", code="invalid_api_key")
+    return group
 
 
 class CacheSalter:

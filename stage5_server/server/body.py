@@ -14,6 +14,10 @@ event loop), it answers 400 for:
   parts, tools, prompts), so that the cost of validating a body is bounded by the caps, not by
   the body's size.
 
+Then a top-level field the route's model does not define is ignored or refused
+(``request_fields.py``); the ones ignored are named in the response's
+``X-Stagedserve-Ignored-Fields`` header, whatever the status.
+
 vLLM has neither check: uvicorn hands FastAPI any body, it is parsed and validated on the event
 loop, and a lone surrogate fails in the tokenizer with a 500.
 """
@@ -30,8 +34,18 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive, Scope, Send
 
 from stage5_server.server.limits import RequestLimits
+from stage5_server.server.request_fields import (
+    IGNORED_FIELDS_HEADER,
+    IGNORED_SCOPE_KEY,
+    LENIENT_ROUTES,
+    field_names,
+    note_ignored,
+    shown_names,
+    sort_fields,
+)
 
 OFF_LOOP_BYTES = 64 << 10  # a body larger than this is decoded and parsed on a worker thread (~1 ms of parsing)
 
@@ -129,17 +143,33 @@ class CheckedRoute(APIRoute):
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
         path = self.path_format
+        known = field_names(self.body_field.field_info.annotation) if self.body_field is not None else None
+        lenient = known is not None and path in LENIENT_ROUTES
 
         async def checked(request: Request) -> Response:
             request = _CheckedRequest(request.scope, request.receive)
             body = await request.body()
             if body and _is_json(request):
-                limits: RequestLimits = request.app.state.server_config.limits
+                config = request.app.state.server_config
+                limits: RequestLimits = config.limits
                 check_lists = functools.partial(limits.check_lists, path)
                 if len(body) > OFF_LOOP_BYTES:
                     request.parsed = await asyncio.to_thread(parse_body, body, check_lists)
                 else:
                     request.parsed = parse_body(body, check_lists)
+                if lenient and (ignored := sort_fields(path, request.parsed, known, config.strict_request_fields)):
+                    request.scope[IGNORED_SCOPE_KEY] = ignored
+                    note_ignored(path, ignored)
             return await handler(request)
 
         return checked
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The route, its response (an error's too) naming the fields it ignored."""
+        async def send_naming_ignored(message: Message) -> None:
+            if message["type"] == "http.response.start" and (ignored := scope.get(IGNORED_SCOPE_KEY)):
+                header = (IGNORED_FIELDS_HEADER, shown_names(ignored).encode("ascii"))
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await super().handle(scope, receive, send_naming_ignored)

@@ -29,7 +29,8 @@ from stage5_server.server.completions import token_text, wire_logprob
 from stage5_server.server.errors import APIError
 from stage5_server.server.media import RequestMediaLoader, check_image_count, check_request_mm_kwargs
 from stage5_server.server.protocol import ChatCompletionRequest
-from stage5_server.server.serving import OpenAIServing, Responder, finish_reason
+from stage5_server.server.serving import OpenAIServing, Responder, finish_reason, usage_of
+from stage5_server.server.sse import sse
 from stage5_server.server.tool_parsers import (
     TOOL_PARSERS,
     ForcedToolCalls,
@@ -96,7 +97,6 @@ class ChatResponder(Responder):
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs
         self.tool_calls = tool_calls  # None: the text is all content
-        self.started: set[int] = set()  # choices whose first delta (carrying the role) went out
         self.streams: dict[int, ToolCallStream] = {}  # per choice, with tool_calls
         self.call_index: dict[int, dict[str, int]] = {}  # per choice: call id -> its index in the stream
 
@@ -114,27 +114,34 @@ class ChatResponder(Responder):
                 "logprobs": chat_logprobs(output, self.top_logprobs),
                 "finish_reason": reason, "stop_reason": c.stop_reason}
 
+    def opening_frames(self, firsts: list[RequestOutput]) -> list[str]:
+        """Each choice's first chunk: the role alone, ``content: ""`` (as OpenAI's and vLLM's streams begin)."""
+        frames = []
+        for index in range(len(firsts) * self.n):
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None, "stop_reason": None}
+            usage = {}
+            if self.include_usage:  # nothing generated yet: the prompt's tokens, with continuous usage
+                usage["usage"] = usage_of([firsts[index // self.n]], num_tokens=[0]) if self.continuous_usage else None
+            frames.append(sse(self.body(self.chunk_object, [choice], **usage)))
+        return frames
+
     def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
-        first = index not in self.started
-        self.started.add(index)
         finished = output.finished
         content, calls = output.outputs[0].text, []
         if self.tool_calls is not None:
             got = read_delta(self.streams.setdefault(index, self.tool_calls.stream()), content, finished)
             content, calls = got.content, self._call_deltas(index, got.tool_calls)
-        delta: dict[str, Any] = {"content": content} if content or first else {}
-        if first:
-            delta = {"role": "assistant", **delta}
+        delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
-        if not delta and not finished:
-            return None  # text held back: it may be part of a tool call
+        logprobs = chat_logprobs(output, self.top_logprobs)
+        if not delta and not finished and (logprobs is None or self.tool_calls is not None):
+            return None  # nothing new to show yet (text held back: part of a character, or of a tool call)
         reason = finish_reason(output) if finished else None
         if reason == "stop" and self.call_index.get(index):
             reason = "tool_calls"
-        choice = {"index": index, "delta": delta,
-                  "logprobs": chat_logprobs(output, self.top_logprobs),
-                  "finish_reason": reason,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": output.outputs[0].stop_reason if finished else None}
         return self.chunk_body(output, choice)
 
@@ -190,23 +197,30 @@ async def conversation_prompt(serving: OpenAIServing, body: ChatCompletionReques
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "chat_template: this server renders only its own chat template (start it with "
                        "--trust-request-chat-template to accept one per request)", param="chat_template")
-    check_request_mm_kwargs(serving.media.options, body.mm_processor_kwargs, body.media_io_kwargs)
+    if body.mm_processor_kwargs or body.media_io_kwargs:
+        check_request_mm_kwargs(serving.media.options, body.mm_processor_kwargs, body.media_io_kwargs)
     messages = body.conversation()
     prompt = {"messages": messages, "chat_template": body.chat_template,
               "chat_template_kwargs": body.chat_template_kwargs,
               "control_tokens_in_messages": options.control_tokens_in_messages,
               "tools": None if body.effective_tool_choice == "none" else body.tool_dicts()}
-    if has_image_parts(messages):
-        if serving.engine.image_processor is None:
-            first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
-            raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
-                           "vision-language model); send text content only", param=f"messages[{first}].content")
-        check_image_count(serving.media.options, count_image_parts(messages))
-        loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
-        prompt["messages"] = await asyncio.to_thread(load_image_parts, messages, loader)  # the engine renders them
+    if any(isinstance(m["content"], list) for m in messages):  # parts stay a list only beside an image (protocol.py)
+        prompt["messages"] = await load_images(serving, messages)
         if body.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
     return prompt
+
+
+async def load_images(serving: OpenAIServing, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part loaded under the server's media rules; a model that takes no images,
+    or too many images, is a 400 before anything is fetched."""
+    if serving.engine.image_processor is None:
+        first = next(i for i, m in enumerate(messages) if has_image_parts([m]))
+        raise APIError(400, f"messages[{first}].content: this model takes no images (it is not a "
+                       "vision-language model); send text content only", param=f"messages[{first}].content")
+    check_image_count(serving.media.options, count_image_parts(messages))
+    loader = RequestMediaLoader(serving.media)  # each URL once per request, off the event loop
+    return await asyncio.to_thread(load_image_parts, messages, loader)  # the engine renders them
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: ChatCompletionRequest) -> Response:

@@ -1,11 +1,12 @@
 """``ServerConfig``: the server's own options (not the engine's), checked once.
 
 Who may call (``api_keys`` and their trust groups, ``auth.py``), the model name clients send, the
-cache-salt secret, what one request may ask for (``limits``, ``max_body_bytes``), where images may
-come from (``media``), the chat switches (``chat_options``) and the LoRA adapters served from the
-start. ``create_app(engine, config)`` takes one, or its fields as keywords; ``stagedserve serve``
-builds one from its flags (``cli/options.py``), and with ``--api-server-count`` above 1 every API
-server gets the same one (it pickles).
+cache-salt secret, what one request may ask for (``limits``, ``max_body_bytes``), whether a field a
+route does not define is ignored or refused (``strict_request_fields``), where images may come from
+(``media``), the chat switches (``chat_options``) and the LoRA adapters served from the start.
+``create_app(engine, config)`` takes one, or its fields as keywords; ``stagedserve serve`` builds one
+from its flags (``cli/options.py``), and with ``--api-server-count`` above 1 every API server gets the
+same one (it pickles).
 
 vLLM: ``FrontendArgs`` in ``vllm/entrypoints/openai/cli_args.py``.
 """
@@ -39,6 +40,7 @@ class ServerConfig:
     media: MediaOptions | None = None  # None: MediaOptions.from_env() when the app is built
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of each adapter served from the start
     enable_dev_routes: bool = False  # /sleep, /wake_up, /update_weights, /collective_rpc ... (dev_routes.py)
+    strict_request_fields: bool = False  # an undefined top-level request field: a 400, not ignored (request_fields.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:

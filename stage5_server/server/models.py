@@ -1,5 +1,5 @@
-"""The routes around generation: ``/v1/models`` (what is served: the base model and its LoRA
-adapters, ``lora_models.py``) and vLLM's ``/tokenize`` and
+"""The routes around generation: ``/v1/models`` (what is served: the base model and the LoRA
+adapters the key's trust group may use, ``lora_models.py``) and vLLM's ``/tokenize`` and
 ``/detokenize`` (the exact token ids a prompt or a conversation becomes, and back), with their
 two request models.
 
@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import model_validator
 
 from stage5_server.multimodal.processor import count_image_parts
+from stage5_server.server.auth import trust_group
 from stage5_server.server.media import check_image_count
 from stage5_server.server.protocol import ChatMessage, StrictModel
 from stage5_server.server.serving import OpenAIServing
@@ -61,17 +62,17 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
                 "permission": [permission]}
 
     @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": serving.models.cards(model_card())}
+    async def list_models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": serving.models.cards(model_card(), trust_group(request))}
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> dict[str, Any]:
-        serving.check_model(model)
-        return next(card for card in serving.models.cards(model_card()) if card["id"] == model)
+    async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+        serving.check_model(model, request)
+        return next(card for card in serving.models.cards(model_card(), trust_group(request)) if card["id"] == model)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        serving.check_model(body.model, request)
         tokenizer = engine.tokenizer
         if body.messages is not None:
             conversation = [m.as_template_message() for m in body.messages]
@@ -85,8 +86,8 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        serving.check_model(body.model, request)
         tokenizer = engine.tokenizer
 
         def decode(ids: list[int]) -> str:

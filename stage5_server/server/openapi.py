@@ -3,6 +3,8 @@
 FastAPI documents its own 422 validation body; this server answers 400 with an OpenAI error
 object, 401, 404, 413, and 500/503 from the engine. The schema says so, so that a client
 generator or the API fuzzer (``tests/reliability/test_api_fuzz.py``) holds the server to it.
+A request body of a route that ignores fields it does not define (``request_fields.py``) allows
+additional properties, unless the server was started with ``--strict-request-fields``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+
+from stage5_server.server.request_fields import LENIENT_ROUTES
 
 _ERROR_SCHEMA = {
     "title": "ErrorResponse", "type": "object", "required": ["error"],
@@ -36,10 +40,14 @@ def openapi_with_openai_errors(app: FastAPI, needs_key: bool) -> dict[str, Any]:
     components["ErrorResponse"] = _ERROR_SCHEMA
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     public = app.state.public_paths
+    lenient = not app.state.server_config.strict_request_fields
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             has_body = "requestBody" in operation
+            if has_body and lenient and path in LENIENT_ROUTES:
+                body = operation["requestBody"]["content"]["application/json"]["schema"]
+                components.get(body.get("$ref", "").rpartition("/")[2], {}).pop("additionalProperties", None)
             if responses.pop("422", None) is not None or has_body:
                 responses["400"] = {"description": "Invalid request", **error}
             if needs_key and path not in public:

@@ -1,7 +1,9 @@
 """The OpenAI wire format: request models, and requests -> SamplingParams.
 
-Requests are parsed strictly: an unknown field or a wrong type is a 400 that names it
-("Unrecognized request argument supplied: foo"). An OpenAI feature this server does not
+Requests are parsed strictly: a wrong type, or a field these models do not define, is a 400 that
+names it ("Unrecognized request argument supplied: foo"); at the top level of a body, the fields to
+ignore as vLLM ignores them are dropped before these models see it (``request_fields.py``,
+unless ``--strict-request-fields``). An OpenAI feature this server does not
 implement is accepted only with the value that means "off" (``NOOP_VALUES``); fields that change
 nothing a client can observe (``user``, ``store``, ...) are accepted and logged once each
 (``IGNORED_FIELDS``). The sampling fields are vLLM's (penalties, ``min_p``, ``logit_bias``, ``n``,
@@ -54,7 +56,7 @@ def log_ignored(name: str) -> None:
     logger.info("request field %r is accepted and changes nothing here", name)
 
 
-def _is_noop(value: Any, allowed: tuple) -> bool:
+def is_noop(value: Any, allowed: tuple) -> bool:
     if value is None:
         return True
     for a in allowed:
@@ -69,14 +71,15 @@ def _is_noop(value: Any, allowed: tuple) -> bool:
 
 def _check_noop(value: Any, info: ValidationInfo) -> Any:
     allowed = NOOP_VALUES[info.field_name]
-    if not _is_noop(value, allowed):
+    if not is_noop(value, allowed):
         hint = f" (only {', '.join(json.dumps(a) for a in allowed)} or null)" if allowed else ""
         raise ValueError(f"{info.field_name} is not supported by this server{hint}")
     return value
 
 
 class StrictModel(BaseModel):
-    # strict: no "5" -> 5 or true -> 1 coercion; forbid: an unknown field is an error, not a no-op.
+    # strict: no "5" -> 5 or true -> 1 coercion; forbid: an unknown field is an error, not a no-op (the top-level
+    # fields to ignore are dropped before validation: request_fields.py).
     model_config = ConfigDict(extra="forbid", strict=True)
 
 

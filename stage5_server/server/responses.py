@@ -298,7 +298,7 @@ class ResponsesResponder(Responder):
         data = {"type": kind, "sequence_number": self.sequence - 1, **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def opening_frames(self) -> list[str]:
+    def opening_frames(self, firsts: list[RequestOutput]) -> list[str]:
         started = self.body_of([], None)
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 

@@ -6,7 +6,9 @@
 
 An endpoint module (``completions.py``, ``chat.py``) parses its request and writes its bodies
 with a ``Responder``; ``OpenAIServing`` does the rest. ``X-Stagedserve-Timeline: 1`` (opt-in)
-adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``.
+adds the request's server-side timeline (``metrics.request_phases``) as ``server_timeline``;
+``X-KV-Transfer-Id`` (from the disaggregation proxy) names the transfer its blocks cross between a prefill and a
+decode instance under (``kv_transfer/p2p.py``).
 
 vLLM: ``OpenAIServing`` in ``vllm/entrypoints/openai/serving_engine.py``.
 """
@@ -32,7 +34,7 @@ from stage5_server.engine.output_processor import RequestOutputKind
 from stage5_server.engine.stream import RequestStream
 from stage5_server.errors import EngineError, RequestAborted
 from stage5_server.lora.request import LoRARequest
-from stage5_server.server.auth import RECEIVED_SCOPE_KEY, TRUST_GROUP_SCOPE_KEY, CacheSalter
+from stage5_server.server.auth import RECEIVED_SCOPE_KEY, CacheSalter, trust_group
 from stage5_server.server.chat_options import ChatOptions
 from stage5_server.server.errors import APIError, api_error, engine_errors
 from stage5_server.server.limits import RequestLimits, longest_token_chars
@@ -51,6 +53,15 @@ from stage5_server.server.sse import (
 GENERATION_APIS = {"chat.completion": "Chat Completions", "text_completion": "Completions",
                    "response": "Responses"}  # a responder's ``object`` -> the API's name in vLLM's errors
 TIMELINE_HEADER = "x-stagedserve-timeline"  # "1": add ``server_timeline`` to the final body or chunk
+KV_TRANSFER_HEADER = "x-kv-transfer-id"  # the disaggregation proxy's id for one request's blocks (kv_transfer/)
+
+
+def in_transfer(prompt: PromptType, transfer_id: str) -> PromptType:
+    """``prompt`` with the ``kv_transfer_params`` its blocks cross between a prefill and a decode instance under."""
+    params = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    if isinstance(prompt, dict):
+        return {**prompt, **params}
+    return {("prompt" if isinstance(prompt, str) else "prompt_token_ids"): prompt, **params}
 
 
 def usage_of(outputs: list[RequestOutput], n: int = 1, num_tokens: list[int] | None = None) -> dict[str, Any]:
@@ -140,7 +151,8 @@ class Responder:
 
     # A stream as SSE frames: chat and completions send ``data:`` chunks and ``[DONE]``; the
     # Responses API overrides these for its typed events.
-    def opening_frames(self) -> list[str]:
+    def opening_frames(self, firsts: list[RequestOutput]) -> list[str]:
+        """Before any choice's first delta (``firsts``: each prompt's first output)."""
         return []
 
     def frames(self, index: int, output: RequestOutput) -> list[str]:
@@ -207,21 +219,21 @@ class OpenAIServing:
     def admit(self, request: Request, model: str | None, client_salt: str | None) -> Admission:
         """What a request's ``model`` and key decide, once: the adapter the model names (404 for an unknown
         name), then the prefix-cache salt of its trust group."""
-        lora_request = self.check_model(model)
+        lora_request = self.check_model(model, request)
         return Admission(self.cache_salt(request, client_salt), lora_request)
 
-    def check_model(self, model: str | None) -> LoRARequest | None:
-        """404 unless ``model`` names the base model or a loaded adapter; returns the adapter, if one."""
-        return self.models.resolve(model)
+    def check_model(self, model: str | None, request: Request) -> LoRARequest | None:
+        """404 unless ``model`` names the base model or an adapter the request's trust group may use; returns
+        the adapter, if one."""
+        if model is None or model == self.served_model_name:
+            return None  # the base model: no adapter table to consult
+        return self.models.resolve(model, trust_group(request))
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str:
         if client_salt is not None and not self.trust_client_cache_salt:
             raise APIError(400, "cache_salt: this server sets the prefix-cache salt from your API key's trust "
                            "group; a client-supplied cache_salt is not accepted", param="cache_salt")
-        group = request.scope.get(TRUST_GROUP_SCOPE_KEY)
-        if group is None:  # only a public path has no group, and none of those generates
-            raise APIError(401, "An API key is required.", code="invalid_api_key")
-        return self.salter.salt(group, client_salt)
+        return self.salter.salt(trust_group(request), client_salt)  # only a public path has no group
 
     async def on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` through ``engine.call`` (the tokenizer is the engine's to use)."""
@@ -242,7 +254,11 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         received = request.scope.get(RECEIVED_SCOPE_KEY)
-        with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+        transfer_id = request.headers.get(KV_TRANSFER_HEADER)
+        if transfer_id is not None:
+            prompts = [in_transfer(prompt, transfer_id) for prompt in prompts]
+
+        async def add_requests() -> None:
             try:
                 for i, prompt in enumerate(prompts):
                     request_id = responder.request_id if len(prompts) == 1 else f"{responder.request_id}-{i}"
@@ -253,8 +269,15 @@ class OpenAIServing:
             except BaseException:
                 self.engine.abort([s.request_id for s in streams])
                 raise
-            finally:
-                self.models.track(lora_request, [s.request_id for s in streams])
+
+        if lora_request is None:
+            await add_requests()
+        else:
+            with self.models.send(lora_request):  # the adapter stays listed until its requests are tracked
+                try:
+                    await add_requests()
+                finally:
+                    self.models.track(lora_request, [s.request_id for s in streams])
         return await self.respond(request, streams, params, responder, stream)
 
     async def respond(self, request: Request, streams: list[RequestStream], params: SamplingParams,
@@ -290,7 +313,7 @@ class OpenAIServing:
         latest: dict[int, RequestOutput] = {}  # per choice: its latest delta
         waiting: dict[asyncio.Future, int] = {}  # the next output of each unfinished prompt
         try:
-            for frame in responder.opening_frames():
+            for frame in responder.opening_frames(firsts):
                 yield frame
             ready = list(enumerate(firsts))
             while True:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 from stage5_server.spec_decode.policy import DraftPolicy
 
 if TYPE_CHECKING:
-    from stage5_server.core.request import Request
-    from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from shared.request import Request
+    from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class TokenProposer(Protocol):

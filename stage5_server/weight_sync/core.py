@@ -1,10 +1,12 @@
-"""The engine core's side: each weight update, sleep and ``collective_rpc`` runs between two steps,
-the prefix cache is reset, and the weight version counts the updates.
+"""The engine core's side: each weight update and sleep runs between two steps, the prefix cache is
+reset, and the weight version counts the updates.
 
-``WeightSync`` hangs off the ``EngineCore`` (``core.weight_sync``). Its calls are the core's
-*utilities*, reached three ways: directly (the offline ``LLM``, whose caller drives the steps), or
-as a ``UtilityCall`` message through the core's busy loop (``loop.py``: the server's engine thread
-or engine-core process), which runs them between steps.
+``WeightSync`` is a member of the ``EngineCore`` (``core.weight_sync``), attached by the builder when the
+engine runs with ``enable_weight_sync=True``. It registers its calls among the core's *utilities*
+(``core/utilities.py``), which reaches them two ways: directly (the offline ``LLM``, whose caller drives the
+steps), or as a ``UtilityCall`` message through the core's busy loop (the server's engine thread or
+engine-core process), which runs them between steps; and it adds the admission check that refuses a new
+request while the engine sleeps.
 
 Consistency, as this engine keeps it:
 
@@ -19,111 +21,64 @@ Consistency, as this engine keeps it:
 - ``version`` counts the updates; it rides in every stats snapshot (``/metrics``
   ``stagedserve:weight_version``) and in each response's ``system_fingerprint``.
 
-vLLM: ``EngineCore.collective_rpc``, ``sleep``, ``wake_up``, ``is_sleeping``, ``reset_prefix_cache``
-in ``vllm/v1/engine/core.py``; ``LLM.collective_rpc`` in ``vllm/entrypoints/llm.py``.
+vLLM: ``EngineCore.sleep``, ``wake_up``, ``is_sleeping`` in ``vllm/v1/engine/core.py``; ``LLM.sleep`` in
+``vllm/entrypoints/llm.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-import pickle
-import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stage5_server.errors import EngineDeadError
+from shared.weights import checkpoint_files
+from stage5_server.errors import EngineSleepingError
 from stage5_server.weight_sync.loader import describe_tensors
 
-
-class EngineSleepingError(EngineDeadError):
-    """The engine is asleep (or woke from level 2 and awaits weights): no request runs now (HTTP 503). Not
-    dead: ``wake_up`` (and, after level 2, a weight update) serves again."""
-
-
-@dataclass
-class RankError:
-    """A worker method's exception, sent back as a value: the rank lives on (a raise would stop it)."""
-
-    type_name: str
-    message: str
-    traceback: str
-
-
-@dataclass
-class RankCall:
-    """``method(worker, *args, **kwargs)`` on one rank; picklable when ``method`` is a name or an importable
-    function. An unknown name or a raise comes back as a ``RankError``."""
-
-    method: str | Callable
-    kwargs: dict[str, Any]
-
-    def __call__(self, worker: Any, *args: Any) -> Any:
-        try:
-            if isinstance(self.method, str):
-                fn = getattr(worker, self.method, None)
-                if self.method.startswith("_") or not callable(fn):
-                    raise ValueError(f"collective_rpc: the worker ({type(worker).__name__}) has no method "
-                                     f"{self.method!r}")
-                return fn(*args, **self.kwargs)
-            return self.method(worker, *args, **self.kwargs)
-        except Exception as exc:
-            return RankError(type(exc).__name__, str(exc), traceback.format_exc())
-
-
-# Worker methods whose state the core keeps: refused through the public collective_rpc.
-CORE_ONLY = {"execute_model": "LLM.generate", "initialize_kv_cache": "LLM.wake_up", "sleep": "LLM.sleep",
-             "wake_up": "LLM.wake_up"}
 # Utilities that wait for the requests in the core to finish (and hold new ones) before they run.
 DRAINING = frozenset({"update_weights", "update_weights_from_path", "update_weights_from_distributed",
                       "reload_weights", "sleep"})
-UTILITIES = DRAINING | {"collective_rpc", "wake_up", "is_sleeping", "reset_prefix_cache", "weight_version", "refusal"}
+UTILITIES = DRAINING | {"wake_up", "is_sleeping", "weight_version", "refusal"}
+# Worker methods whose state the core keeps: refused through the public collective_rpc. A weight method by name
+# would swap the weights without the drain, the prefix-cache reset and the version bump of the core's own call.
+CORE_ONLY = {"sleep": "LLM.sleep", "wake_up": "LLM.wake_up", "initialize_kv_cache": "LLM.wake_up",
+             "update_weights": "LLM.update_weights or POST /update_weights",
+             "update_weights_from_path": "LLM.update_weights_from_path or POST /update_weights {\"path\"}",
+             "update_weights_from_distributed":
+                 "LLM.update_weights_from_distributed or POST /update_weights {\"tensors\"}"}
+UNREADABLE_CHECKPOINT = ("update_weights_from_path: not a checkpoint directory this server can read (a directory of "
+                         "*.safetensors files, or an index and its shards)")
+
+
+def readable_checkpoint(path: str) -> None:
+    """``path`` names a checkpoint directory whose weight files this process can open; ``UNREADABLE_CHECKPOINT``
+    otherwise."""
+    try:
+        if not isinstance(path, str) or not path.strip():
+            raise ValueError("empty")
+        for file in checkpoint_files(Path(path)):
+            with open(file, "rb") as weights:
+                weights.read(8)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(UNREADABLE_CHECKPOINT) from None
 
 
 class WeightSync:
-    def __init__(self, core: Any):  # the EngineCore (core/engine_core.py), which imports this module
+    def __init__(self, core: Any):  # the EngineCore (core/engine_core.py), which holds this as ``weight_sync``
         self.core = core
         self.version = 0  # weight updates done
         self.sleep_level = 0  # 0: awake
-        self.weights_missing = False  # woke from level 2: no request runs until every weight is loaded again
-        module, _, name = core.config.worker_cls.partition(":")  # the worker by its qualified name
-        worker_cls = getattr(importlib.import_module(module), name)
-        self.worker_cls = worker_cls if isinstance(worker_cls, type) else None  # a factory: checked on the rank
-
-    # ---- collective_rpc ------------------------------------------------------------------------------
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``method`` on every worker, their results in rank order (a name: a worker method). The methods whose
-        state the core keeps (steps, the KV cache, sleep) are the core's to call."""
-        if isinstance(method, str) and method in CORE_ONLY:
-            raise ValueError(f"collective_rpc: {method!r} is run by the engine core itself; use "
-                             f"{CORE_ONLY[method]}")
-        return self._rpc(method, args, kwargs)
+        self.weights_missing = False  # a level-2 sleep dropped them: no request runs until every one is loaded again
+        utilities = core.utilities
+        for name in sorted(UTILITIES):
+            utilities.register(name, getattr(self, name), drains=name in DRAINING)
+        utilities.core_only.update(CORE_ONLY)
+        core.admission_checks.append(self.refusal)
 
     def _rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
-        if isinstance(method, str):
-            if self.worker_cls is not None and (method.startswith("_") or not callable(getattr(self.worker_cls,
-                                                                                              method, None))):
-                public = sorted(n for n in dir(self.worker_cls) if not n.startswith("_")
-                                and callable(getattr(self.worker_cls, n)))
-                raise ValueError(f"collective_rpc: the worker ({self.worker_cls.__name__}) has no method "
-                                 f"{method!r}; it has {public}")
-        elif not callable(method):
-            raise ValueError(f"collective_rpc: method must be a worker method's name or a callable, got "
-                             f"{type(method).__name__}")
-        elif self.core.model_executor.world_size > 1:
-            try:
-                pickle.dumps(method)
-            except Exception as exc:
-                raise ValueError(f"collective_rpc: the workers run in other processes and {method!r} cannot be "
-                                 f"sent there ({exc}); pass a module-level function or a method name") from None
-        results = self.core.model_executor.collective_rpc(RankCall(method, dict(kwargs or {})), *args)
-        for rank, result in enumerate(results):
-            if isinstance(result, RankError):  # the caller's method or arguments: the engine is as it was
-                raise ValueError(f"{result.message} (rank {rank}, {result.type_name})")
-        return results
+        return self.core.utilities.rpc(method, args, kwargs)
 
     # ---- weight updates ------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -132,8 +87,10 @@ class WeightSync:
         return self._updated(self._rpc("update_weights", (tensors,)))
 
     def update_weights_from_path(self, path: str) -> int:
-        if not Path(path).is_dir():
-            raise ValueError(f"update_weights_from_path: {path!r} is not a checkpoint directory")
+        """Every tensor of the checkpoint directory ``path``. A path this process cannot read, for whatever reason
+        (missing, not a directory, no weights, no permission, too long), is one ValueError that does not say
+        which: a caller learns nothing about the server's files from it."""
+        readable_checkpoint(path)
         return self._updated(self._rpc("update_weights_from_path", (str(path),)))
 
     def reload_weights(self) -> int:
@@ -164,6 +121,8 @@ class WeightSync:
         self._reset_prefix_cache("sleep")  # the blocks' contents are gone: nothing may hit them after waking
         freed = sum(self._rpc("sleep", (level,)))
         self.sleep_level = level
+        if level >= 2:  # until an update (asleep or awake) brings every weight back
+            self.weights_missing = True
         return freed
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -178,7 +137,6 @@ class WeightSync:
         config = self.core.config
         self._rpc("initialize_kv_cache", (self.core.num_kv_blocks, config.cache.block_size,
                                                     self.core.max_model_len))
-        self.weights_missing = self.weights_missing or self.sleep_level >= 2
         self.sleep_level = 0
         return True
 
@@ -187,9 +145,6 @@ class WeightSync:
 
     def weight_version(self) -> int:
         return self.version
-
-    def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
 
     def _reset_prefix_cache(self, what: str) -> None:
         if not self.core.reset_prefix_cache():  # only refused while requests hold blocks: drained, they do not
@@ -205,24 +160,5 @@ class WeightSync:
                     "(update_weights, or reload_weights for the served checkpoint) first.")
         return None
 
-    def check_serving(self) -> None:
-        reason = self.refusal()
-        if reason is not None:
-            raise EngineSleepingError(reason)
 
-    def require_idle(self, what: str) -> None:
-        """The offline ``LLM``: its caller drives the steps, so an update waits for nothing; it is refused
-        while requests it was given are unfinished."""
-        unfinished = self.core.unfinished_request_ids()
-        if unfinished:
-            raise RuntimeError(f"{what}: {len(unfinished)} request(s) are unfinished; step them to the end or "
-                               f"abort them first (no request may run on two sets of weights)")
-
-    # ---- utilities by name (the busy loop's UtilityCall) ---------------------------------------------
-    def run_utility(self, method: str, args: tuple, kwargs: dict) -> Any:
-        if method not in UTILITIES:
-            raise ValueError(f"unknown engine utility {method!r}; expected one of {sorted(UTILITIES)}")
-        return getattr(self, method)(*args, **kwargs)
-
-
-__all__ = ["DRAINING", "EngineSleepingError", "RankCall", "RankError", "UTILITIES", "WeightSync", "describe_tensors"]
+__all__ = ["DRAINING", "EngineSleepingError", "UNREADABLE_CHECKPOINT", "UTILITIES", "WeightSync", "describe_tensors"]

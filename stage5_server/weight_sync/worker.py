@@ -1,18 +1,22 @@
 """What a worker does for weight updates and sleep: the methods ``collective_rpc`` reaches on every rank.
 
-``WeightSyncWorker`` is a base of stage 5's ``Worker`` (``worker/worker.py``), so each method runs on
-every rank where that rank's worker lives (this process, a worker process, a Ray actor):
+``WeightSyncWorker`` is a worker extension: with weight sync on, ``EngineConfig.worker_extension_cls`` names it
+and every rank builds one over its worker (``executor/abstract.make_worker``), so each method runs on every
+rank where that rank's worker lives (this process, a worker process, a Ray actor), and ``collective_rpc``
+finds it by name beside the worker's own methods:
 
 - ``update_weights(named_tensors)``: tensors by checkpoint name (``loader.py`` takes this rank's part);
 - ``update_weights_from_path(path)``: every tensor of a checkpoint directory, read as the load does;
 - ``init_weight_update_group`` / ``update_weights_from_distributed(metadata)``: join a trainer's gloo
-  group and receive each tensor it broadcasts (``group.py``);
+  group (on a thread: the call returns at once) and receive each tensor it broadcasts, checked against
+  the trainer's HMAC (``group.py``);
 - ``sleep(level)``: drop the KV cache (level 1), and the weights too (level 2); ``wake_up`` (the
   engine core then re-allocates the KV cache by ``initialize_kv_cache``, as at start-up).
 
 vLLM: ``Worker.sleep`` / ``wake_up`` in ``vllm/v1/worker/gpu_worker.py`` (over the ``CuMemAllocator``
 of ``vllm/device_allocator/cumem.py``, which unmaps the pool's memory and maps it again),
-``WorkerExtension`` in ``examples/offline_inference/rlhf_utils.py``.
+``WorkerExtension`` in ``examples/offline_inference/rlhf_utils.py`` (which vLLM's ``worker_extension_cls`` loads by
+name).
 """
 
 from __future__ import annotations
@@ -26,25 +30,29 @@ import torch
 from safetensors import safe_open
 
 from shared.weights import checkpoint_files
-from stage5_server.weight_sync.group import broadcast_tensor, init_weight_update_group
+from stage5_server.weight_sync.group import DEFAULT_GROUP_TIMEOUT_S, join_in_background, receive_tensors
 from stage5_server.weight_sync.loader import RankWeightLoader, tensor_dtype, weight_bytes
 
 
 class WeightSyncWorker:
-    """Mixed into ``Worker``; uses its ``config``, ``place``, ``model``, ``kv_cache`` and ``model_runner``."""
+    """Beside a ``Worker`` (``worker.extension``); uses its ``config``, ``place``, ``rank``, ``device``, ``model``,
+    ``kv_cache`` and ``model_runner``."""
 
-    _weight_loader: RankWeightLoader | None = None
-    _weight_group: Any = None
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._weight_loader: RankWeightLoader | None = None
+        self._weight_group: Any = None
 
     @property
     def decoder(self) -> torch.nn.Module:
         """The rank's decoder (a pipeline stage wraps it)."""
-        return getattr(self.model, "model", self.model)
+        model = self.worker.model
+        return getattr(model, "model", model)
 
     @property
     def weight_loader(self) -> RankWeightLoader:
         if self._weight_loader is None:
-            self._weight_loader = RankWeightLoader(self.config, self.place, self.decoder)
+            self._weight_loader = RankWeightLoader(self.worker.config, self.worker.place, self.decoder)
         return self._weight_loader
 
     # ---- weights -------------------------------------------------------------------------------------
@@ -65,26 +73,35 @@ class WeightSyncWorker:
         return self.update_weights(tensors())
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                 world_size: int) -> int:
-        """Join a trainer's group as rank ``rank_offset + this worker's rank``; returns that rank."""
-        rank = rank_offset + self.rank
-        self._weight_group = init_weight_update_group(master_address, master_port, rank, world_size)
+                                 world_size: int, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> int:
+        """Start joining a trainer's group as rank ``rank_offset + this worker's rank`` and return that rank at
+        once: the join runs on a thread (``group.py``), so the engine steps on meanwhile."""
+        rank = rank_offset + self.worker.rank
+        self._weight_group = join_in_background(master_address, master_port, rank, world_size, timeout_s)
         return rank
 
-    def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
-        """Receive one broadcast per ``(name, dtype, shape)``, in order, then load them all."""
+    def weight_update_group_ready(self) -> bool:
+        """Whether the join has finished (a ValueError says why it failed)."""
         if self._weight_group is None:
             raise ValueError("update_weights_from_distributed: no weight-update group; call "
                              "init_weight_update_group first")
-        received = []
-        for name, dtype, shape in metadata:
-            tensor = torch.empty(shape, dtype=tensor_dtype(dtype))
-            broadcast_tensor(self._weight_group, tensor)
-            received.append((name, tensor))
-        return self.update_weights(received)
+        if not self._weight_group.done():
+            return False
+        error = self._weight_group.exception()
+        if error is not None:
+            raise ValueError(f"update_weights_from_distributed: the weight-update group did not form: {error}")
+        return True
+
+    def update_weights_from_distributed(self, metadata: list[tuple[str, str, list[int]]]) -> int:
+        """Receive one broadcast per ``(name, dtype, shape)``, in order, check each, then load them all."""
+        self.weight_update_group_ready()
+        member = self._weight_group.result()  # the join's own timeout bounds the wait
+        return self.update_weights(receive_tensors(member, metadata, tensor_dtype))
 
     def destroy_weight_update_group(self) -> None:
-        self._weight_group = None
+        joining, self._weight_group = self._weight_group, None
+        if joining is not None and joining.done() and joining.exception() is None:
+            joining.result().store.close()
 
     def missing_weights(self) -> list[str]:
         """Parameters holding no weights (dropped by ``sleep(level=2)`` and not updated since)."""
@@ -94,19 +111,20 @@ class WeightSyncWorker:
         return weight_bytes(self.decoder)
 
     def kv_cache_bytes(self) -> int:
-        cache = self.kv_cache
+        cache = self.worker.kv_cache
         return 0 if cache is None else sum(t.numel() * t.element_size() for t in [*cache.key, *cache.value])
 
     # ---- sleep ---------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), and the weights (level 2); the bytes freed on this rank."""
+        worker = self.worker
         freed = self.kv_cache_bytes()
-        self.model.set_attention_backend(None)  # nothing holds the blocks any more
-        self.kv_cache = self.model_runner = None
+        worker.model.set_attention_backend(None)  # nothing holds the blocks any more
+        worker.kv_cache = worker.model_runner = None
         if level >= 2:
             freed += self.weight_loader.drop()
         gc.collect()
-        if self.device.type == "cuda":
+        if worker.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
 

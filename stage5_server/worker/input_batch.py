@@ -38,7 +38,7 @@ from shared.outputs import Logprob
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 from stage2_paged.attention import PagedAttentionMetadata
-from stage5_server.core.scheduler_output import NewRequestData, SchedulerOutput
+from stage5_server.outputs import NewRequestData, SchedulerOutput
 
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 INITIAL_TOKENS_PER_ROW = 2048  # (or max_model_len if shorter); rows widen, doubling, when a longer request arrives

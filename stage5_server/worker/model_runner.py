@@ -25,9 +25,9 @@ from shared.model import DecoderModel
 from shared.model_runner import score_prompt_tokens
 from shared.sampler import sample
 from shared.structured_output import unpack_bitmask
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.lora import LoRAModelManager
 from stage5_server.multimodal.encoder import MultiModalEmbedder
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.spec_decode.draft_model import DraftModelProposer
 from stage5_server.spec_decode.verify import verify
 from stage5_server.worker.input_batch import CachedRequestState, InputBatch, PreparedStep

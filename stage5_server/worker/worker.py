@@ -8,8 +8,8 @@ device and on every rank of a split model; the executor decides only where each 
 Its life, as the executor drives it: built (loads the weights) -> ``kv_bytes_per_token`` and, on a
 GPU, ``determine_available_memory`` (the builder sizes the pool from them) -> ``initialize_kv_cache``
 (allocates the blocks, installs the backend, builds the runner) -> ``execute_model`` once per step; between
-steps, weight updates and sleep (``weight_sync/worker.py``), and the adapters the server hands over
-(``add_lora`` / ``remove_lora``, through ``collective_rpc``).
+steps, the adapters the server hands over (``add_lora`` / ``remove_lora``, through ``collective_rpc``), and
+what a worker extension beside it adds (``extension``: weight updates and sleep, ``weight_sync/worker.py``).
 Under pipeline parallelism a worker holds its stage's layers (``parallel/pipeline.py``), and its KV
 cache has room for those layers only.
 
@@ -30,17 +30,16 @@ from shared.llm_base import kv_bytes_per_token
 from stage2_paged.kv_cache import PagedKVCache
 from stage5_server.attention import ATTENTION_BACKENDS
 from stage5_server.attention.memory import profile_free_kv_memory
-from stage5_server.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.lora import LoRAModel, LoRAModelManager, LoRARequest
 from stage5_server.model import compile_step
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_tower
+from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
 from stage5_server.parallel.parallel_state import RankPlace
 from stage5_server.parallel.pipeline import PipelineStage
 from stage5_server.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from stage5_server.weight_sync.worker import WeightSyncWorker
 from stage5_server.worker.input_batch import InputBatch
 from stage5_server.worker.model_loader import load_rank_model
 from stage5_server.worker.model_runner import ModelRunner
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stagedserve")
 
 
-class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
+class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
         self.config = config
         self.rank = rank
@@ -73,6 +72,7 @@ class Worker(WeightSyncWorker):  # weight updates and sleep (weight_sync/)
         self.kv_connector = None  # the worker side of a KV connector (kv_transfer/), made with the KV cache
         self.model_runner: ModelRunner | None = None
         self.timeline: list[tuple[float, float]] | None = None  # when set to []: (start, end) of each stretch of work
+        self.extension = None  # the config's worker extension over this worker, if any (executor/abstract.py)
 
     # ---- LoRA adapters: the server hands each one over whole once it has checked it (lora/manager.py) ----
     def add_lora(self, lora: LoRARequest, adapter: LoRAModel) -> bool:

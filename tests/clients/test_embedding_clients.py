@@ -1,10 +1,13 @@
 """Real client libraries, unchanged, against a server of the embedding model (all-MiniLM-L6-v2): the openai
 client's ``embeddings.create`` (it asks for base64 by default), langchain's ``OpenAIEmbeddings`` and
 litellm's ``embedding``, each matching the offline vectors; and a small retrieval check through
-``/v1/rerank``: the passage that answers each question is ranked first."""
+``/v1/rerank``: the passage that answers each question is ranked first. vLLM's other pooling routes in
+the shapes its clients read (raw httpx): ``/pooling``, Cohere's ``/v2/embed`` with every embedding type,
+``/v1/score`` under each of its field names, one query scored and ranked against many and counted once."""
 
 from __future__ import annotations
 
+import base64
 import os
 
 import numpy as np
@@ -34,7 +37,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def server(llm, expected):  # the offline vectors first: once serving, the server's thread drives the engine
+def server(llm, expected, references):  # the offline results first: once serving, the server's thread drives
+    # the engine
     app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
     with running_server(app) as running:
         yield running.url
@@ -43,6 +47,18 @@ def server(llm, expected):  # the offline vectors first: once serving, the serve
 @pytest.fixture(scope="module")
 def expected(llm):
     return np.array([o.outputs.embedding for o in llm.embed(TEXTS)])
+
+
+TRUNCATED = "alpha beta gamma delta epsilon zeta eta theta"
+
+
+@pytest.fixture(scope="module")
+def references(llm):
+    ids = llm.tokenizer.encode(TRUNCATED)
+    head, tail = llm.embed([ids[:4] + ids[-1:], ids[:1] + ids[-4:]])  # [CLS] + the first / last 3 tokens + [SEP]
+    query = list(QUESTIONS)[0]
+    return {"head": head.outputs.embedding, "tail": tail.outputs.embedding,
+            "scores": [o.outputs.score for o in llm.score(query, PASSAGES)]}
 
 
 def test_openai_client_embeddings_create(server, expected):
@@ -76,3 +92,67 @@ def test_rerank_puts_the_answering_passage_first_for_each_question(server):
         body = requests.post(f"{server}/v1/rerank", headers=auth(KEY), timeout=60,
                              json={"model": MODEL, "query": question, "documents": PASSAGES}).json()
         assert body["results"][0]["index"] == answer, (question, body["results"])
+
+
+def post(server: str, path: str, body: dict) -> dict:
+    response = requests.post(f"{server}{path}", headers=auth(KEY), timeout=60, json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tokens(llm, text: str) -> int:
+    return len(llm.tokenizer.encode(text))
+
+
+def test_pooling_returns_the_raw_pooled_vectors_in_vllms_shape(server, expected, llm):
+    body = post(server, "/pooling", {"input": TEXTS})
+    assert body["object"] == "list" and body["id"].startswith("pool-")
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    assert np.allclose([d["data"] for d in body["data"]], expected, atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == sum(tokens(llm, t) for t in TEXTS)
+    packed = post(server, "/pooling", {"input": TEXTS[0], "encoding_format": "base64"})["data"][0]["data"]
+    assert np.allclose(np.frombuffer(base64.b64decode(packed), dtype="<f4"), expected[0], atol=1e-6)
+
+
+def test_cohere_embed_v2_returns_each_embedding_type(server, expected, llm):
+    body = post(server, "/v2/embed", {"texts": TEXTS, "embedding_types": ["float", "base64", "binary", "ubinary"]})
+    assert set(body) == {"id", "embeddings", "texts", "meta"} and body["texts"] == TEXTS
+    assert body["meta"] == {"api_version": {"version": "2"},
+                            "tokens": {"input_tokens": sum(tokens(llm, t) for t in TEXTS)}}
+    embeddings = body["embeddings"]
+    assert np.allclose(embeddings["float"], expected, atol=1e-6)
+    decoded = [np.frombuffer(base64.b64decode(b), dtype="<f4") for b in embeddings["base64"]]
+    assert np.allclose(decoded, expected, atol=1e-6)
+    bits = np.packbits(expected >= 0, axis=-1)  # 384 dimensions -> 48 bytes, the first dimension highest
+    assert embeddings["ubinary"] == bits.tolist() and embeddings["binary"] == (bits.astype(int) - 128).tolist()
+    assert len(embeddings["ubinary"][0]) == 48
+    assert set(post(server, "/v2/embed", {"texts": TEXTS[:1]})["embeddings"]) == {"float"}  # the default type
+
+
+def test_cohere_embed_truncates_from_either_end(server, references):
+    end = post(server, "/v2/embed", {"texts": [TRUNCATED], "truncate": "END", "max_tokens": 5})
+    start = post(server, "/v2/embed", {"texts": [TRUNCATED], "truncate": "START", "max_tokens": 5})
+    assert np.allclose(end["embeddings"]["float"][0], references["head"], atol=1e-6)
+    assert np.allclose(start["embeddings"]["float"][0], references["tail"], atol=1e-6)
+    assert start["meta"]["tokens"]["input_tokens"] == 5
+
+
+@pytest.mark.parametrize("sides", [("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
+                                   ("queries", "items")])
+def test_score_takes_each_of_vllms_field_names_and_embeds_one_query_once(server, llm, references, sides):
+    query, documents = QUESTIONS_LIST[0], PASSAGES
+    body = post(server, "/v1/score", {sides[0]: query, sides[1]: documents})
+    assert np.allclose([d["score"] for d in body["data"]], references["scores"], atol=1e-6)
+    once = tokens(llm, query) + sum(tokens(llm, d) for d in documents)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == once
+    pairs = post(server, "/v1/score", {sides[0]: [query] * 2, sides[1]: documents[:2]})  # N to N: each side counted
+    assert pairs["usage"]["prompt_tokens"] == 2 * tokens(llm, query) + sum(tokens(llm, d) for d in documents[:2])
+
+
+def test_rerank_usage_has_prompt_tokens_beside_total_tokens(server, llm):
+    body = post(server, "/v1/rerank", {"query": QUESTIONS_LIST[1], "documents": PASSAGES})
+    once = tokens(llm, QUESTIONS_LIST[1]) + sum(tokens(llm, d) for d in PASSAGES)
+    assert body["usage"] == {"prompt_tokens": once, "total_tokens": once}
+
+
+QUESTIONS_LIST = list(QUESTIONS)

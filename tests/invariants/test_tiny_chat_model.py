@@ -7,7 +7,8 @@ import functools
 
 import pytest
 
-from shared import SamplingParams, chat_tasks, tiny_chat_model
+from course import chat_tasks
+from shared import SamplingParams, tiny_chat_model
 
 PER_TASK = 60  # distinct held-out questions per task (square: its 32-entry table)
 MIN_ACCURACY = 0.95

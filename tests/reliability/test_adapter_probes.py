@@ -218,7 +218,7 @@ def test_an_unload_between_a_requests_admission_and_its_engine_requests_cannot_s
                          lora_modules=[("held", str(adapters["root"] / "good"))])
     models = app.state.serving.models
     with running_server(app) as server:
-        admitted = models.resolve("held")
+        admitted = models.resolve("held", "key#1")
         with models.send(admitted):
             client_error(post(server.url, "/v1/unload_lora_adapter", {"lora_name": "held"}), "lora_name", "in flight")
         assert post(server.url, "/v1/unload_lora_adapter", {"lora_name": "held"}).status_code == 200

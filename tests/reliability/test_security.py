@@ -68,7 +68,7 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(servers):
     paths = {r.path for r in app.routes}
     assert {"/docs", "/redoc", "/openapi.json", "/metrics", "/v1/completions", "/v1/chat/completions",
             "/v1/models", "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/v1/score", "/score",
-            "/v1/rerank", "/rerank", "/v2/rerank"} <= paths
+            "/v1/rerank", "/rerank", "/v2/rerank", "/pooling", "/v2/embed", "/v1/responses"} <= paths
     assert checked >= len(paths)
 
 

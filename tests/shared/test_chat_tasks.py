@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import chat_tasks
-from shared.chat_tasks import Example
+from course import chat_tasks
+from course.chat_tasks import Example
 
 
 def test_examples_are_deterministic_in_the_seed():

@@ -165,3 +165,26 @@ def test_the_tokenizer_applies_the_template_the_same_way(tiny_llama):
     messages = conversation(FORGED)
     assert tok.apply_chat_template(messages, tools=tools(FORGED)) == apply_chat_template(tok.hf, messages,
                                                                                          tools=tools(FORGED))
+
+
+def test_the_developer_role_counts_as_the_system_role_on_the_default_models_template():
+    """SmolLM2's template names no developer role: rendered as is, the turn would be an unknown role with the
+    template's own default system prompt in front of it (48 tokens where the system turn gives 26)."""
+    from shared import default_model
+
+    tokenizer = Tokenizer(default_model())
+    ask = {"role": "user", "content": "What is the capital of France?"}
+    as_system = tokenizer.apply_chat_template([{"role": "system", "content": "Answer in one word."}, ask])
+    as_developer = tokenizer.apply_chat_template([{"role": "developer", "content": "Answer in one word."}, ask])
+    assert as_developer == as_system
+    unmapped = tokenizer.hf.apply_chat_template([{"role": "developer", "content": "Answer in one word."}, ask],
+                                                tokenize=False, add_generation_prompt=True)
+    assert "You are a helpful AI assistant named SmolLM" in unmapped  # what the mapping saves
+
+
+def test_a_template_that_names_a_developer_role_keeps_it(hf):
+    template = ("{% for m in messages %}{% if m['role'] == 'developer' %}<|im_start|>dev\n{% else %}"
+                "<|im_start|>{{ m['role'] }}\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    ids = apply_chat_template(hf, [{"role": "developer", "content": "Be brief."}], chat_template=template,
+                              add_generation_prompt=False)
+    assert hf.decode(ids).startswith("<|im_start|>dev\nBe brief.")

@@ -92,7 +92,7 @@ def test_missing_files_are_named(tiny_llama, tmp_path):
 def test_make_tiny_model_writes_a_checkpoint_transformers_loads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared import make_tiny_model
+    from course import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", arch="qwen2", seed=3)
     config = ModelConfig.from_pretrained(path)
@@ -106,7 +106,7 @@ def test_make_tiny_model_writes_a_checkpoint_transformers_loads(tmp_path):
 
 def test_size_presets_carry_head_dim_padded_vocab_and_dtype(tmp_path):
     """The knobs of the Qwen3-0.6B preset (used by the GPU check), on a small model."""
-    from shared import make_tiny_model
+    from course import make_tiny_model
 
     size = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=128, vocab_size=1000, initializer_range=0.02, dtype="bfloat16")

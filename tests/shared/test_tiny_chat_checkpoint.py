@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import chat_tasks, resolve_model, tiny_chat_model
+from course import chat_tasks
+from shared import resolve_model, tiny_chat_model
 
 CHECKPOINT = Path(tiny_chat_model())
 

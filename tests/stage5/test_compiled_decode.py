@@ -19,6 +19,7 @@ from stage5_server.model import CompiledForward
 from stage5_server.model.compile import one_row_per_token
 from tests.invariants.prompts import PROMPTS
 from tests.stage5.test_cpu_attention import make_paged_batch
+from tests.stage5.test_quantization import bf16_packs
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is not None,
                                 reason=f"the C++ decode operator did not build: {load_cpu_kernels()}")
@@ -259,6 +260,22 @@ def test_with_lora_the_steps_without_adapters_run_compiled_and_the_others_eagerl
                 {e: [as_token_logprobs(o.outputs[0].logprobs) for o in runs[e]] for e in runs})
     divergences = first_divergences(ids[None], lps[None], ids[True], lps[True])
     assert all(d.close for d in divergences), divergences
+
+
+def test_weights_packed_for_onednn_run_inside_the_compiled_step(tiny_llama, caplog):
+    """Packed weights no longer keep steps eager: the packed product is an operator the graphs hold. Where
+    oneDNN cannot pack bfloat16 (no AVX-512), the layers keep their plain weights and compile all the same."""
+    from stage5_server.model import Linear
+
+    with caplog.at_level("INFO", logger="stagedserve"):
+        llm, _, _ = _run(tiny_llama, None, ["one prompt", "another prompt"], max_tokens=3, prepack_linear=True)
+    forward = _forward(llm)
+    assert isinstance(forward, CompiledForward) and "runs eagerly" not in caplog.text
+    assert forward.compiled_steps == llm.engine.stats().num_steps and forward.recompiles_refused == 0
+    packed = llm.engine.model_executor.collective_rpc(
+        lambda worker: [getattr(m, "packed_weight", None) is not None for m in worker.model.modules()
+                        if isinstance(m, Linear)])[0]
+    assert any(packed) == bf16_packs()  # packed where this CPU packs bfloat16, plain elsewhere
 
 
 def test_enforce_eager_and_the_dtype_decide_when_steps_compile(tiny_llama):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from course.tiny_model import make_tiny_model
 from shared import SamplingParams
-from shared.tiny_model import make_tiny_model
 from stage5_server import LLM
 from stage5_server.spec_decode.draft_checkpoint import write_layer_prefix_checkpoint
 from tests.stage5.test_spec_decode import ENGINE, GREEDY, PROMPTS, assert_no_block_held, generate

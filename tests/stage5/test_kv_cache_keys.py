@@ -37,6 +37,23 @@ def test_an_adapter_and_a_salt_of_the_same_name_share_no_block():
     assert hit == 8
 
 
+def test_the_same_adapter_name_and_path_with_other_weights_shares_no_block():
+    """A block is keyed by the digest of the adapter's weights: loaded again from the same directory with
+    other weights (another digest), or under another load number when no digest is known, it is another
+    adapter."""
+    kv = KVCacheManager(block_size=4, num_blocks=16)
+    tokens = list(req("x", "ABCDEFGHI").all_token_ids)
+    first = LoRARequest("tenant-A", 1, "/adapters/a", weights_digest="1" * 64)
+    admit(kv, AdapterRequest("first", tokens, lora_request=first))
+    same = LoRARequest("tenant-A", 2, "/adapters/a", weights_digest="1" * 64)  # loaded again, the same weights
+    assert kv.get_computed_blocks(AdapterRequest("same", tokens, lora_request=same))[1] == 8
+    changed = LoRARequest("tenant-A", 3, "/adapters/a", weights_digest="2" * 64)
+    assert kv.get_computed_blocks(AdapterRequest("changed", tokens, lora_request=changed)) == ([], 0)
+    admit(kv, AdapterRequest("unchecked", tokens, lora_request=adapter("tenant-A")))
+    reloaded = LoRARequest("tenant-A", 2, "/adapters/tenant-A")  # no digest: another load number
+    assert kv.get_computed_blocks(AdapterRequest("reloaded", tokens, lora_request=reloaded)) == ([], 0)
+
+
 def test_the_image_hash_is_added_only_to_blocks_its_placeholders_overlap():
     class Prompt:
         cache_salt = "tenant"
@@ -57,7 +74,7 @@ class AdapterPrefixCacheMachine(PrefixCacheMachine):
 
     def identity(self, request: FakeRequest) -> tuple:
         lora = getattr(request, "lora_request", None)
-        keys = () if lora is None else (("lora", lora.lora_name), ("lora", lora.lora_path))
+        keys = () if lora is None else tuple(("lora", part) for part in lora.cache_key)
         return keys + super().identity(request)
 
     @rule(prompt=prompts, salt=st.sampled_from([None, "tenant-A"]), name=st.sampled_from([None, "tenant-A"]),

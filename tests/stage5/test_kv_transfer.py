@@ -47,6 +47,20 @@ def p2p(role: str, port: int) -> dict:
     return {"kv_connector": "P2pZmqConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port}}
 
 
+KV_SECRET = "kv-transfer-secret-" + "0123456789abcdef" * 2  # what both instances of a pair share
+
+
+@pytest.fixture(autouse=True)
+def kv_transfer_secret(monkeypatch):
+    monkeypatch.setenv("STAGEDSERVE_KV_TRANSFER_SECRET", KV_SECRET)
+
+
+def in_transfer(prompts: list[dict], tag: str = "t") -> list[dict]:
+    """Each prompt with a transfer id of its own, as the proxy gives a request on both instances."""
+    return [{**prompt, "kv_transfer_params": {"transfer_id": f"{tag}-transfer-{i:08d}"}}
+            for i, prompt in enumerate(prompts)]
+
+
 # ---- the offload tier ----------------------------------------------------------------------------------
 
 def test_offloaded_blocks_come_back_after_eviction_with_the_same_greedy_tokens(tiny_llama):
@@ -217,8 +231,8 @@ def test_a_decode_instance_fed_by_a_prefill_instance_gives_one_engines_tokens_co
     consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **engine)
     producer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_producer", port), **engine)
     try:
-        producer.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        got = consumer.generate(prompts, GREEDY, use_tqdm=False)
+        producer.generate(in_transfer(prompts), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        got = consumer.generate(in_transfer(prompts), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
         stats = consumer.engine.stats()
         assert stats.kv_connector.p2p_hit_tokens == 4 * 36 and stats.kv_connector.p2p_received_blocks == 4 * 9
@@ -237,7 +251,8 @@ def test_a_producer_whose_consumer_is_gone_still_answers_and_a_consumer_without_
     want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **POOL).generate(prompts, GREEDY, use_tqdm=False)]
     try:
         start = time.monotonic()
-        assert [o.outputs[0].token_ids for o in producer.generate(prompts, GREEDY, use_tqdm=False)] == want
+        answers = producer.generate(in_transfer(prompts), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in answers] == want
         assert time.monotonic() - start < 5  # one step waited out the timeout; the rest sent nothing
         worker = producer.engine.model_executor.driver_worker
         assert worker.kv_connector.send_failures == 1
@@ -245,7 +260,8 @@ def test_a_producer_whose_consumer_is_gone_still_answers_and_a_consumer_without_
         producer.engine.shutdown()
     consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
     try:
-        assert [o.outputs[0].token_ids for o in consumer.generate(prompts, GREEDY, use_tqdm=False)] == want
+        answers = consumer.generate(in_transfer(prompts), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in answers] == want
         assert consumer.engine.stats().kv_connector.p2p_hit_tokens == 0
     finally:
         consumer.engine.shutdown()
@@ -254,14 +270,20 @@ def test_a_producer_whose_consumer_is_gone_still_answers_and_a_consumer_without_
 def test_the_consumer_refuses_a_malformed_message_and_keeps_nothing(tiny_llama):
     import zmq
 
+    from stage5_server.kv_transfer.peer_auth import secure_producer_socket
+
     port = free_port()
     consumer = LLM(str(tiny_llama), kv_transfer_config=p2p("kv_consumer", port), **POOL)
     socket_ = zmq.Context.instance().socket(zmq.REQ)
     socket_.setsockopt(zmq.LINGER, 0)
+    secure_producer_socket(socket_, KV_SECRET.encode()).close()  # the producer's keys: past the handshake
     socket_.connect(f"tcp://127.0.0.1:{port}")
     try:
         for frames in ([b"not json", b"", b""], [b'{"dtype": "torch.float32", "shape": [1, 2, 4, 2, 16], '
-                                                  b'"hashes": ["00"]}', b"\x00" * 8, b"\x00" * 8]):
+                                                  b'"hashes": ["00"], "transfer_ids": ["t"]}', b"\x00" * 8,
+                                                  b"\x00" * 8],
+                       [b'{"dtype": "torch.float32", "shape": [1, 2, 4, 2, 16], "hashes": ["00"], '
+                        b'"transfer_ids": [null]}', b"\x00" * 8, b"\x00" * 8]):
             socket_.send_multipart(frames)
             assert socket_.poll(5000)
             assert socket_.recv().startswith(b"error")
@@ -291,7 +313,8 @@ def test_behind_the_proxy_a_prefill_and_a_decode_server_answer_as_one_server(tin
 
     port, flags = free_port(), ("--max-model-len", "256", "--num-kv-blocks", "128", "--block-size", "4",
                                 "--dtype", "float32", "--log-stats-interval", "0")
-    secret = {"STAGEDSERVE_CACHE_SALT_SECRET": "0123456789abcdef" * 4}  # both salt every request alike
+    secret = {"STAGEDSERVE_CACHE_SALT_SECRET": "0123456789abcdef" * 4,  # both salt every request alike
+              "STAGEDSERVE_KV_TRANSFER_SECRET": KV_SECRET}
     consumer, consumer_url = spawn_serve(tiny_llama, (tmp_path / "decode.log").open("w"), *flags,
                                          "--kv-transfer-config", json.dumps(p2p("kv_consumer", port)), env=secret)
     producer, producer_url = spawn_serve(tiny_llama, (tmp_path / "prefill.log").open("w"), *flags,

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from course.tiny_model import TINY, make_tiny_model
 from shared import SamplingParams
 from shared.request import RequestStatus
-from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
 from stage5_server.cli.serve import serving_process_count
 from stage5_server.core.messages import EngineCoreRequest

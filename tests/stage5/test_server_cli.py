@@ -42,7 +42,7 @@ ENGINE_ARGS_BEFORE_THE_TABLE = {
     "distributed_interface": None, "enforce_eager": None, "cpu_threads": None, "speculative_config": None,
     "runner": "auto", "convert": "auto", "quantization": None, "prepack_linear": None, "enable_lora": False,
     "max_loras": 1, "max_lora_rank": 16, "kv_offloading_size": None, "kv_transfer_config": None,
-    "compile_in_background": None}
+    "compile_in_background": None, "enable_weight_sync": False}
 # Engine arguments without a serve flag: a server flag sets log_stats_interval; the others are no use to a server.
 NO_SERVE_FLAG = {"block_shuffle_seed", "log_stats_interval", "prefix_caching_hash_algo", "scheduling_policy"}
 
@@ -89,7 +89,7 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "max_lora_rank": 32}
     assert set(build_engine_kwargs(args)) == {arg.name for arg in ENGINE_ARG_TABLE if arg.cli} - {
         "tokenizer", "max_num_active_seqs", "enable_chunked_prefill", "kv_offloading_size",
-        "kv_transfer_config", "compile_in_background"}  # the flags added since: below
+        "kv_transfer_config", "compile_in_background", "enable_weight_sync"}  # the flags added since: below
     assert build_engine_kwargs(parse("serve", "--no-compile-in-background")) == {"compile_in_background": False}
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
     transfer = '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": ' \
@@ -98,6 +98,10 @@ def test_serve_passes_exactly_the_engine_flags_given():
     assert build_engine_kwargs(parse("serve", "--kv-transfer-config", transfer)) == {
         "kv_transfer_config": {"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer",
                                "kv_connector_extra_config": {"kv_port": 14579}}}
+    assert build_engine_kwargs(parse("serve", "--enable-weight-sync")) == {"enable_weight_sync": True}
+    assert build_engine_kwargs(parse("serve", "--enable-dev-routes")) == {"enable_weight_sync": True}
+    assert build_engine_kwargs(parse("serve", "--enable-dev-routes", "--no-enable-weight-sync")) == {
+        "enable_weight_sync": False}
     assert build_engine_kwargs(parse("serve", "--tokenizer", "/tokenizers/t", "--max-num-active-seqs", "4",
                                      "--no-enable-chunked-prefill")) == {
         "max_num_active_seqs": 4, "enable_chunked_prefill": False, "tokenizer": "/tokenizers/t"}

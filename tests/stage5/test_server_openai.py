@@ -88,10 +88,28 @@ def test_streaming_chat_with_the_sync_client_reassembles_the_same_text(client, s
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True)
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    first = chunks[0].choices[0]
+    assert (first.delta.role, first.delta.content, first.finish_reason) == ("assistant", "", None)
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)  # the role is said once
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == served["chat_ref"].text
     assert chunks[-1].choices[0].finish_reason == served["chat_ref"].finish_reason
+
+
+def test_a_chat_stream_starts_with_a_role_only_chunk_per_choice_as_openai_and_vllm_do(http):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 5, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = [e for e in sse_events(http.post("/v1/chat/completions", json=body).text.splitlines()) if e != "[DONE]"]
+    prompt_tokens = http.post("/tokenize", json={"messages": CHAT}).json()["count"]
+    for index in (0, 1):
+        first = next(c for c in chunks if c["choices"] and c["choices"][0]["index"] == index)
+        assert first["choices"][0] == {"index": index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None, "stop_reason": None}
+        usage = first["usage"]  # continuous usage: the prompt, nothing generated yet
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (prompt_tokens, 0,
+                                                                                               prompt_tokens)
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # both roles before any token
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 2
 
 
 def test_async_client_streams_completions_and_chat_with_usage(served):

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 from openai import AsyncOpenAI
 
-from shared import chat_tasks, tiny_chat_model
+from course import chat_tasks
+from shared import tiny_chat_model
 from stage5_server.server import create_app
 from tests.stage5.server_fixtures import make_llm, running_server
 

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch
 
+from course.tiny_model import TINY, make_tiny_model
 from shared import SamplingParams
 from shared.config import ModelConfig
-from shared.tiny_model import TINY, make_tiny_model
 from stage5_server import LLM
 from stage5_server.executor.multiproc import MultiprocExecutor, TensorParallelError
 from stage5_server.parallel import tensor_parallel_shape

@@ -3,14 +3,18 @@ checkpoint directory or broadcast by a trainer process over gloo, the engine's g
 transformers' on the new weights; no prefix-cache hit crosses an update; a request in flight when an
 update arrives finishes on the old weights and one sent meanwhile runs on the new; sleep refuses
 requests cleanly and wake serves the same tokens again; the dev routes are 404 unless switched on
-and need the key.
+and need the key. All of it only with ``enable_weight_sync=True``: off, a weight call names the switch and
+nothing of the room is loaded.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -28,6 +32,7 @@ from tests.stage5.server_fixtures import ENGINE_KWARGS, REPO, auth, make_llm, me
 PROMPTS = [list(range(3, 40)), [7, 8, 9, 10, 11]]  # 37 tokens: two full 16-token blocks for the prefix cache
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 KEY = "dev-key"
+SYNC = {"enable_weight_sync": True}
 
 
 def hf_model(path):
@@ -79,11 +84,46 @@ def references(tiny_llama, trained):
     return hf_tokens(hf_model(tiny_llama)), hf_tokens(trained[0])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def weight_sync_secret():
+    """The secret a trainer and the workers share (``weight_sync/store.py``): set for this process and every
+    process it starts, trainers and workers alike."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGEDSERVE_WEIGHT_SYNC_SECRET", secrets.token_hex(32))
+        yield
+
+
 @pytest.fixture
 def llm(tiny_llama):
-    engine = make_llm(tiny_llama)
+    engine = make_llm(tiny_llama, **SYNC)
     yield engine
     engine.shutdown()
+
+
+# ---- off -------------------------------------------------------------------------------------------
+
+
+def test_without_weight_sync_a_weight_call_names_the_switch_and_the_core_rpc_still_works(tiny_llama):
+    llm = make_llm(tiny_llama)
+    try:
+        assert llm.engine.weight_sync is None and llm.weight_version == 0
+        for call in (lambda: llm.sleep(), lambda: llm.update_weights([]), lambda: llm.wake_up()):
+            with pytest.raises(ValueError, match="enable_weight_sync=True"):
+                call()
+        with pytest.raises(ValueError, match="no method 'update_weights'"):  # no extension beside the worker
+            llm.collective_rpc("update_weights", args=([],))
+        assert [d["rank"] for d in llm.collective_rpc("describe")] == [0]  # the core's own utility
+    finally:
+        llm.shutdown()
+
+
+def test_without_weight_sync_nothing_of_its_room_is_imported(tiny_llama):
+    code = ("import sys; from tests.stage5.server_fixtures import make_llm; "
+            f"llm = make_llm({str(tiny_llama)!r}); llm.generate([[7, 8, 9]], use_tqdm=False); "
+            "llm.collective_rpc('describe'); "
+            "print(sorted(m for m in sys.modules if m.startswith('stage5_server.weight_sync')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 # ---- collective_rpc --------------------------------------------------------------------------------
@@ -103,8 +143,22 @@ def test_collective_rpc_returns_each_workers_result_and_names_an_unknown_method(
     with pytest.raises(ValueError, match="run by the engine core itself"):  # the core keeps the KV pool's state
         llm.collective_rpc("sleep", args=(1,))
     with pytest.raises(ValueError, match="model.bogus"):  # a worker's ValueError comes back; the engine lives on
-        llm.collective_rpc("update_weights", args=([("model.bogus", torch.zeros(1))],))
+        llm.collective_rpc(update_behind_the_cores_back, args=([("model.bogus", torch.zeros(1))],))
     assert engine_tokens(llm)  # still serving
+
+
+def update_behind_the_cores_back(worker, named_tensors):
+    """A function run on the worker (only the offline caller's own code can be one): the worker's weight method
+    without the core's drain, reset and version."""
+    return worker.extension.update_weights(named_tensors)
+
+
+def test_a_weight_method_by_name_is_refused_through_collective_rpc(llm, trained):
+    for method, args in (("update_weights", ([],)), ("update_weights_from_path", (str(trained[1]),)),
+                         ("update_weights_from_distributed", ([],)), ("shutdown", ())):
+        with pytest.raises(ValueError, match="run by the engine core itself"):
+            llm.collective_rpc(method, args=args)
+    assert llm.weight_version == 0
 
 
 def slow_method(worker, seconds: float) -> int:
@@ -141,8 +195,8 @@ def test_an_update_from_a_checkpoint_directory_and_back(llm, tiny_llama, trained
     assert engine_tokens(llm) == before
 
 
-def test_the_worker_method_through_collective_rpc_loads_the_same_weights(llm, trained, references):
-    counts = llm.collective_rpc("update_weights", args=(list(trained[0].state_dict().items()),))
+def test_the_worker_method_run_as_a_function_loads_the_same_weights(llm, trained, references):
+    counts = llm.collective_rpc(update_behind_the_cores_back, args=(list(trained[0].state_dict().items()),))
     assert counts[0] > 0
     llm.reset_prefix_cache()
     assert engine_tokens(llm) == references[1]
@@ -171,7 +225,7 @@ def test_no_prefix_cache_hit_crosses_an_update(llm, trained, references):
 def test_without_the_reset_the_stale_prefix_gives_other_tokens(llm, trained, references):
     """What the reset prevents: the worker method alone swaps the weights but leaves the cached blocks."""
     engine_tokens(llm, PROMPTS[:1])
-    llm.collective_rpc("update_weights_from_path", args=(str(trained[1]),))
+    llm.collective_rpc(update_behind_the_cores_back, args=(list(trained[0].state_dict().items()),))
     stale = engine_tokens(llm, PROMPTS[:1])
     assert stale != references[1][:1]
     llm.reset_prefix_cache()
@@ -187,7 +241,7 @@ def test_an_offline_update_is_refused_while_requests_are_unfinished(llm, trained
 
 @pytest.mark.parametrize("linear", [dict(prepack_linear=True), dict(quantization="int8")])
 def test_packed_and_quantized_layers_are_processed_again(tiny_llama, trained, linear):
-    updated = make_llm(tiny_llama, **linear)
+    updated = make_llm(tiny_llama, **linear, **SYNC)
     fresh = make_llm(trained[1], **linear)  # the same method over the trained checkpoint, loaded from scratch
     try:
         updated.update_weights(trained[0].state_dict().items())
@@ -210,7 +264,7 @@ def test_lora_adapters_stay_loaded_across_an_update(tiny_llama, trained, tmp_pat
     from tests.stage5.lora_adapters import make_adapter
 
     adapter = LoRARequest("a", 1, str(make_adapter(tiny_llama, tmp_path / "a", seed=3)))
-    llm = make_llm(tiny_llama, enable_lora=True, max_lora_rank=8)
+    llm = make_llm(tiny_llama, enable_lora=True, max_lora_rank=8, **SYNC)
     fresh = make_llm(trained[1], enable_lora=True, max_lora_rank=8)
     try:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapter)  # the adapter is in its slot
@@ -268,7 +322,7 @@ SPLIT_KWARGS = dict(max_model_len=256, max_num_seqs=8, block_size=16, device="cp
 @pytest.mark.slow
 @pytest.mark.parametrize("split", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
 def test_a_split_model_takes_updates_rank_by_rank(tiny_llama, trained, references, split):
-    llm = LLM(str(tiny_llama), **SPLIT_KWARGS, **split)
+    llm = LLM(str(tiny_llama), **SPLIT_KWARGS, **split, **SYNC)
     try:
         assert len(llm.collective_rpc("describe")) == 2
         assert engine_tokens(llm) == references[0]
@@ -314,7 +368,7 @@ def test_sleep_level_2_frees_the_weights_which_an_update_brings_back(llm, traine
 
 
 def test_dev_routes_are_404_unless_switched_on_and_need_the_key(tiny_llama):
-    engine = AsyncLLM.from_llm(make_llm(tiny_llama), log_stats_interval=None)
+    engine = AsyncLLM.from_llm(make_llm(tiny_llama, **SYNC), log_stats_interval=None)
     try:
         with running_server(create_app(engine, api_keys=[KEY])) as server:
             for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
@@ -358,7 +412,7 @@ def test_a_request_spanning_an_update_finishes_on_the_old_weights(tiny_llama, tr
     new_text = make_llm(trained[1]).generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].text
     old_short = make_llm(tiny_llama).generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].text
     assert new_text != old_short
-    engine = AsyncLLM.from_llm(make_llm(tiny_llama), log_stats_interval=None)
+    engine = AsyncLLM.from_llm(make_llm(tiny_llama, **SYNC), log_stats_interval=None)
     try:
         with running_server(create_app(engine, api_keys=[KEY], enable_dev_routes=True)) as server:
             chunks, results = [], {}
@@ -398,7 +452,7 @@ def test_a_request_spanning_an_update_finishes_on_the_old_weights(tiny_llama, tr
 
 
 def test_sleep_refuses_requests_with_a_503_and_wake_serves_the_same_text(tiny_llama):
-    engine = AsyncLLM.from_llm(make_llm(tiny_llama), log_stats_interval=None)
+    engine = AsyncLLM.from_llm(make_llm(tiny_llama, **SYNC), log_stats_interval=None)
     try:
         with running_server(create_app(engine, api_keys=[KEY], enable_dev_routes=True)) as server:
             before = completion(server.url, PROMPTS[1]).json()["choices"][0]["text"]
@@ -425,7 +479,7 @@ def test_the_engine_process_mode_takes_the_same_calls(tiny_llama, trained):
     from stage5_server.engine.mp_client import MPAsyncLLM
 
     new_text = make_llm(trained[1]).generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].text
-    engine = MPAsyncLLM(str(tiny_llama), log_stats_interval=None, startup_timeout_s=120, **ENGINE_KWARGS)
+    engine = MPAsyncLLM(str(tiny_llama), log_stats_interval=None, startup_timeout_s=120, **ENGINE_KWARGS, **SYNC)
     try:
         assert [d["rank"] for d in asyncio.run(engine.collective_rpc("describe"))] == [0]
         with pytest.raises(ValueError, match="no method"):
@@ -469,7 +523,7 @@ def test_the_worked_example_moves_the_served_outputs_toward_the_target(capsys):
 def test_ray_workers_take_the_same_calls(tiny_llama, trained, references):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    llm = LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray", **SPLIT_KWARGS)
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray", **SPLIT_KWARGS, **SYNC)
     try:
         assert [d["rank"] for d in llm.collective_rpc("describe")] == [0, 1]
         assert llm.collective_rpc(rank_and_offset, args=(1,)) == [1, 2]  # a function, pickled to each actor

@@ -1,4 +1,4 @@
-"""What crosses from the engine core to every worker and back, once per step.
+"""The step contract: what the engine core hands every worker once per step, and what comes back.
 
 Stage 4's scheduler hands out live ``Request`` objects: fine in one process, but a tensor-parallel rank
 lives in another. So stage 5's scheduler describes each step in plain data that every rank receives
@@ -22,10 +22,15 @@ alike, one process or many, and the executor ships it as it is:
 
 The runner answers with a ``ModelRunnerOutput``: a *list* of tokens per request (empty mid-prefill, one
 for a decode, several when draft tokens were accepted), the logprobs it was asked for, a draft model's
-next drafts, and a pooling runner's vectors. The core owns both messages; the workers import them.
+next drafts, and a pooling runner's vectors.
 
-vLLM: ``NewRequestData``, ``CachedRequestData`` and ``SchedulerOutput`` in ``vllm/v1/core/sched/output.py``;
-``ModelRunnerOutput`` in ``vllm/v1/outputs.py``.
+This module sits beside the rooms, not in any of them: the core (``core/scheduler.py``) writes a
+``SchedulerOutput`` and reads a ``ModelRunnerOutput``, the executors carry both, the workers
+(``worker/``, ``pooling/``) read the one and write the other, and the drafter (``spec_decode/``) reads
+both; it imports nothing of stage 5, so none of them points up into another to reach it.
+
+vLLM: ``ModelRunnerOutput`` in ``vllm/v1/outputs.py``; ``NewRequestData``, ``CachedRequestData`` and
+``SchedulerOutput`` in ``vllm/v1/core/sched/output.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A tiny LLaVA-style vision-language checkpoint, for tests and ``stagedserve make-tiny-model --arch llava``.
 
 ``LlavaForConditionalGeneration`` over a tiny CLIP vision tower and the tiny Llama decoder of
-``shared/tiny_model.py``, random weights, with a processor (a ``CLIPImageProcessor`` and the
+``course/tiny_model.py``, random weights, with a processor (a ``CLIPImageProcessor`` and the
 tokenizer with an ``<image>`` token) that ``AutoProcessor`` loads: an ordinary Hugging Face directory.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.tiny_model import TINY, cached_tiny_model, train_tokenizer, transformers_config
+from course.tiny_model import TINY, cached_tiny_model, train_tokenizer, transformers_config
 
 IMAGE_TOKEN = "<image>"
 # ChatML whose message content may be a list of parts: text as is, an image as one ``<image>``,
@@ -65,5 +65,5 @@ def make_tiny_llava(path: str | Path, seed: int = 0, vocab_size: int = 512, size
 
 
 def cached_tiny_llava(seed: int = 0) -> Path:
-    """The tiny LLaVA, built once and cached (``shared.tiny_model.cached_tiny_model``)."""
+    """The tiny LLaVA, built once and cached (``course.tiny_model.cached_tiny_model``)."""
     return cached_tiny_model("llava", seed, make=make_tiny_llava, chat_template=VISION_CHAT_TEMPLATE)

@@ -4,7 +4,8 @@ Nothing can be downloaded in tests, so the parity tests and the benchmarks build
 checkpoints here: a byte-level BPE tokenizer trained offline on the text below, a chat
 template, and random weights from ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` with a fixed seed, saved with ``save_pretrained`` (safetensors).
-The default model and the other named ones are in ``shared.named_models``.
+The default model and the other named ones are in ``shared.named_models``, which builds ``tiny`` and
+``small`` here by name (``cached_tiny_model``): no stage imports this package.
 The result is an ordinary Hugging Face model directory: transformers, this project and
 peers such as vLLM all load it the same way. Head dim is 32 so vLLM's CPU build accepts it.
 """
@@ -12,10 +13,10 @@ peers such as vLLM all load it the same way. Head dim is 32 so vLLM's CPU build 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from shared.cache import build_once, cache_dir
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -143,11 +144,6 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, vocab_
     return path
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("STAGEDSERVE_CACHE") or Path.home() / ".cache" / "stagedserve"
-    return Path(root)
-
-
 def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny",
                       make: Callable[..., Path] | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Build (once, atomically, safe across processes) and return a cached checkpoint (``make``: how an
@@ -159,24 +155,6 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0, size_name: str = "tiny
         refresh_chat_template(target, chat_template)
     make = make or (lambda path, **kwargs: make_tiny_model(path, arch=arch, **kwargs))
     return build_once(target, lambda tmp: make(tmp, seed=seed, size=SIZES[size_name]))
-
-
-def build_once(target: Path, build: Callable[[Path], object]) -> Path:
-    """``target``, a checkpoint directory that ``build(directory)`` writes, built only if no run has
-    yet: into a temporary directory beside it, then renamed (atomic, safe across processes)."""
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def refresh_chat_template(checkpoint: Path, template: str) -> None:
