@@ -37,7 +37,7 @@ def bf16_checkpoint(model_dir: str | Path) -> str:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from shared.tiny_model import cache_dir
+    from shared.cache import cache_dir
 
     source = Path(model_dir)
     target = cache_dir() / f"{source.name}-bf16"

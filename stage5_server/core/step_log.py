@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from stage5_server.core.scheduler_output import SchedulerOutput
+from stage5_server.outputs import SchedulerOutput
 
 STEP_LOG_ENV = "STAGEDSERVE_STEP_LOG"
 
