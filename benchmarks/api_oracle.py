@@ -278,8 +278,8 @@ def free_port() -> int:
 
 @contextmanager
 def server(cmd: list[str], url: str, env: dict, timeout_s: float):
-    """Run ``cmd`` until the ``with`` ends, once ``url/health`` answers 200. Its stderr goes to a file,
-    not a pipe, so a server that logs every request never blocks on a full pipe."""
+    """Run ``cmd`` until the ``with`` ends, once ``url/health`` answers 200; yields its process. Its stderr
+    goes to a file, not a pipe, so a server that logs every request never blocks on a full pipe."""
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -296,7 +296,7 @@ def server(cmd: list[str], url: str, env: dict, timeout_s: float):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{cmd[:3]} did not become healthy in {timeout_s} s")
             time.sleep(0.5)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:

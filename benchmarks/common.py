@@ -31,6 +31,36 @@ def cpu_model() -> str:
     return f"{name} with {extensions[0]}" if extensions else name
 
 
+def bf16_checkpoint(model_dir: str | Path) -> str:
+    """``model_dir`` (a Hugging Face directory) saved in bfloat16 beside it in the stagedserve cache, once:
+    the checkpoint a user downloads, for the engines that compare on the same weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from shared.cache import cache_dir
+
+    source = Path(model_dir)
+    target = cache_dir() / f"{source.name}-bf16"
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    partial = target.with_name(target.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.suffix == ".safetensors" or path.name in ("config.json", "model.safetensors.index.json"):
+            continue  # the weights, one file
+        (partial / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    save_file({name: t.to(torch.bfloat16).contiguous() if t.is_floating_point() else t
+               for name, t in tensors.items()}, partial / "model.safetensors", metadata={"format": "pt"})
+    partial.rename(target)
+    return str(target)
+
+
 def best_seconds(fn, repeats: int) -> float:
     """The fastest of ``repeats`` calls of ``fn``, after one call that warms it up."""
     fn()

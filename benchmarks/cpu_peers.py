@@ -9,9 +9,10 @@
 Engines, one after the other:
 
 - stage5 on its defaults (``LLM()``: on a CPU with native bfloat16, the GGUF file's 4-bit blocks
-  for a few rows and packed bfloat16 weights for the rest, decode steps of up to 8 rows compiled),
+  for a few rows and packed bfloat16 weights for the rest, every step compiled),
   the same with every step eager (``enforce_eager=True``), stage5 bfloat16 on packed float weights
-  (``quantization="none"``, eager: packed weights do not compile), and stage5 float32, the reference;
+  (``quantization="none"``: a bfloat16 Hugging Face checkpoint's path, compiled), and stage5 float32, the
+  reference;
 - llama.cpp's ``llama-server`` on the same ``.gguf`` file (``STAGEDSERVE_LLAMA_SERVER=<path>``), one
   slot for batch 1 and 64 for batch 64, requests of token ids sent to ``/completion``;
 - vLLM's CPU build (``STAGEDSERVE_VLLM_PYTHON=<venv>/bin/python``, ``benchmarks/vllm_peer.py``) on the

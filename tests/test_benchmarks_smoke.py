@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,36 @@ def test_inspector_overhead_smoke(tmp_path, tiny_llama):
     assert data["steps_per_run"] > 0 and data["dropped"] == 0
     assert all(0 < o < t for o, t in zip(data["observer_s"], data["on_s"]))
     assert "python -m benchmarks.inspector_overhead" in (tmp_path / f"{name}.md").read_text()
+
+
+@pytest.mark.slow
+def test_online_peers_smoke(tmp_path, tiny_llama):
+    """The rate sweep against stagedserve alone (no vLLM given: stagedserve's own bench serve is the load),
+    on the tiny model saved in bfloat16: a row per rate, the figure, the report."""
+    from benchmarks import online_peers
+    from benchmarks.common import bf16_checkpoint
+
+    model = bf16_checkpoint(tiny_llama)
+    assert json.loads((Path(model) / "config.json").read_text())["dtype"] == "bfloat16"
+    data = online_peers.main(["--vllm-python", "", "--model", model, "--rates", "2", "8", "--num-prompts", "3",
+                              "--input-len", "16", "--output-len", "4", *_outputs(tmp_path, "online_peers")])
+    _check_files(tmp_path, "online_peers")
+    rows = data["rows"]["stagedserve serve"]
+    assert list(rows) == ["2.0", "8.0"] and all(r["completed"] == 3 and r["failed"] == 0 for r in rows.values())
+    assert set(data["skipped"]) == {"vLLM's CPU server"} and data["ratios"] == {}
+
+
+@pytest.mark.slow
+def test_served_profile_smoke(tmp_path, tiny_llama):
+    """The served engine's steps and the offline engine's on the same arrivals, each step logged."""
+    from benchmarks import served_profile
+
+    data = served_profile.main(["--model", str(tiny_llama), "--rates", "4", "--num-prompts", "4", "--input-len", "16",
+                                "--output-len", "6", "--out-dir", str(tmp_path),
+                                "--markdown", str(tmp_path / "served_profile.md")])
+    assert "python -m benchmarks.served_profile" in (tmp_path / "served_profile.md").read_text()
+    runs = data["runs"]["4.0"]
+    for run in runs.values():
+        assert sum(k["steps"] for k in run["kinds"].values()) == run["steps"] > 0
+        assert run["kinds"]["with prompt tokens"]["mean_prompt_tokens"] >= 16 and run["tpot_p50_ms"] > 0
+    assert set(runs["served"]["cpu_cores"]) == {"API server", "engine core"}

@@ -9,6 +9,12 @@ in one ``scaled_dot_product_attention`` over whole blocks gathered by ``index_se
 heads that share a KV head folded into the query-length axis, so K/V is never copied. Where the
 operator cannot be built, the decodes take the SDPA path too, as one more group.
 
+Inside a compiled step (``model/compile.py``) a layer's attention is one operator: a step of decode
+rows calls the C++ ``decode_step_attention``; any other step (prefill chunks beside decodes) calls
+``paged_step_attention``, a custom operator (``torch.library``, with a fake kernel for the shapes)
+that writes the step's K/V and runs the path above, its plan made by the first layer and reused by
+the others while the step's metadata is the same.
+
 vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` (C++ kernels in ``csrc/cpu/``) and
 ``vllm/v1/attention/backends/flex_attention.py`` (a paged block mask).
 """
@@ -61,10 +67,13 @@ class CPUAttentionBackend:
         self._plan: list[_Group | _InPlaceDecodes] = []
 
     def forward(self, layer_idx, query, key, value, meta: PagedAttentionMetadata, scale):
-        if torch.compiler.is_compiling():  # a compiled decode step (model/compile.py): one operator per layer
-            return cpu_decode_step_attention(query, key, value, self.kv_cache.key[layer_idx],
-                                             self.kv_cache.value[layer_idx], meta.slot_mapping, meta.block_tables,
-                                             meta.seq_lens, scale)
+        if torch.compiler.is_compiling():  # a compiled step (model/compile.py): one operator per layer
+            key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
+            if meta.max_query_len == 1:  # decode rows
+                return cpu_decode_step_attention(query, key, value, key_cache, value_cache, meta.slot_mapping,
+                                                 meta.block_tables, meta.seq_lens, scale)
+            return paged_step_attention(query, key, value, key_cache, value_cache, meta.slot_mapping,
+                                        meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
         self.kv_cache.write(layer_idx, key, value, meta.slot_mapping)
         key_cache, value_cache = self.kv_cache.key[layer_idx], self.kv_cache.value[layer_idx]
         num_kv_heads = key_cache.shape[2]
@@ -73,6 +82,44 @@ class CPUAttentionBackend:
                                      self.in_place_decodes)
             self._plan_for = meta
         return grouped_paged_attention(query, key_cache, value_cache, self._plan, scale)
+
+
+@torch.library.custom_op("stagedserve::paged_step_attention", mutates_args=("key_cache", "value_cache"))
+def paged_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's attention for any step, as one operator a compiled graph holds: write each token's
+    K/V at its slot (a negative slot is padding: not written), then attend as ``CPUAttentionBackend``."""
+    written = slot_mapping >= 0
+    if not bool(written.all()):
+        key, value, slot_mapping = key[written], value[written], slot_mapping[written]
+    key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+    plan = _step_plan(query_start_loc, seq_lens, block_tables, key_cache.shape[1],
+                      query.shape[1] // key_cache.shape[2], query.dtype)
+    return grouped_paged_attention(query, key_cache, value_cache, plan, scale)
+
+
+@paged_step_attention.register_fake
+def _(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
+    return torch.empty_like(query)
+
+
+_last_plan: tuple = ()  # (the metadata it was made for, copied; block size, group, dtype; the plan)
+
+
+def _step_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+               group: int, dtype: torch.dtype) -> list[_Group | _InPlaceDecodes]:
+    """``plan_groups`` for a step, made once: the layers after the first find it by the metadata's values."""
+    global _last_plan
+    if _last_plan and _last_plan[1] == (block_size, group, dtype) and all(
+            torch.equal(a, b) for a, b in zip(_last_plan[0], (query_start_loc, seq_lens, block_tables))):
+        return _last_plan[2]
+    copies = (query_start_loc.clone(), seq_lens.clone(), block_tables.clone())  # the step's may be reused buffers
+    meta = PagedAttentionMetadata(torch.empty(0, dtype=torch.long), *copies, max_query_len=0, max_seq_len=0)
+    plan = plan_groups(meta, block_size, group, dtype, load_cpu_kernels() is None)
+    _last_plan = (copies, (block_size, group, dtype), plan)
+    return plan
 
 
 def plan_groups(meta: PagedAttentionMetadata, block_size: int, group: int, dtype: torch.dtype,

@@ -152,6 +152,12 @@ def server_batch_defaults(engine_kwargs: dict[str, Any]) -> dict[str, int]:
     return {name: value * scale for name, value in SERVER_BATCH_DEFAULTS[kind].items() if name not in engine_kwargs}
 
 
+def server_compile_default(engine_kwargs: dict[str, Any]) -> dict[str, bool]:
+    """A server compiles its compiled step in the background, so that it answers while it compiles
+    (``model/compile.py``), unless the flag says otherwise."""
+    return {} if "compile_in_background" in engine_kwargs else {"compile_in_background": True}
+
+
 def resolve_topology(args: argparse.Namespace) -> None:
     """Fill in ``--api-server-count`` (N when DP > 1, else 1) and refuse what cannot run."""
     if args.api_server_count is None:
@@ -201,7 +207,8 @@ def serve(args: argparse.Namespace) -> int:
         from stage5_server.cli.api_servers import run_multi_api_server
 
         resolve_model(args.model) if args.model else default_model()  # a .gguf converted once, before the cores
-        return run_multi_api_server(args, args.model, engine_kwargs, server_config, batch_defaults)
+        return run_multi_api_server(args, args.model, engine_kwargs, server_config,
+                                    {**batch_defaults, **server_compile_default(engine_kwargs)})
     import uvicorn
 
     from stage5_server.core.cpu_threads import configure_frontend_threads
@@ -215,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
         engine = make_async_llm(args.model, engine_process=args.engine_process,
                                 data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                                 log_stats_interval=server_config.log_stats_interval, **batch_defaults,
-                                **engine_kwargs)
+                                **server_compile_default(engine_kwargs), **engine_kwargs)
         app = create_app(engine, server_config)
     except ValueError as exc:
         if engine is not None:

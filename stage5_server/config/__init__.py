@@ -120,10 +120,13 @@ ENGINE_ARG_TABLE: tuple[EngineArg, ...] = (
     inherited("dtype", choices=DTYPE_CHOICES),
     inherited("device", help="cpu, cuda, cuda:1, ..."),
     EngineArg("attention_backend", None, help="torch, triton or cpu (default: the device's)"),
-    # None: the compiled decode step on the CPU fast path (model/compile.py); True: eager
+    # None: the compiled step on the CPU fast path (model/compile.py); True: eager
     EngineArg("enforce_eager", None, is_flag=True,
-              help="run every step eagerly; default: on a CPU in bfloat16, decode batches of up to 8 rows run a "
-                   "graph compiled at start-up (--no-enforce-eager: in float32 too)"),
+              help="run every step eagerly; default: on a CPU in bfloat16, every step runs a graph compiled at "
+                   "start-up (--no-enforce-eager: in float32 too)"),
+    EngineArg("compile_in_background", None, is_flag=True,  # None: at start-up; stagedserve serve: in the background
+              help="compile the compiled step in a thread while the first steps run eagerly, instead of before "
+                   "the engine is ready (default: on for stagedserve serve)"),
     EngineArg("cpu_threads", None, type=positive_int,
               help="torch threads of the engine on a CPU (default: one per physical core)"),
     EngineArg("speculative_config", None, type=speculative_config_arg, metavar="JSON",  # None: off
@@ -216,7 +219,8 @@ class EngineConfig:
     parallel: ParallelConfig
     attention_backend: str  # a name in ATTENTION_BACKENDS
     enforce_eager: bool | None
-    compile_decode: bool  # decode steps of a few rows run one compiled graph (model/compile.py)
+    compile_step: bool  # every step runs a graph compiled at start-up (model/compile.py)
+    compile_in_background: bool  # ... compiled in a thread while the first steps run eagerly
     cpu_threads: int | None
     log_stats_interval: float | None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -251,8 +255,9 @@ class EngineConfig:
         backend = args["distributed_executor_backend"] or "mp"
         if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend: must be 'mp' or 'ray', got {backend!r}")
-        if args["enforce_eager"] not in (None, True, False):
-            raise ValueError(f"enforce_eager: must be a bool, got {args['enforce_eager']!r}")
+        for flag in ("enforce_eager", "compile_in_background"):
+            if args[flag] not in (None, True, False):
+                raise ValueError(f"{flag}: must be a bool, got {args[flag]!r}")
         cpu_threads = args["cpu_threads"]
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {cpu_threads!r}")
@@ -294,19 +299,20 @@ class EngineConfig:
                                        world_size)
         lora = LoRAConfig.create(args["enable_lora"], args["max_loras"], args["max_lora_rank"])
         if lora is not None:
-            check_lora_support(runner, pipeline_parallel_size, speculative, args["enforce_eager"])
+            check_lora_support(runner, pipeline_parallel_size, speculative)
         kv_transfer = KVTransferConfig.create(args["kv_transfer_config"], args["kv_offloading_size"])
         check_kv_transfer_support(kv_transfer, runner=runner, enable_prefix_caching=args["enable_prefix_caching"],
                                   hash_algo=args["prefix_caching_hash_algo"], world_size=world_size)
         attention_backend = resolve_attention_backend(args["attention_backend"], device)
-        compile_decode = resolve_compile_decode(args["enforce_eager"], device, dtype, attention_backend,
-                                                world_size, runner, lora)
+        compile_step = resolve_compile_step(args["enforce_eager"], device, dtype, attention_backend, world_size,
+                                            runner)
         return cls(model_path=model_path, tokenizer_path=resolve_model(args["tokenizer"]) if args["tokenizer"]
                    else model_path, model_config=model_config, device=device, dtype=dtype, seed=args["seed"],
                    max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                    parallel=ParallelConfig(tensor_parallel_size, interface, pipeline_parallel_size, backend),
                    attention_backend=attention_backend, enforce_eager=args["enforce_eager"],
-                   compile_decode=compile_decode, cpu_threads=cpu_threads,
+                   compile_step=compile_step, compile_in_background=bool(args["compile_in_background"]),
+                   cpu_threads=cpu_threads,
                    log_stats_interval=args["log_stats_interval"], speculative=speculative, runner=runner,
                    pooler=pooler, linear=linear, lora=lora, multimodal=multimodal, kv_transfer=kv_transfer,
                    weight_sync=check_weight_sync(args["enable_weight_sync"]), args=args)
@@ -328,20 +334,20 @@ class EngineConfig:
         return weight_sync_extension(self.weight_sync)
 
 
-def resolve_compile_decode(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,
-                           attention_backend: str, world_size: int, runner: str, lora: LoRAConfig | None) -> bool:
-    """Whether decode steps of a few rows run a compiled graph (``model/compile.py``). It needs the
-    ``cpu`` attention backend's operator, one rank and the generate runner. Left unset: on the CPU
-    fast path (bfloat16) and without adapters; float32, the token-identical reference, stays eager
-    unless ``enforce_eager=False`` asks."""
+def resolve_compile_step(enforce_eager: bool | None, device: torch.device, dtype: torch.dtype,
+                         attention_backend: str, world_size: int, runner: str) -> bool:
+    """Whether steps run graphs compiled at start-up (``model/compile.py``). It needs the ``cpu``
+    attention backend's operator, one rank and the generate runner. Left unset: on the CPU fast path
+    (bfloat16); float32, the token-identical reference, stays eager unless ``enforce_eager=False``
+    asks. With adapters, a step that runs one runs eagerly (``worker/worker.py``)."""
     if enforce_eager is True:
         return False
     supported = device.type == "cpu" and attention_backend == "cpu" and world_size == 1 and runner == "generate"
     if enforce_eager is False and not supported:
-        raise ValueError("enforce_eager=False: the compiled decode step runs on a CPU with the cpu attention "
+        raise ValueError("enforce_eager=False: the compiled step runs on a CPU with the cpu attention "
                          f"backend, one rank and the generate runner (here: device {device.type}, attention "
                          f"backend {attention_backend}, {world_size} rank(s), runner {runner}); leave it unset")
-    return supported and lora is None and (enforce_eager is False or dtype == torch.bfloat16)
+    return supported and (enforce_eager is False or dtype == torch.bfloat16)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -30,8 +30,7 @@ class LoRAConfig:
         return cls(max_loras, max_lora_rank) if enable_lora else None
 
 
-def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: SpeculativeConfig | None,
-                       enforce_eager: bool | None) -> None:
+def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: SpeculativeConfig | None) -> None:
     """What ``enable_lora`` does not combine with here, refused before anything loads."""
     if runner != "generate":
         raise ValueError("enable_lora: adapters are served by the generate runner only, not runner='pooling'")
@@ -40,5 +39,3 @@ def check_lora_support(runner: str, pipeline_parallel_size: int, speculative: Sp
                          "pipeline_parallel_size=1 (tensor_parallel_size may be more)")
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("enable_lora: a draft model has no adapters; use ngram drafts or none")
-    if enforce_eager is False:
-        raise ValueError("enable_lora: the compiled decode step has no adapter deltas; leave enforce_eager unset")

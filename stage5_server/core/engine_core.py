@@ -30,6 +30,7 @@ vLLM: ``EngineCore.step``, ``step_with_batch_queue`` and ``preprocess_add_reques
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ from stage5_server.core.messages import EngineCoreOutput, EngineCoreRequest
 from stage5_server.core.request import Request
 from stage5_server.core.scheduler import Scheduler
 from stage5_server.core.stats import LoggingStatLogger, SchedulerStats
+from stage5_server.core.step_log import StepLog
 from stage5_server.core.utilities import Utilities
 from stage5_server.errors import EngineSleepingError, StepFailed
 from stage5_server.executor import Executor, PendingStep
@@ -64,6 +66,7 @@ class EngineCore(SchedulerFacade):
         self.max_model_len = scheduler.max_model_len
         self.stats_logger = stats_logger
         self.step_trace: list[dict[str, int]] | None = None  # set to [] to record tokens per request per step
+        self.step_log = StepLog.from_env()  # each step's contents and times, for a profile (step_log.py)
         # Pipeline parallelism: up to one batch in flight per stage (step_with_batch_queue).
         self.max_batches_in_flight = config.parallel.pipeline_parallel_size
         self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
@@ -118,14 +121,20 @@ class EngineCore(SchedulerFacade):
     def step(self) -> list[EngineCoreOutput]:
         if self.max_batches_in_flight > 1:
             return self.step_with_batch_queue()
+        started = time.perf_counter()
         output = self.schedule()
         if output.total_num_scheduled_tokens == 0:
             return self.finished_outside_step()
+        scheduled = time.perf_counter()
         try:
             result = self.model_executor.execute_model(output)
         except Exception as exc:
             raise StepFailed(self.scheduler.step_failed(output), exc) from exc
-        return self.update(output, result)
+        executed = time.perf_counter()
+        outputs = self.update(output, result)
+        if self.step_log is not None:
+            self.step_log.record(output, started, scheduled, executed, time.perf_counter())
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """One step of a pipeline: send a new batch while there is room in the queue and work to send,

@@ -5,7 +5,9 @@ gcc, ``FLAGS``; ``-march=native`` ties a build to the CPU it was made on, so the
 of its name; ``-ffast-math`` is for compiling only, never linking, so loading it leaves the process's
 floating-point mode alone) in the stagedserve cache, and loads that build afterwards without a
 compiler. Where it cannot (no compiler, no ninja) it says why, and the callers keep their torch paths.
-``make demo`` and ``make test`` build it in their set-up, the CPU image while it is built.
+``make demo`` and ``make test`` build it in their set-up, the CPU image while it is built. Each
+operator a compiled graph holds gets a fake kernel here (``torch.library.register_fake``): the shape
+of its output, all that tracing needs.
 
 vLLM: ``cmake/cpu_extension.cmake``.
 """
@@ -70,6 +72,8 @@ def load_cpu_kernels() -> str | None:
                                     lambda query, *args: query.new_empty(query.shape))
         torch.library.register_fake("stagedserve_cpu::int8_linear",
                                     lambda x, weight, scale: x.new_empty((x.shape[0], weight.shape[0])))
+        torch.library.register_fake("stagedserve_cpu::packed_linear",
+                                    lambda x, weight, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths stay
         last_lines = [line.strip() for line in str(exc).splitlines() if line.strip()][-2:]
         why = f"the C++ CPU operators did not build ({type(exc).__name__}: {' / '.join(last_lines)[-300:]})"
@@ -81,4 +85,5 @@ def load_cpu_kernels() -> str | None:
 def build_report() -> str:
     """Build now (``make``'s set-up, so that the first engine does not wait) and say what happened."""
     problem = load_cpu_kernels()
-    return problem or f"C++ CPU operators (decode attention, int8 linear): {extension_name()} built for this CPU"
+    built = f"{extension_name()} built for this CPU"
+    return problem or f"C++ CPU operators (decode attention, int8 and packed linear, elementwise): {built}"

@@ -81,6 +81,9 @@ class LoRALinearMethod(LinearMethod):
     def weight_bytes(self, layer: Linear) -> int:
         return self.base.weight_bytes(layer)
 
+    def row_split(self) -> int | None:
+        return self.base.row_split()
+
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = self.base.apply(layer, x, bias)
         mapping = self.mapping

@@ -109,6 +109,11 @@ class LoRAModelManager:
         self.mapping.segments = segments
         self._pad(segments)
 
+    def step_has_adapters(self) -> bool:
+        """Whether the step ``set_active_loras`` set up adapts any row. A compiled step (``model/compile.py``)
+        was traced without adapters and runs only the steps that have none; the others run eagerly."""
+        return bool(self.mapping.segments)
+
     def _pad(self, segments: list[tuple[int, torch.Tensor | None]]) -> None:
         """With several segments, their rows as one ``[adapters, longest]`` batch (``layers.py``)."""
         mapping = self.mapping

@@ -37,9 +37,10 @@ class LinearMethod:
         """Bytes this layer's weight takes as the method holds it."""
         return layer.weight.numel() * layer.weight.element_size()
 
-    def compiles(self, layer: Linear, max_rows: int) -> bool:
-        """Whether inductor can compile this layer's products of up to ``max_rows`` rows (``compile.py``)."""
-        return True
+    def row_split(self) -> int | None:
+        """The row count above which this method computes its products another way (``dispatch.py``),
+        or None. A compiled graph's range of rows ends there (``compile.py``): each graph holds one way."""
+        return None
 
 
 UNQUANTIZED = LinearMethod()

@@ -9,6 +9,9 @@ copies and picks per call: the quantized method up to ``max_rows`` rows, the pac
 Measured on the default model in bfloat16 (``docs/performance.md``), the int4 blocks are 1.7x the
 packed weight's speed at one decode row and even at eight; a 128-token prefill is 2x faster packed.
 
+A compiled step (``model/compile.py``) gives each side of ``max_rows`` graphs of their own
+(``row_split``), so that in each graph the choice is known when it is traced.
+
 vLLM: ``dispatch_cpu_unquantized_gemm`` in ``vllm/model_executor/layers/utils.py`` picks a CPU GEMM
 kernel per layer from its shapes; llama.cpp picks a matrix-vector or matrix-matrix kernel per call
 from the batch size (``ggml_compute_forward_mul_mat`` in ``ggml/src/ggml-cpu/ggml-cpu.c``).
@@ -47,7 +50,5 @@ class RowDispatchLinearMethod(LinearMethod):
     def weight_bytes(self, layer: Linear) -> int:
         return self.few.weight_bytes(layer) + self.many.weight_bytes(layer)
 
-    def compiles(self, layer: Linear, max_rows: int) -> bool:
-        if max_rows > self.max_rows:  # a graph would take both methods
-            return self.few.compiles(layer, self.max_rows) and self.many.compiles(layer, max_rows)
-        return self.few.compiles(layer, max_rows)
+    def row_split(self) -> int | None:
+        return self.max_rows

@@ -9,6 +9,11 @@ freezing pass emits for a frozen linear on a CPU. A layer whose weight this torc
 (no oneDNN, or oneDNN refuses the weight) keeps ``F.linear``. The packed weight replaces the
 plain one, so the model holds each weight once (a tied LM head's embedding stays as it was).
 
+Inductor lowers ``_linear_pointwise`` only for a weight it packed itself while freezing a graph, so
+inside a compiled step (``model/compile.py``) the product is ``cpu_kernels``' ``packed_linear``: the
+same call as a C++ operator with a fake kernel (``torch.library``) that gives inductor the output's
+shape, an opaque call the generated code makes between its own loops.
+
 vLLM: ``dispatch_cpu_unquantized_gemm`` in ``vllm/model_executor/layers/utils.py`` (oneDNN's
 ``onednn_mm`` over a weight packed at load time).
 """
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage5_server.cpu_kernels import cpu_packed_linear
 from stage5_server.model.linear import Linear, LinearMethod
 
 
@@ -51,14 +57,12 @@ class PackedLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.packed_weight is None:
             return F.linear(x, layer.weight, bias)
+        if torch.compiler.is_compiling():  # the operator a graph holds (module docstring)
+            return cpu_packed_linear(x, layer.packed_weight, bias, layer.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
     def describe(self, layer: Linear) -> str:
         return "packed" if layer.packed_weight is not None else "plain (could not pack)"
-
-    def compiles(self, layer: Linear, max_rows: int) -> bool:
-        """Inductor lowers a packed product only for a weight it froze itself, not for one packed here."""
-        return layer.packed_weight is None
 
     def weight_bytes(self, layer: Linear) -> int:
         weight = layer.packed_weight if layer.packed_weight is not None else layer.weight

@@ -33,7 +33,7 @@ from stage5_server.attention.memory import profile_free_kv_memory
 from stage5_server.cpu_kernels import load_cpu_kernels
 from stage5_server.kv_transfer import KVConnectorRole, make_kv_connector
 from stage5_server.lora import LoRAModel, LoRAModelManager, LoRARequest
-from stage5_server.model import compile_decode_step, compile_problem
+from stage5_server.model import compile_step
 from stage5_server.multimodal.encoder import MultiModalEmbedder
 from stage5_server.multimodal.vision import load_vision_tower
 from stage5_server.outputs import ModelRunnerOutput, SchedulerOutput
@@ -113,12 +113,14 @@ class Worker:
             self.kv_connector.register_kv_caches(self.kv_cache)
         backend = ATTENTION_BACKENDS[config.attention_backend](self.kv_cache)
         self.model.set_attention_backend(backend)
-        if config.compile_decode:  # decode batches of a few rows: a compiled graph (model/compile.py)
-            problem = load_cpu_kernels() or compile_problem(self.model) or \
-                compile_decode_step(self.model, [*self.kv_cache.key, *self.kv_cache.value])
+        if config.compile_step:  # every step a compiled graph (model/compile.py); with adapters, not their steps
+            eager_if = None if self.lora_manager is None else self.lora_manager.step_has_adapters
+            problem = load_cpu_kernels() or compile_step(self.model, [*self.kv_cache.key, *self.kv_cache.value],
+                                                          config.scheduler.max_num_seqs, eager_if,
+                                                          background=config.compile_in_background)
             if problem is not None:  # a warning where enforce_eager=False asked for it
                 logger.log(logging.WARNING if config.enforce_eager is False else logging.INFO,
-                           "decode steps run eagerly: %s", problem)
+                           "every step runs eagerly: %s", problem)
         input_batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, block_size, self.device)
         drafter = None if self.draft_model is None else DraftModelProposer(
             self.draft_model, config.speculative.num_speculative_tokens, num_blocks, block_size,

@@ -30,7 +30,8 @@ from stage5_server.server.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from stage5_server.server.media import MediaOptions
 from tests.stage5.server_fixtures import auth, make_llm, serving_or_exited, spawn_serve, stop_serve, wait_until
 
-# Stage 5's engine arguments and their defaults as they were before the table: it must keep them all.
+# Stage 5's engine arguments and their defaults as they were before the table (and those added since): it
+# must keep them all.
 ENGINE_ARGS_BEFORE_THE_TABLE = {
     "tokenizer": None, "seed": 0, "dtype": "auto", "device": None, "max_model_len": None, "max_num_seqs": 16,
     "kv_cache_memory": None, "block_size": 16, "num_kv_blocks": None, "block_shuffle_seed": None,
@@ -41,7 +42,7 @@ ENGINE_ARGS_BEFORE_THE_TABLE = {
     "distributed_interface": None, "enforce_eager": None, "cpu_threads": None, "speculative_config": None,
     "runner": "auto", "convert": "auto", "quantization": None, "prepack_linear": None, "enable_lora": False,
     "max_loras": 1, "max_lora_rank": 16, "kv_offloading_size": None, "kv_transfer_config": None,
-    "enable_weight_sync": False, "enable_inspector": False}
+    "compile_in_background": None, "enable_weight_sync": False, "enable_inspector": False}
 # Engine arguments without a serve flag: a server flag sets log_stats_interval; the others are no use to a server.
 NO_SERVE_FLAG = {"block_shuffle_seed", "log_stats_interval", "prefix_caching_hash_algo", "scheduling_policy"}
 
@@ -88,8 +89,10 @@ def test_serve_passes_exactly_the_engine_flags_given():
         "max_lora_rank": 32}
     assert set(build_engine_kwargs(args)) == {arg.name for arg in ENGINE_ARG_TABLE if arg.cli} - {
         "tokenizer", "max_num_active_seqs", "enable_chunked_prefill", "kv_offloading_size",
-        "kv_transfer_config", "enable_weight_sync", "enable_inspector"}  # the flags added since: below
+        "kv_transfer_config", "compile_in_background", "enable_weight_sync",
+        "enable_inspector"}  # the flags added since: below
     assert build_engine_kwargs(parse("serve", "--enable-inspector")) == {"enable_inspector": True}
+    assert build_engine_kwargs(parse("serve", "--no-compile-in-background")) == {"compile_in_background": False}
     assert build_engine_kwargs(parse("serve", "--enable-prefix-caching")) == {"enable_prefix_caching": True}
     transfer = '{"kv_connector": "P2pZmqConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": ' \
                '{"kv_port": 14579}}'

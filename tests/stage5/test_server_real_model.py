@@ -1,9 +1,12 @@
 """``stagedserve serve`` with no model starts on SmolLM2-135M-Instruct (the engine in its own process,
 the KV cache sized from free memory) and, in float32, answers through the official ``openai`` client
 with transformers' own tokens on the ``.gguf`` file; with no flags at all it starts on the default
-model (bfloat16 where the CPU has bf16 units) and on every checkpoint the test suite builds."""
+model (bfloat16 where the CPU has bf16 units) and on every checkpoint the test suite builds; in bfloat16 it
+answers while its compiled step compiles in the background, and after."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -71,3 +74,40 @@ def test_serve_with_no_engine_flags_starts_on_every_test_checkpoint(checkpoints,
             assert core.num_kv_blocks * core.config.cache.block_size >= core.max_model_len, name
         finally:
             app.state.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_serve_on_the_default_model_in_bfloat16_answers_while_its_step_compiles_and_after(tmp_path):
+    """A server compiles its compiled step in the background: it answers at once (eager steps), and once
+    the graphs are in, the same chat runs on them, with no step left to compile and none run eagerly."""
+    log = (tmp_path / "serve.log").open("w+")
+    env = {"STAGEDSERVE_API_KEY": KEY, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    process, url = spawn_serve(None, log, "--dtype", "bfloat16", env=env)  # the CPU fast path on any CPU
+
+    def said(text: str) -> Callable[[], bool]:
+        return lambda: (log.seek(0), text in log.read())[1] or process.poll() is not None
+
+    try:
+        assert wait_until(serving_or_exited(process, url), timeout=300, interval=0.5) and process.poll() is None
+        client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        [model] = [m.id for m in client.models.list().data]
+
+        def chat() -> str:
+            response = client.chat.completions.create(model=model, messages=CHATS[0], max_tokens=MAX_TOKENS,
+                                                      temperature=0.0)
+            return response.choices[0].message.content
+
+        while_compiling = chat()
+        assert wait_until(said("decode steps padded to"), timeout=1200, interval=1) and process.poll() is None
+        compiled = chat()
+        stream = client.chat.completions.create(model=model, messages=CHATS[0], max_tokens=MAX_TOKENS,
+                                                temperature=0.0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        stop_serve(process)
+    log.seek(0)
+    output = log.read()
+    assert "compiling in the background" in output
+    assert "Paris" in while_compiling and "Paris" in compiled and streamed == compiled
+    assert "every step runs eagerly" not in output and "no graph fits" not in output
