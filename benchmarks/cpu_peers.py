@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--peak-gemm-size", type=int, default=4096,
+                    help="the square GEMM that measures the machine's peak (smaller: quicker, lower peak)")
     ap.add_argument("--llama-server", default=os.environ.get("STAGEDSERVE_LLAMA_SERVER"))
     ap.add_argument("--vllm-python", default=os.environ.get("STAGEDSERVE_VLLM_PYTHON"))
     ap.add_argument("--rows", nargs="+", default=list(STAGE5_ROWS), choices=list(STAGE5_ROWS))
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "threads": args.threads}, "rows": {}, "skipped": {}}
     steps = ideal_schedule(list(map(len, prompts)), outputs, BATCH["max_num_seqs"], BATCH["max_num_batched_tokens"])
     torch.set_num_threads(args.threads)
-    result["machine_peaks"] = machine = machine_roofline.measure(args.threads)
+    result["machine_peaks"] = machine = machine_roofline.measure(args.threads, args.peak_gemm_size)
     result["roofline"] = {}
     for name, dtype in DTYPES.items():  # machine: the larger of the vector loop's and the GEMM's peak
         peak = max(machine["fma_float32_gflops"] or 0.0, machine["gemm_gflops"][name])

@@ -107,10 +107,10 @@ def products_floor_seconds(cfg: ModelConfig, steps: list[tuple[int, int]], peak_
     return total
 
 
-def measure(threads: int) -> dict:
+def measure(threads: int, gemm_size: int = 4096) -> dict:
     """The machine's peaks, each measured once."""
     return {"fma_float32_gflops": fma_peak_gflops(threads),
-            "gemm_gflops": {name: gemm_peak_gflops(dtype) for name, dtype in
+            "gemm_gflops": {name: gemm_peak_gflops(dtype, gemm_size) for name, dtype in
                             (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
             "read_gb_s": read_bandwidth() / 1e9}
 
