@@ -1178,13 +1178,14 @@ if problem is None:
 def stage5_compiled_step():
     return [
         md("""
-# Stage 5, chapter 4: the compiled decode step
+# Stage 5, chapter 4: the compiled step
 
 A decode step at batch 1 is hundreds of tiny operators dispatched from Python. On a CPU in
-bfloat16 stage 5 compiles the decode step once, at start-up, into inductor graphs (one for a
-single row, one for two to eight rows) with attention inside as one C++ operator per layer
-(`model/compile.py`); every other step runs eagerly. The GPU counterpart, CUDA graphs, is not
-built in stage 5 ([The compiled step](../compiled-step.md)).
+bfloat16 stage 5 compiles the model's forward once, at start-up, into inductor graphs: for steps
+of up to eight tokens one graph for a single row and one for two to eight rows, with attention
+inside as one C++ operator per layer, and one graph for any larger step (`model/compile.py`).
+The GPU counterpart, CUDA graphs, is not built in stage 5 ([The compiled step](../compiled-step.md)).
+This notebook watches the small steps.
 
 The tiny random Llama keeps the compile short; the default model takes about a minute the
 first time on two cores.
@@ -1277,9 +1278,9 @@ for i in range(4):
 """),
         md("""
 The operator writes the four rows' K/V before any row attends, so the row of the second draft
-sees the first draft's K/V, written in the same call: the causal mask, with no mask. Both
-graphs compiled at start-up serve these rows; the tests hold their tokens logprob-close to the
-eager forward's.
+sees the first draft's K/V, written in the same call: the causal mask, with no mask. The graph
+for two to eight rows serves these four; the tests hold their tokens logprob-close to the eager
+forward's.
 """),
     ]
 
