@@ -178,9 +178,10 @@ def test_cohere_sdk_embeds_with_the_models_input_type_prompts(prompted_model):
     import cohere
 
     llm = LLM(str(prompted_model), dtype="float32", max_num_seqs=8)
-    queries = np.array([o.outputs.embedding for o in llm.embed([f"query: {t}" for t in TEXTS])])
+    embedded_queries = llm.embed([f"query: {t}" for t in TEXTS])
+    queries = np.array([o.outputs.embedding for o in embedded_queries])
     passages = np.array([o.outputs.embedding for o in llm.embed([f"passage: {t}" for t in TEXTS])])
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in llm.embed([f"query: {t}" for t in TEXTS]))
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in embedded_queries)
     app = create_app(llm, api_keys=[KEY], served_model_name=MODEL, log_stats_interval=None)
     with running_server(app) as running:
         client = cohere.ClientV2(api_key=KEY, base_url=running.url, timeout=60)
